@@ -1,0 +1,5 @@
+"""ephost.client: the application side — Environment, EP devices, allocators, streams, worker supervision."""
+from ephost.client.devices import EpDevice, SharedAllocator, SyncNotification, SyncStream
+from ephost.client.environment import Environment
+
+__all__ = ["Environment", "EpDevice", "SharedAllocator", "SyncNotification", "SyncStream"]

@@ -1,0 +1,118 @@
+"""One client's connection to one worker: the channel, the stubs, the client id every call carries,
+typed errors for every failed call, and the worker's regions mapped into this process."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from ephost.errors import EpError, EpWorkerUnavailable, error_for_status
+from ephost.fdshare import fetch_descriptor
+from ephost.memory import Region
+from ephost.v1 import (allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2_grpc, factory_pb2_grpc,
+                       stream_pb2_grpc, worker_pb2, worker_pb2_grpc)
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "ephost.v1"
+METADATA_KEY = "ephost-client"
+MAX_MESSAGE = 1 << 30
+
+
+class WorkerConnection:
+    def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, process=None):
+        self.address = address
+        self.name = name
+        self.timeout_s = timeout_s
+        self.process = process  # a WorkerProcess when this client launched the worker
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+        ])
+        self.factory = factory_pb2_grpc.EpFactoryStub(self.channel)
+        self.ep = ep_pb2_grpc.EpStub(self.channel)
+        self.allocator = allocator_pb2_grpc.AllocatorStub(self.channel)
+        self.stream = stream_pb2_grpc.StreamStub(self.channel)
+        self.data_transfer = data_transfer_pb2_grpc.DataTransferStub(self.channel)
+        self.worker = worker_pb2_grpc.WorkerStub(self.channel)
+        self._metadata: tuple = ()
+        self._closed = False
+        self._regions: dict[int, Region | None] = {}
+        self._regions_lock = threading.Lock()
+        try:
+            hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL),
+                              wait_for_ready=True)
+        except BaseException:
+            self.channel.close()
+            raise
+        self.info = hello.info
+        self.fd_socket = hello.fd_socket
+        self._metadata = ((METADATA_KEY, hello.client_id),)
+
+    def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
+        """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""
+        if self._closed:
+            raise EpWorkerUnavailable(f"connection to the worker at {self.address} is closed")
+        try:
+            return method(request, timeout=timeout or self.timeout_s, metadata=self._metadata,
+                          wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            raise self._error(e, method) from None
+
+    def _error(self, e: grpc.RpcError, method) -> EpError:
+        code, details = e.code(), e.details() or ""
+        call = _method_name(method)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.UNKNOWN) and self.process is not None:
+            crashed = self.process.crashed_error(call)
+            if crashed is not None:
+                return crashed
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return EpWorkerUnavailable(f"worker at {self.address} is unavailable during {call}: {details}")
+        return error_for_status(code, details)
+
+    # --- shared memory ----------------------------------------------------------------------------
+
+    def map_region(self, region_id: int) -> Region | None:
+        """Map one of the worker's regions into this process, once; None where memory cannot be shared."""
+        with self._regions_lock:
+            if region_id in self._regions:
+                return self._regions[region_id]
+            region = None
+            if self.fd_socket:
+                try:
+                    reply = self.call(self.worker.ExportRegion, worker_pb2.ExportRegionRequest(region=region_id))
+                    fd, size = fetch_descriptor(self.fd_socket, reply.ticket)
+                    region = Region.from_fd(fd, size, region_id)
+                except EpError as e:
+                    log.warning("cannot map a region of the worker at %s; using copies instead: %s", self.address, e)
+            self._regions[region_id] = region
+            return region
+
+    def forget_region(self, region_id: int) -> None:
+        with self._regions_lock:
+            region = self._regions.pop(region_id, None)
+        if region is not None:
+            region.close()
+
+    def close(self) -> None:
+        try:
+            if self._metadata and (self.process is None or self.process.returncode is None):
+                self.call(self.worker.Goodbye, common_pb2.Empty(), timeout=5.0)
+        except EpError as e:
+            log.debug("goodbye to %s failed: %s", self.address, e)
+        self._closed = True
+        self.channel.close()
+        with self._regions_lock:
+            for region in self._regions.values():
+                if region is not None:
+                    region.close()
+            self._regions.clear()
+
+
+def _method_name(method) -> str:
+    """'Allocator/Alloc' for the stub method of /ephost.v1.Allocator/Alloc."""
+    raw = getattr(method, "_method", b"")
+    raw = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return "/".join(raw.strip("/").split("/")[-2:]).replace("ephost.v1.", "") or "a call"

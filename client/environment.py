@@ -1,0 +1,222 @@
+"""ephost.Environment, shaped like ONNX Runtime's OrtEnv: it registers EPs (launching, connecting to or
+hosting them), lists their devices, keeps shared allocators and copies tensors between memories."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ephost.eps import load_factory
+from ephost.errors import EpAlreadyExists, EpError, EpInvalidArgument, EpNotFound
+from ephost.tensor import Tensor, check_copy_pairs
+from ephost.types import HOST_MEMORY, DeviceMemoryType, MemoryInfo
+from ephost.client.connection import WorkerConnection
+from ephost.client.devices import EpDevice, SharedAllocator, SyncStream
+from ephost.client.launcher import WorkerProcess
+from ephost.client.remote import RemoteEpFactory
+from ephost.client.targets import parse_target
+
+log = logging.getLogger(__name__)
+
+# Registration options that configure the connection rather than the EP.
+CONNECTION_OPTIONS = {"timeout_s": "deadline of each call to the worker, in seconds (default 60)"}
+
+
+@dataclass(eq=False)
+class Registration:
+    name: str
+    target: str
+    factory: object
+    process: WorkerProcess | None = None
+    data_transfer: object = None
+    devices: list[EpDevice] = field(default_factory=list)
+    # qualified MemoryInfo (what users see) -> the EP's own MemoryInfo
+    memory: dict[MemoryInfo, MemoryInfo] = field(default_factory=dict)
+
+    def close(self) -> None:
+        try:
+            self.factory.close()
+        finally:
+            if self.process is not None:
+                self.process.stop()
+
+
+class Environment:
+    def __init__(self):
+        self._registrations: dict[str, Registration] = {}
+        self._allocators: dict[MemoryInfo, SharedAllocator] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # --- registration (ORT: RegisterExecutionProviderLibrary) ------------------------------------
+
+    def register_execution_provider_library(self, name: str, target: str,
+                                            options: Mapping[str, str] | None = None) -> None:
+        """Register an EP under `name`. `target` is an EP name (launch a local worker for it), an address
+        (`unix:///path.sock`, `host:port`, `grpc://host:port`: connect to a running worker), a path to an ONNX
+        Runtime plugin EP library, or `inproc:NAME` (host the EP in this process)."""
+        options = {str(k): str(v) for k, v in (options or {}).items()}
+        with self._lock:
+            self._check_open()
+            if name in self._registrations:
+                raise EpAlreadyExists(f"an EP library is already registered as {name!r}")
+            spec = parse_target(target)
+            process = None
+            if spec.kind == "inproc":
+                factory = load_factory(spec.ep, options)
+            elif spec.kind == "launch":
+                ep_options = dict(options, library=spec.library) if spec.library else options
+                process = WorkerProcess(spec.ep, ep_options)
+                try:
+                    factory = RemoteEpFactory(WorkerConnection(process.address, name=name, process=process))
+                except BaseException:
+                    process.stop()
+                    raise
+            else:
+                unknown = sorted(set(options) - set(CONNECTION_OPTIONS))
+                if unknown:
+                    raise EpInvalidArgument(f"unknown connection option(s) {unknown}; known: {sorted(CONNECTION_OPTIONS)}")
+                conn = WorkerConnection(spec.address, name=name, timeout_s=float(options.get("timeout_s", 60)))
+                factory = RemoteEpFactory(conn)
+            registration = Registration(name, target, factory, process)
+            try:
+                registration.data_transfer = factory.create_data_transfer()
+                for info in factory.get_supported_devices():
+                    device = EpDevice(registration, info)
+                    registration.devices.append(device)
+                    for raw in info.memory_infos:
+                        registration.memory[device.memory_info(raw.device_mem_type)] = raw
+            except BaseException:
+                registration.close()
+                raise
+            self._registrations[name] = registration
+            log.info("registered %r (%s) with %d device(s)", name, target, len(registration.devices))
+
+    def unregister_execution_provider_library(self, name: str) -> None:
+        with self._lock:
+            registration = self._registrations.pop(name, None)
+            if registration is None:
+                raise EpNotFound(f"no EP library registered as {name!r}")
+            for info in [i for i, a in self._allocators.items() if a._registration is registration]:
+                self._release(info)
+        registration.close()
+
+    def get_ep_devices(self) -> list[EpDevice]:
+        with self._lock:
+            return [d for r in self._registrations.values() for d in r.devices]
+
+    # --- shared allocators ------------------------------------------------------------------------
+
+    def create_shared_allocator(self, ep_device: EpDevice, mem_type: DeviceMemoryType = DeviceMemoryType.DEFAULT,
+                                options: Mapping[str, str] | None = None) -> SharedAllocator:
+        """Create (or replace, as ORT does) the shared allocator for one memory of a device."""
+        registration = self._registration_of(ep_device)
+        info = ep_device.memory_info(mem_type)
+        if info is None:
+            raise EpNotFound(f"{ep_device.ep_name} device has no {DeviceMemoryType(mem_type).name} memory")
+        with self._lock:
+            if info in self._allocators:
+                self._release(info)
+            inner = registration.factory.create_allocator(registration.memory[info], dict(options or {}))
+            allocator = SharedAllocator(registration, inner, info)
+            self._allocators[info] = allocator
+            return allocator
+
+    def get_shared_allocator(self, memory_info: MemoryInfo) -> SharedAllocator | None:
+        with self._lock:
+            return self._allocators.get(memory_info)
+
+    def release_shared_allocator(self, ep_device: EpDevice, mem_type: DeviceMemoryType = DeviceMemoryType.DEFAULT) -> None:
+        info = ep_device.memory_info(mem_type)
+        with self._lock:
+            if info not in self._allocators:
+                raise EpNotFound(f"no shared allocator for {info.name if info else DeviceMemoryType(mem_type).name}")
+            self._release(info)
+
+    def _release(self, info: MemoryInfo) -> None:
+        allocator = self._allocators.pop(info)
+        allocator._registration.factory.release_allocator(allocator.inner)
+
+    # --- copies (ORT: CopyTensors) ----------------------------------------------------------------
+
+    def copy_tensors(self, src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStream | None = None) -> None:
+        """Copy src[i] into dst[i], in one batched call per EP. With a stream the copies are ordered on it:
+        they are done once a notification activated after them fires, or the stream is flushed."""
+        check_copy_pairs(src, dst)
+        batches: dict[Registration | None, tuple[list[Tensor], list[Tensor]]] = {}
+        for s, d in zip(src, dst):
+            owners = {self._owner(s.memory_info), self._owner(d.memory_info)} - {None}
+            if len(owners) > 1:  # device to device across EPs: through the host
+                bounce = Tensor.from_numpy(np.empty(s.shape, s.dtype))
+                self.copy_tensors([s], [bounce])
+                self.copy_tensors([bounce], [d])
+                continue
+            owner = owners.pop() if owners else None
+            batch = batches.setdefault(owner, ([], []))
+            batch[0].append(s)
+            batch[1].append(d)
+        for owner, (s_list, d_list) in batches.items():
+            if owner is None:
+                for s, d in zip(s_list, d_list):
+                    np.copyto(d.local_bytes(), s.local_bytes())
+                continue
+            transfer = owner.data_transfer
+            if transfer is None:
+                raise EpInvalidArgument(f"EP {owner.name!r} has no data transfer")
+            for s, d in zip(s_list, d_list):
+                if not transfer.can_copy(owner.memory.get(s.memory_info, HOST_MEMORY),
+                                         owner.memory.get(d.memory_info, HOST_MEMORY)):
+                    raise EpInvalidArgument(f"EP {owner.name!r} cannot copy {s.memory_info.name} to {d.memory_info.name}")
+            inner_stream = None
+            if stream is not None:
+                if stream.registration is not owner:
+                    raise EpInvalidArgument(f"stream belongs to {stream.registration.name!r}, not to {owner.name!r}")
+                inner_stream = stream.inner
+            transfer.copy_tensors(s_list, d_list, inner_stream)
+
+    def _owner(self, info: MemoryInfo) -> Registration | None:
+        if info == HOST_MEMORY:
+            return None
+        with self._lock:
+            for registration in self._registrations.values():
+                if info in registration.memory:
+                    return registration
+        raise EpNotFound(f"memory {info.name!r} belongs to no registered EP (was it unregistered?)")
+
+    def _registration_of(self, ep_device: EpDevice) -> Registration:
+        registration = ep_device._registration
+        with self._lock:
+            if self._registrations.get(registration.name) is not registration:
+                raise EpNotFound(f"device's EP library {registration.name!r} is no longer registered")
+        return registration
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EpError("environment is closed")
+
+    # --- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            names = list(self._registrations)
+        for name in reversed(names):
+            try:
+                self.unregister_execution_provider_library(name)
+            except EpError as e:
+                log.warning("closing %r: %s", name, e)
+
+    def __enter__(self) -> "Environment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.close()

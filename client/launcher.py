@@ -1,0 +1,114 @@
+"""Launching a worker process and watching it: its death is noticed the moment it happens."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Mapping
+
+from ephost.errors import EpWorkerCrashed, EpWorkerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class WorkerProcess:
+    """A local worker serving `ep` on a unix socket in a private (0700) directory made for it."""
+
+    def __init__(self, ep: str, options: Mapping[str, str] | None = None, *, startup_timeout: float = 60.0,
+                 on_exit: Callable[["WorkerProcess"], None] | None = None):
+        self.ep = ep
+        self.options = dict(options or {})
+        self._dir = tempfile.mkdtemp(prefix="ephost-")
+        command = [sys.executable, "-m", "ephost", "worker", "--ep", ep, "--exit-with-parent",
+                   "--listen", f"unix://{os.path.join(self._dir, 'worker.sock')}"]
+        for key, value in self.options.items():
+            command += ["--option", f"{key}={value}"]
+        self._on_exit = on_exit
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self.pid = self.proc.pid
+        self.exited = threading.Event()
+        try:
+            self.address = self._await_ready(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        threading.Thread(target=self._watch, name=f"ephost-watch-{self.pid}", daemon=True).start()
+
+    def _await_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        line = b""
+        fd = self.proc.stdout.fileno()
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EpWorkerUnavailable(f"worker for EP {self.ep!r} was not ready within {timeout:.0f} s")
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    code = self.proc.wait()
+                    raise EpWorkerCrashed(f"worker for EP {self.ep!r} ended with {describe_exit(code)} before it "
+                                          "was ready (its stderr says why)", ep=self.ep, returncode=code,
+                                          call="startup")
+                line += chunk
+        try:
+            ready = json.loads(line.splitlines()[0])
+            return ready["address"]
+        except (ValueError, KeyError):
+            raise EpWorkerUnavailable(f"worker for EP {self.ep!r} announced itself unreadably") from None
+
+    def _watch(self) -> None:
+        code = self.proc.wait()
+        self.exited.set()
+        self.proc.stdout.close()
+        level = logging.INFO if code == 0 else logging.WARNING
+        log.log(level, "worker %d for EP %r ended with %s", self.pid, self.ep, describe_exit(code))
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def crashed_error(self, call: str) -> EpWorkerCrashed | None:
+        """The typed error for a call that failed because this worker died, or None if it is alive."""
+        if self.returncode is None:
+            # the failure may come a moment before the exit is visible
+            if not self.exited.wait(0.2):
+                return None
+        code = self.proc.returncode
+        return EpWorkerCrashed(f"worker for EP {self.ep!r} (pid {self.pid}) died with {describe_exit(code)} "
+                               f"during {call}", ep=self.ep, returncode=code, call=call)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the worker to drain and exit; kill it if it does not within `timeout`."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("worker %d for EP %r did not drain in %.0f s; killing it", self.pid, self.ep, timeout)
+                self.proc.kill()
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,38 @@
+"""What a registration's target names: an EP to launch, a worker to connect to, or an EP to host in-process."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from ephost.errors import EpInvalidArgument
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}$")
+_LIBRARY_SUFFIXES = (".so", ".dll", ".dylib")
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: Literal["launch", "connect", "inproc"]
+    ep: str | None = None          # launch / inproc: the EP name
+    address: str | None = None     # connect: a gRPC target string
+    library: str | None = None     # launch: an ONNX Runtime plugin EP library
+
+
+def parse_target(target: str) -> Target:
+    if not target:
+        raise EpInvalidArgument("empty target; give an EP name, an address, or inproc:NAME")
+    if target.startswith("inproc:"):
+        return Target("inproc", ep=target[len("inproc:"):])
+    if target.startswith("unix:"):
+        return Target("connect", address=target)
+    if target.startswith("grpc://"):
+        return Target("connect", address=target[len("grpc://"):])
+    if target.startswith("grpcs://"):
+        raise EpInvalidArgument("grpcs:// targets need TLS, which this version of ephost does not support yet")
+    if _HOST_PORT.match(target):
+        return Target("connect", address=target)
+    if target.endswith(_LIBRARY_SUFFIXES) or os.sep in target:
+        return Target("launch", ep="onnxruntime", library=os.path.abspath(target))
+    return Target("launch", ep=target)

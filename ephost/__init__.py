@@ -1,0 +1,60 @@
+"""ephost: ONNX execution providers out of process, behind ONNX Runtime's API shape.
+
+The module-level functions mirror `onnxruntime`'s and act on one explicit default Environment, made on
+first use and closed at interpreter exit.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Mapping, Sequence
+
+from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
+                           EpInternal, EpInvalidArgument, EpNotFound, EpOutOfRange, EpPermissionDenied,
+                           EpResourceExhausted, EpUnauthenticated, EpUnimplemented, EpWorkerCrashed,
+                           EpWorkerUnavailable)
+from ephost.tensor import Tensor
+from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, HardwareDevice, HardwareDeviceType,
+                          MemoryInfo)
+from ephost.client import Environment, EpDevice, SharedAllocator, SyncNotification, SyncStream
+
+__version__ = "0.1.0"
+
+_default: Environment | None = None
+_default_lock = threading.Lock()
+
+
+def get_default_environment() -> Environment:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Environment()
+            atexit.register(_default.close)
+        return _default
+
+
+def register_execution_provider_library(name: str, target: str, options: Mapping[str, str] | None = None) -> None:
+    get_default_environment().register_execution_provider_library(name, target, options)
+
+
+def unregister_execution_provider_library(name: str) -> None:
+    get_default_environment().unregister_execution_provider_library(name)
+
+
+def get_ep_devices() -> list[EpDevice]:
+    return get_default_environment().get_ep_devices()
+
+
+def copy_tensors(src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStream | None = None) -> None:
+    get_default_environment().copy_tensors(src, dst, stream)
+
+
+__all__ = [
+    "Environment", "EpDevice", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
+    "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType", "AllocatorType", "HOST_MEMORY",
+    "get_default_environment", "register_execution_provider_library", "unregister_execution_provider_library",
+    "get_ep_devices", "copy_tensors",
+    "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",
+    "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
+    "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed",
+]

@@ -1,0 +1,3 @@
+from ephost.cli import main
+
+raise SystemExit(main())

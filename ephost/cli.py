@@ -1,0 +1,118 @@
+"""The `ephost` command: `worker` serves an EP, `devices` lists a target's EP devices, `check` proves a
+target end to end (devices, a shared allocator, a tensor copied in and back)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import numpy as np
+
+from ephost.errors import EpError
+
+
+def _options(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"ephost: --option takes KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_worker(args) -> int:
+    from ephost.server.main import parse_listen, serve
+
+    return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure),
+                 exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20)
+
+
+def _registered(args):
+    from ephost import Environment
+
+    env = Environment()
+    try:
+        env.register_execution_provider_library("target", args.target, _options(args.option))
+    except BaseException:
+        env.close()
+        raise
+    return env
+
+
+def cmd_devices(args) -> int:
+    with _registered(args) as env:
+        rows = [["EP", "EP vendor", "device", "vendor", "vendor id", "device id", "memory", "metadata"]]
+        for d in env.get_ep_devices():
+            memory = ", ".join(f"{m.name.split(':', 1)[1]} ({m.device_mem_type.name})"
+                               for m in map(d.memory_info, (0, 5)) if m is not None)
+            metadata = ", ".join(f"{k}={v}" for k, v in sorted({**d.ep_metadata, **d.device.metadata}.items()))
+            rows.append([d.ep_name, d.ep_vendor, d.device.type.name, d.device.vendor, f"0x{d.device.vendor_id:04x}",
+                         str(d.device.device_id), memory, metadata])
+        print(_table(rows))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from ephost import DeviceMemoryType, Tensor
+
+    start = time.perf_counter()
+    with _registered(args) as env:
+        ready = time.perf_counter() - start
+        device = env.get_ep_devices()[0]
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
+        data = np.random.default_rng(0).standard_normal(args.mib << 18, dtype=np.float32)
+        worker_tensor = Tensor.empty(data.shape, data.dtype, allocator)
+        back = Tensor.from_numpy(np.empty_like(data))
+        env.copy_tensors([Tensor.from_numpy(data)], [worker_tensor])
+        env.copy_tensors([worker_tensor], [back])
+        ok = np.array_equal(back.numpy(), data)
+        stats = allocator.get_stats()
+        print(f"{device.ep_name} ({device.ep_vendor}) on {device.device.type.name} {device.device.vendor}: "
+              f"ready in {ready * 1000:.0f} ms")
+        print(f"copied {args.mib} MiB host -> {allocator.memory_info.name} -> host: "
+              f"{'identical' if ok else 'MISMATCH'}; allocator in use {stats['InUse']} of "
+              f"{stats['TotalAllocated']} bytes")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("worker", help="serve one EP over gRPC")
+    w.add_argument("--ep", required=True, help="EP name from the ephost.eps entry points (e.g. reference)")
+    w.add_argument("--option", action="append", metavar="KEY=VALUE", help="EP option, repeatable")
+    w.add_argument("--listen", help="unix:///path.sock or host:port (default: a private unix socket)")
+    w.add_argument("--insecure", action="store_true", help="allow plain-text TCP")
+    w.add_argument("--exit-with-parent", action="store_true",
+                   help="exit when stdin closes (the launching process holds its other end)")
+    w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")
+    w.set_defaults(func=cmd_worker)
+
+    for name, func, text in (("devices", cmd_devices, "list the EP devices of a target"),
+                             ("check", cmd_check, "check a target end to end with a tensor round trip")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("target", help="EP name to launch, worker address, or inproc:NAME")
+        p.add_argument("--option", action="append", metavar="KEY=VALUE", help="EP or connection option")
+        if name == "check":
+            p.add_argument("--mib", type=int, default=64, help="tensor size in MiB (default 64)")
+        p.set_defaults(func=func)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    try:
+        return args.func(args)
+    except EpError as e:
+        print(f"ephost: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

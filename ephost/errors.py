@@ -1,0 +1,98 @@
+"""One error hierarchy for both sides of the wire, mapped one-to-one onto gRPC status codes.
+
+An EP implementation raises these; the worker turns them into a gRPC status; the client turns the status
+back into the same class. Messages must help the user and must never carry a shared-memory name, key or
+address.
+"""
+from __future__ import annotations
+
+import grpc
+
+
+class EpError(Exception):
+    """Base of every error ephost raises."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class EpInvalidArgument(EpError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class EpNotFound(EpError, LookupError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class EpAlreadyExists(EpError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class EpResourceExhausted(EpError, MemoryError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class EpFailedPrecondition(EpError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class EpOutOfRange(EpInvalidArgument):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class EpDeadlineExceeded(EpError, TimeoutError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class EpUnimplemented(EpError, NotImplementedError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class EpUnauthenticated(EpError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class EpPermissionDenied(EpError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class EpCancelled(EpError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class EpInternal(EpError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class EpWorkerUnavailable(EpError, ConnectionError):
+    """The worker cannot be reached (not started yet, gone, or the network is down)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class EpWorkerCrashed(EpWorkerUnavailable):
+    """A worker this process launched has died. Names the EP, the exit code or signal and the call."""
+
+    def __init__(self, message: str, *, ep: str = "", returncode: int | None = None, call: str = ""):
+        super().__init__(message)
+        self.ep = ep
+        self.returncode = returncode
+        self.call = call
+
+    @property
+    def signal(self) -> int | None:
+        return -self.returncode if self.returncode is not None and self.returncode < 0 else None
+
+
+# Status code -> class. EpWorkerCrashed is never decoded from a status: only the supervisor knows.
+_BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
+    cls.code: cls
+    for cls in (
+        EpInvalidArgument, EpNotFound, EpAlreadyExists, EpResourceExhausted, EpFailedPrecondition,
+        EpOutOfRange, EpDeadlineExceeded, EpUnimplemented, EpUnauthenticated, EpPermissionDenied,
+        EpCancelled, EpInternal, EpWorkerUnavailable,
+    )
+}
+
+
+def error_for_status(code: grpc.StatusCode, message: str) -> EpError:
+    return _BY_CODE.get(code, EpError)(message)

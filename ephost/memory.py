@@ -1,0 +1,114 @@
+"""Memory regions and the buffers carved out of them.
+
+A region is either anonymous shared memory (a memfd: it has no name in any filesystem, both peers map it,
+and it disappears when the last descriptor and mapping close, so a crash cannot leak it) or private memory
+that only its own process can address. Every (offset, nbytes) a peer names is checked here, with
+arithmetic that cannot overflow, before anything is mapped or copied.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ephost.errors import EpInvalidArgument, EpOutOfRange, EpResourceExhausted
+from ephost.types import MemoryInfo
+
+_region_ids = itertools.count(1)
+_EMPTY = np.empty(0, np.uint8)
+
+
+def check_slice(offset: int, nbytes: int, size: int, what: str = "region") -> None:
+    """Refuse any [offset, offset + nbytes) that is not inside [0, size). No sum is formed, so no overflow."""
+    if offset < 0 or nbytes < 0:
+        raise EpInvalidArgument(f"negative offset or size in a {what} slice (offset {offset}, nbytes {nbytes})")
+    if offset > size or nbytes > size - offset:
+        raise EpOutOfRange(f"slice of {nbytes} bytes at offset {offset} runs past the end of its {what} "
+                           f"({size} bytes)")
+
+
+class Region:
+    """One mapping. `fd` is set for shareable (memfd) regions, None for private ones."""
+
+    def __init__(self, mm: mmap.mmap, size: int, fd: int | None, region_id: int | None = None):
+        self._mm = mm
+        self.size = size
+        self.fd = fd
+        self.id = next(_region_ids) if region_id is None else region_id
+
+    @classmethod
+    def create_shared(cls, size: int) -> "Region":
+        fd = os.memfd_create("ephost", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            # Commit the pages now: a region that cannot be backed fails here, with an error, rather than
+            # with SIGBUS on first write.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(fd)
+            raise EpResourceExhausted(f"cannot commit {size} bytes of shared memory: {e.strerror}") from None
+        return cls(mm, size, fd)
+
+    @classmethod
+    def create_private(cls, size: int) -> "Region":
+        try:
+            mm = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:
+            raise EpResourceExhausted(f"cannot map {size} bytes of memory: {e.strerror}") from None
+        return cls(mm, size, None)
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int, region_id: int) -> "Region":
+        """Map a region a peer handed over. The descriptor is owned (and closed) by the region."""
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            os.close(fd)
+            raise EpInvalidArgument(f"shared region is {actual} bytes, smaller than the {size} announced")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return cls(mm, size, fd, region_id)
+
+    @property
+    def shareable(self) -> bool:
+        return self.fd is not None
+
+    def view(self, offset: int, nbytes: int, owner: Any = None) -> np.ndarray:
+        """A writable uint8 array over [offset, offset + nbytes). `owner` is kept alive as long as the array."""
+        check_slice(offset, nbytes, self.size)
+        if nbytes == 0:
+            return _EMPTY
+        raw = (ctypes.c_char * nbytes).from_buffer(self._mm, offset)
+        if owner is not None:
+            raw._ephost_owner = owner  # a numpy view keeps its tensor (and so its buffer) alive
+        return np.frombuffer(raw, dtype=np.uint8)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # views are still alive; the mapping goes when the last of them does
+
+
+@dataclass(eq=False)
+class Buffer:
+    """Memory from an allocator. `region` is set where this process can address the bytes."""
+
+    memory_info: MemoryInfo
+    nbytes: int
+    handle: int = 0
+    region: Region | None = None
+    offset: int = 0
+    reserved: bool = False
+
+    def host_view(self, owner: Any = None) -> np.ndarray | None:
+        if self.region is None:
+            return None
+        return self.region.view(self.offset, self.nbytes, owner)

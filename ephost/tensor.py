@@ -1,0 +1,122 @@
+"""ephost.Tensor, the OrtValue of ephost: a typed, shaped view of memory that lives on the host or in an
+allocator (possibly one in a worker process)."""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Sequence
+
+import numpy as np
+
+from ephost.errors import EpError, EpInvalidArgument
+from ephost.memory import Buffer
+from ephost.types import HOST_MEMORY, MemoryInfo, checked_shape, describe, elem_type_of, nbytes_of
+
+log = logging.getLogger(__name__)
+
+
+def _free_quietly(allocator, buffer: Buffer) -> None:
+    try:
+        allocator.free(buffer)
+    except EpError as e:  # the worker may be gone; its memory went with it
+        log.debug("freeing a tensor's buffer failed: %s", e)
+
+
+class Tensor:
+    """A tensor in host memory (`host`) or in an allocator's buffer (`buffer`)."""
+
+    def __init__(self, shape, dtype, memory_info: MemoryInfo, *, buffer: Buffer | None = None,
+                 host: np.ndarray | None = None, allocator=None):
+        self.shape = checked_shape(shape)
+        self.dtype = np.dtype(dtype)
+        elem_type_of(self.dtype)
+        self.nbytes = nbytes_of(self.shape, self.dtype)
+        self.memory_info = memory_info
+        self._buffer = buffer
+        self._host = host
+        self._finalizer = None
+        if buffer is not None and allocator is not None:
+            self._finalizer = weakref.finalize(self, _free_quietly, allocator, buffer)
+            self._finalizer.atexit = False
+
+    # --- construction (ORT: OrtValue.ortvalue_from_numpy, OrtValue.ortvalue_from_shape_and_type) ----
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray, allocator=None) -> "Tensor":
+        """Without an allocator, wrap the array's own memory (no copy; it can be a copy destination too).
+        With one, copy the array into memory from that allocator."""
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:
+            raise EpInvalidArgument("Tensor.from_numpy needs a C-contiguous array; pass np.ascontiguousarray(a)")
+        if allocator is None:
+            return cls(array.shape, array.dtype, HOST_MEMORY, host=array)
+        tensor = cls.empty(array.shape, array.dtype, allocator)
+        dst = tensor.local_bytes()
+        if dst is not None:
+            dst[:] = array.reshape(-1).view(np.uint8)
+        else:
+            allocator.data_transfer.copy_tensors([cls.from_numpy(array)], [tensor])
+        return tensor
+
+    @classmethod
+    def empty(cls, shape, dtype, allocator) -> "Tensor":
+        shape = checked_shape(shape)
+        buffer = allocator.alloc(nbytes_of(shape, np.dtype(dtype)))
+        return cls(shape, dtype, allocator.memory_info, buffer=buffer, allocator=allocator)
+
+    # --- access -----------------------------------------------------------------------------------
+
+    @property
+    def elem_type(self) -> int:
+        return elem_type_of(self.dtype)
+
+    @property
+    def buffer(self) -> Buffer | None:
+        return self._buffer
+
+    @property
+    def host_array(self) -> np.ndarray | None:
+        return self._host
+
+    def numpy(self) -> np.ndarray:
+        """The tensor as an array: a view, without copy, where the memory is host accessible."""
+        if self._host is not None:
+            return self._host
+        if self.memory_info.host_accessible:
+            array = self.local_array()
+            if array is not None:
+                return array
+        raise EpInvalidArgument(
+            f"tensor is in {self.memory_info.name} memory ({self.memory_info.device_mem_type.name}), which this "
+            "process cannot read; copy it to a host tensor with copy_tensors first")
+
+    def local_bytes(self) -> np.ndarray | None:
+        """The tensor's bytes as a flat uint8 array, where this process can address them, whatever the
+        memory type (for EPs whose device memory is this process's memory); None where it cannot."""
+        if self._host is not None:
+            return self._host.reshape(-1).view(np.uint8)
+        if self._buffer is None or self._buffer.region is None:
+            return None
+        return self._buffer.host_view(owner=self)[: self.nbytes]
+
+    def local_array(self) -> np.ndarray | None:
+        raw = self.local_bytes()
+        return None if raw is None else raw.view(self.dtype).reshape(self.shape)
+
+    def release(self) -> None:
+        """Give the buffer back to its allocator now rather than when the tensor is collected."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"Tensor({describe(self.shape, self.dtype)} in {self.memory_info.name})"
+
+
+def check_copy_pairs(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
+    """ORT's CopyTensors contract: as many sources as destinations, each pair of one type and shape."""
+    if len(src) != len(dst):
+        raise EpInvalidArgument(f"copy_tensors got {len(src)} sources but {len(dst)} destinations")
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if s.dtype != d.dtype or s.shape != d.shape:
+            raise EpInvalidArgument(
+                f"copy {i}: source is {describe(s.shape, s.dtype)} but destination is {describe(d.shape, d.dtype)}")

@@ -1,0 +1,186 @@
+"""Types both sides of the wire share: device and memory descriptions, element types, and their proto forms.
+
+Field names follow ONNX Runtime's Python API (OrtMemoryInfo, OrtHardwareDevice, OrtEpDevice).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+import numpy as np
+from onnx import TensorProto
+
+from ephost.errors import EpInvalidArgument
+from ephost.v1 import common_pb2 as pb
+
+
+class HardwareDeviceType(enum.IntEnum):
+    CPU = 0
+    GPU = 1
+    NPU = 2
+
+
+class DeviceMemoryType(enum.IntEnum):
+    DEFAULT = 0
+    HOST_ACCESSIBLE = 5
+
+
+class AllocatorType(enum.IntEnum):
+    DEVICE = 0
+    ARENA = 1
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    name: str
+    device_type: HardwareDeviceType = HardwareDeviceType.CPU
+    device_vendor_id: int = 0
+    device_id: int = 0
+    device_mem_type: DeviceMemoryType = DeviceMemoryType.DEFAULT
+    alignment: int = 64
+    allocator_type: AllocatorType = AllocatorType.DEVICE
+
+    @property
+    def host_accessible(self) -> bool:
+        return self.device_mem_type == DeviceMemoryType.HOST_ACCESSIBLE
+
+    def to_proto(self) -> pb.MemoryInfo:
+        return pb.MemoryInfo(
+            name=self.name, device_type=int(self.device_type), device_vendor_id=self.device_vendor_id,
+            device_id=self.device_id, device_mem_type=int(self.device_mem_type), alignment=self.alignment,
+            allocator_type=int(self.allocator_type),
+        )
+
+    @classmethod
+    def from_proto(cls, m: pb.MemoryInfo) -> "MemoryInfo":
+        return cls(
+            name=m.name, device_type=HardwareDeviceType(m.device_type), device_vendor_id=m.device_vendor_id,
+            device_id=m.device_id, device_mem_type=DeviceMemoryType(m.device_mem_type), alignment=m.alignment,
+            allocator_type=AllocatorType(m.allocator_type),
+        )
+
+
+# The application's own memory: plain numpy arrays. ORT calls it "Cpu".
+HOST_MEMORY = MemoryInfo("Cpu", HardwareDeviceType.CPU, 0, 0, DeviceMemoryType.DEFAULT, 64, AllocatorType.DEVICE)
+
+
+def _frozen(d: Mapping[str, str] | None) -> Mapping[str, str]:
+    return MappingProxyType(dict(d or {}))
+
+
+@dataclass(frozen=True)
+class HardwareDevice:
+    type: HardwareDeviceType
+    vendor_id: int
+    vendor: str
+    device_id: int
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def to_proto(self) -> pb.HardwareDevice:
+        return pb.HardwareDevice(type=int(self.type), vendor_id=self.vendor_id, vendor=self.vendor,
+                                 device_id=self.device_id, metadata=dict(self.metadata))
+
+    @classmethod
+    def from_proto(cls, m: pb.HardwareDevice) -> "HardwareDevice":
+        return cls(HardwareDeviceType(m.type), m.vendor_id, m.vendor, m.device_id, _frozen(m.metadata))
+
+
+@dataclass(frozen=True)
+class EpDeviceInfo:
+    """What a factory's GetSupportedDevices reports for one device (OrtEpDevice, as data)."""
+
+    index: int
+    ep_name: str
+    ep_vendor: str
+    device: HardwareDevice
+    memory_infos: tuple[MemoryInfo, ...]
+    ep_metadata: Mapping[str, str] = field(default_factory=dict)
+    ep_options: Mapping[str, str] = field(default_factory=dict)
+
+    def to_proto(self) -> pb.EpDevice:
+        return pb.EpDevice(
+            index=self.index, ep_name=self.ep_name, ep_vendor=self.ep_vendor, ep_metadata=dict(self.ep_metadata),
+            ep_options=dict(self.ep_options), device=self.device.to_proto(),
+            memory_infos=[m.to_proto() for m in self.memory_infos],
+        )
+
+    @classmethod
+    def from_proto(cls, m: pb.EpDevice) -> "EpDeviceInfo":
+        return cls(
+            index=m.index, ep_name=m.ep_name, ep_vendor=m.ep_vendor, device=HardwareDevice.from_proto(m.device),
+            memory_infos=tuple(MemoryInfo.from_proto(x) for x in m.memory_infos),
+            ep_metadata=_frozen(m.ep_metadata), ep_options=_frozen(m.ep_options),
+        )
+
+
+# --- element types ------------------------------------------------------------------------------------
+
+# ONNX element type -> numpy dtype, for every type numpy represents natively.
+_NP_BY_ELEM: dict[int, np.dtype] = {
+    TensorProto.FLOAT: np.dtype(np.float32),
+    TensorProto.UINT8: np.dtype(np.uint8),
+    TensorProto.INT8: np.dtype(np.int8),
+    TensorProto.UINT16: np.dtype(np.uint16),
+    TensorProto.INT16: np.dtype(np.int16),
+    TensorProto.INT32: np.dtype(np.int32),
+    TensorProto.INT64: np.dtype(np.int64),
+    TensorProto.BOOL: np.dtype(np.bool_),
+    TensorProto.FLOAT16: np.dtype(np.float16),
+    TensorProto.DOUBLE: np.dtype(np.float64),
+    TensorProto.UINT32: np.dtype(np.uint32),
+    TensorProto.UINT64: np.dtype(np.uint64),
+    TensorProto.COMPLEX64: np.dtype(np.complex64),
+    TensorProto.COMPLEX128: np.dtype(np.complex128),
+}
+_ELEM_BY_NP: dict[np.dtype, int] = {v: k for k, v in _NP_BY_ELEM.items()}
+
+# Refuse descriptions of tensors larger than any machine's memory before doing arithmetic on them.
+MAX_TENSOR_BYTES = 1 << 48
+
+
+def elem_type_of(dtype) -> int:
+    dt = np.dtype(dtype)
+    try:
+        return _ELEM_BY_NP[dt.newbyteorder("=")] if dt.byteorder not in "=|" else _ELEM_BY_NP[dt]
+    except KeyError:
+        raise EpInvalidArgument(f"numpy dtype {dt} has no ONNX tensor element type ephost can carry") from None
+
+
+def dtype_of(elem_type: int) -> np.dtype:
+    try:
+        return _NP_BY_ELEM[elem_type]
+    except KeyError:
+        name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
+        raise EpInvalidArgument(f"tensor element type {name} is not supported in tensor memory") from None
+
+
+def checked_shape(shape) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise EpInvalidArgument(f"shape {list(dims)} has a negative dimension")
+    return dims
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    if n > MAX_TENSOR_BYTES:
+        raise EpInvalidArgument(f"shape {list(shape)} of {np.dtype(dtype)} needs {n} bytes, more than any tensor may")
+    return n
+
+
+def describe(shape, dtype) -> str:
+    return f"{np.dtype(dtype)}{list(shape)}"
+
+
+def desc_to_proto(shape, dtype) -> pb.TensorDesc:
+    return pb.TensorDesc(elem_type=elem_type_of(dtype), shape=list(shape))
+
+
+def desc_from_proto(d: pb.TensorDesc) -> tuple[tuple[int, ...], np.dtype]:
+    dtype = dtype_of(d.elem_type)
+    shape = checked_shape(d.shape)
+    nbytes_of(shape, dtype)
+    return shape, dtype

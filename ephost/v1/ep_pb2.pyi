@@ -1,0 +1,139 @@
+from ephost.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelRef(_message.Message):
+    __slots__ = ("model", "sha256")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    model: bytes
+    sha256: str
+    def __init__(self, model: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class GetCapabilityRequest(_message.Message):
+    __slots__ = ("ep", "model", "claimed_nodes")
+    EP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_NODES_FIELD_NUMBER: _ClassVar[int]
+    ep: int
+    model: ModelRef
+    claimed_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ep: _Optional[int] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ..., claimed_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodeGroup(_message.Message):
+    __slots__ = ("kind", "node_names")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_FUSED: _ClassVar[NodeGroup.Kind]
+        KIND_SINGLE: _ClassVar[NodeGroup.Kind]
+    KIND_FUSED: NodeGroup.Kind
+    KIND_SINGLE: NodeGroup.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    kind: NodeGroup.Kind
+    node_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[NodeGroup.Kind, str]] = ..., node_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetCapabilityResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[NodeGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[NodeGroup, _Mapping]]] = ...) -> None: ...
+
+class FusedGraph(_message.Message):
+    __slots__ = ("name", "model")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model: ModelRef
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ...) -> None: ...
+
+class CompileRequest(_message.Message):
+    __slots__ = ("ep", "graphs")
+    EP_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    ep: int
+    graphs: _containers.RepeatedCompositeFieldContainer[FusedGraph]
+    def __init__(self, ep: _Optional[int] = ..., graphs: _Optional[_Iterable[_Union[FusedGraph, _Mapping]]] = ...) -> None: ...
+
+class CompileResponse(_message.Message):
+    __slots__ = ("node_compute_infos",)
+    NODE_COMPUTE_INFOS_FIELD_NUMBER: _ClassVar[int]
+    node_compute_infos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ComputeRequest(_message.Message):
+    __slots__ = ("node_compute_info", "inputs", "outputs", "stream")
+    NODE_COMPUTE_INFO_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    node_compute_info: int
+    inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
+    outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
+    stream: int
+    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., stream: _Optional[int] = ...) -> None: ...
+
+class ComputeResponse(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ...) -> None: ...
+
+class ReleaseNodeComputeInfosRequest(_message.Message):
+    __slots__ = ("ep", "node_compute_infos")
+    EP_FIELD_NUMBER: _ClassVar[int]
+    NODE_COMPUTE_INFOS_FIELD_NUMBER: _ClassVar[int]
+    ep: int
+    node_compute_infos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ep: _Optional[int] = ..., node_compute_infos: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DataLayout(_message.Message):
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    def __init__(self, layout: _Optional[str] = ...) -> None: ...
+
+class SetDynamicOptionsRequest(_message.Message):
+    __slots__ = ("ep", "options")
+    class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    EP_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ep: int
+    options: _containers.ScalarMap[str, str]
+    def __init__(self, ep: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RunStartRequest(_message.Message):
+    __slots__ = ("ep", "run_options")
+    class RunOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    EP_FIELD_NUMBER: _ClassVar[int]
+    RUN_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ep: int
+    run_options: _containers.ScalarMap[str, str]
+    def __init__(self, ep: _Optional[int] = ..., run_options: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RunEndRequest(_message.Message):
+    __slots__ = ("ep", "sync_stream")
+    EP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STREAM_FIELD_NUMBER: _ClassVar[int]
+    ep: int
+    sync_stream: bool
+    def __init__(self, ep: _Optional[int] = ..., sync_stream: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,106 @@
+from ephost.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HelloRequest(_message.Message):
+    __slots__ = ("client_name", "protocol")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    protocol: str
+    def __init__(self, client_name: _Optional[str] = ..., protocol: _Optional[str] = ...) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("client_id", "info", "fd_socket")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    info: WorkerInfo
+    fd_socket: str
+    def __init__(self, client_id: _Optional[str] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., fd_socket: _Optional[str] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("protocol", "ep_name", "version", "pid", "ep_options", "started_at")
+    class EpOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    EP_NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EP_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    protocol: str
+    ep_name: str
+    version: str
+    pid: int
+    ep_options: _containers.ScalarMap[str, str]
+    started_at: float
+    def __init__(self, protocol: _Optional[str] = ..., ep_name: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., ep_options: _Optional[_Mapping[str, str]] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class MethodStats(_message.Message):
+    __slots__ = ("calls", "errors", "total_s", "max_s")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_S_FIELD_NUMBER: _ClassVar[int]
+    calls: int
+    errors: int
+    total_s: float
+    max_s: float
+    def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., total_s: _Optional[float] = ..., max_s: _Optional[float] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies")
+    class MethodsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: MethodStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[MethodStats, _Mapping]] = ...) -> None: ...
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_INLINE_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_INLINE_OUT_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    methods: _containers.MessageMap[str, MethodStats]
+    bytes_copied: int
+    bytes_inline_in: int
+    bytes_inline_out: int
+    buffers_live: int
+    clients: int
+    copies: int
+    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("grace_s",)
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    grace_s: float
+    def __init__(self, grace_s: _Optional[float] = ...) -> None: ...
+
+class ExportRegionRequest(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: int
+    def __init__(self, region: _Optional[int] = ...) -> None: ...
+
+class ExportRegionResponse(_message.Message):
+    __slots__ = ("ticket", "nbytes")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    nbytes: int
+    def __init__(self, ticket: _Optional[bytes] = ..., nbytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,192 @@
+"""The `reference` EP: ONNX's own reference evaluator behind the EP interface, on the CPU.
+
+It is ephost's CPU fallback and the EP every test can rely on. Option `ops` limits which op types it claims
+(a comma-separated allow-list); by default it claims every op the evaluator runs.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx.defs
+from onnx.reference import ReferenceEvaluator
+
+from ephost.eps import check_options
+from ephost.eps.arena import ArenaAllocator
+from ephost.eps.base import FusedGraph, NodeGroup
+from ephost.eps.streams import QueueStream
+from ephost.eps.transfer import HostDataTransfer
+from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.memory import Region
+from ephost.types import (AllocatorType, DeviceMemoryType, EpDeviceInfo, HardwareDevice, HardwareDeviceType,
+                          MemoryInfo)
+
+EP_NAME = "reference"
+VERSION = "0.1.0"
+OPTIONS = {"ops": "comma-separated op types to claim (default: every op the reference evaluator runs)"}
+
+_ONNX_DOMAINS = ("", "ai.onnx")
+_CPU_VENDORS = {"GenuineIntel": ("Intel", 0x8086), "AuthenticAMD": ("AMD", 0x1022)}
+
+
+@functools.cache
+def evaluator_ops() -> frozenset[str]:
+    """Every ai.onnx op the reference evaluator runs: its own kernels, and ops it expands through the
+    function body their schema carries."""
+    from onnx.reference.op_run import OpRun
+    from onnx.reference.ops import _op_list
+
+    kernels = {cls.__name__.split("_")[0] for cls in vars(_op_list).values()
+               if inspect.isclass(cls) and issubclass(cls, OpRun)}
+    schemas = {s.name for s in onnx.defs.get_all_schemas() if s.domain in _ONNX_DOMAINS}
+    functions = {s.name for s in onnx.defs.get_all_schemas()
+                 if s.domain in _ONNX_DOMAINS and (s.has_function or s.has_context_dependent_function)}
+    return frozenset((kernels & schemas) | functions)
+
+
+@functools.cache
+def _cpu_device() -> HardwareDevice:
+    vendor, vendor_id = "unknown", 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor, vendor_id = _CPU_VENDORS.get(line.split(":", 1)[1].strip(), (vendor, 0))
+                    break
+    except OSError:
+        pass
+    return HardwareDevice(HardwareDeviceType.CPU, vendor_id, vendor, 0, {"cores": str(os.cpu_count() or 1)})
+
+
+class ReferenceComputeInfo:
+    def __init__(self, graph: FusedGraph):
+        self.name = graph.name
+        self._input_names = [i.name for i in graph.model.graph.input]
+        try:
+            self._evaluator = ReferenceEvaluator(graph.model)
+        except Exception as e:
+            raise EpInvalidArgument(f"reference EP cannot compile {graph.name!r}: {type(e).__name__}: {e}") from None
+
+    def compute(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if len(inputs) != len(self._input_names):
+            raise EpInvalidArgument(f"{self.name} takes {len(self._input_names)} inputs, got {len(inputs)}")
+        return list(self._evaluator.run(None, dict(zip(self._input_names, inputs))))
+
+
+class ReferenceEp:
+    def __init__(self, ops: frozenset[str], session_options: Mapping[str, str]):
+        self._ops = ops
+        self.session_options = dict(session_options)
+        self.dynamic_options: dict[str, str] = {}
+
+    def get_name(self) -> str:
+        return EP_NAME
+
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+        # One group of everything it can run; the session splits groups whose fusion would form a cycle.
+        names = tuple(n.name for n in model.graph.node
+                      if n.domain in _ONNX_DOMAINS and n.op_type in self._ops and n.name and n.name not in claimed)
+        return [NodeGroup(names, fused=True)] if names else []
+
+    def compile(self, graphs: Sequence[FusedGraph]) -> list[ReferenceComputeInfo]:
+        return [ReferenceComputeInfo(g) for g in graphs]
+
+    def release_node_compute_infos(self, infos) -> None:
+        pass  # nothing is held outside the compute infos themselves
+
+    def get_preferred_data_layout(self) -> str:
+        return "NCHW"
+
+    def set_dynamic_options(self, options: Mapping[str, str]) -> None:
+        self.dynamic_options.update(options)
+
+    def on_run_start(self, run_options: Mapping[str, str]) -> None:
+        pass
+
+    def on_run_end(self, sync_stream: bool) -> None:
+        pass
+
+
+class ReferenceEpFactory:
+    def __init__(self, options: Mapping[str, str] | None = None):
+        options = dict(options or {})
+        check_options(EP_NAME, options, OPTIONS)
+        self.options = options
+        known = evaluator_ops()
+        if "ops" in options:
+            ops = frozenset(o.strip() for o in options["ops"].split(",") if o.strip())
+            unknown = sorted(ops - known)
+            if unknown:
+                raise EpInvalidArgument(f"option ops names op types the reference evaluator does not run: {unknown}")
+            self._ops = ops
+        else:
+            self._ops = known
+        device = _cpu_device()
+        self._memory = {
+            t: MemoryInfo(name, HardwareDeviceType.CPU, device.vendor_id, 0, t, 64, AllocatorType.ARENA)
+            for t, name in ((DeviceMemoryType.DEFAULT, "reference"),
+                            (DeviceMemoryType.HOST_ACCESSIBLE, "reference_host_accessible"))
+        }
+        self._device = EpDeviceInfo(
+            index=0, ep_name=EP_NAME, ep_vendor="ephost", device=device,
+            memory_infos=tuple(self._memory.values()),
+            ep_metadata={"version": VERSION, "ops": str(len(self._ops))},
+            ep_options={k: v for k, v in options.items()},
+        )
+
+    @property
+    def ops(self) -> frozenset[str]:
+        return self._ops
+
+    def get_name(self) -> str:
+        return EP_NAME
+
+    def get_vendor(self) -> str:
+        return "ephost"
+
+    def get_vendor_id(self) -> int:
+        return 0
+
+    def get_version(self) -> str:
+        return VERSION
+
+    def get_supported_devices(self) -> list[EpDeviceInfo]:
+        return [self._device]
+
+    def _check_devices(self, indices: Sequence[int]) -> None:
+        bad = [i for i in indices if i != 0]
+        if bad:
+            raise EpNotFound(f"reference EP has one device (index 0); no device {bad[0]}")
+
+    def create_ep(self, device_indices: Sequence[int], session_options: Mapping[str, str]) -> ReferenceEp:
+        self._check_devices(device_indices)
+        return ReferenceEp(self._ops, session_options)
+
+    def release_ep(self, ep: ReferenceEp) -> None:
+        pass
+
+    def create_allocator(self, memory_info: MemoryInfo, options: Mapping[str, str]) -> ArenaAllocator:
+        if memory_info not in self._memory.values():
+            raise EpNotFound(f"reference EP has no memory {memory_info.name!r}")
+        shared = memory_info.device_mem_type == DeviceMemoryType.HOST_ACCESSIBLE
+        return ArenaAllocator(memory_info, Region.create_shared if shared else Region.create_private, options)
+
+    def release_allocator(self, allocator: ArenaAllocator) -> None:
+        allocator.close()
+
+    def create_data_transfer(self) -> HostDataTransfer:
+        return HostDataTransfer(self._memory.values())
+
+    def is_stream_aware(self) -> bool:
+        return True
+
+    def create_sync_stream_for_device(self, device_index: int, options: Mapping[str, str]) -> QueueStream:
+        self._check_devices([device_index])
+        return QueueStream("reference stream")
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""ephost.server: the worker process, gRPC servicers over any EP implementation."""

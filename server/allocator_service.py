@@ -1,0 +1,57 @@
+"""Allocator over gRPC (OrtAllocator). Buffers are handles; HOST_ACCESSIBLE ones also say where they lie
+in a region the client can map."""
+from __future__ import annotations
+
+from ephost.errors import EpNotFound
+from ephost.server.rpc import rpc
+from ephost.server.state import WorkerState
+from ephost.v1 import allocator_pb2, allocator_pb2_grpc, common_pb2
+
+
+class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
+    SERVICE = "Allocator"
+
+    def __init__(self, state: WorkerState):
+        self.state = state
+
+    def _client(self, context):
+        return self.state.clients.lookup(context.invocation_metadata())
+
+    def _allocate(self, request, context, reserve: bool):
+        client = self._client(context)
+        allocator = client.get("allocator", request.allocator)
+        buffer = allocator.reserve(request.nbytes) if reserve else allocator.alloc(request.nbytes)
+        handle = client.add("buffer", (allocator, buffer))
+        reply = allocator_pb2.AllocResponse(buffer=handle, nbytes=buffer.nbytes)
+        if buffer.region is not None and buffer.region.shareable and allocator.memory_info.host_accessible:
+            reply.shm.CopyFrom(common_pb2.ShmSlice(region=buffer.region.id, offset=buffer.offset,
+                                                   nbytes=buffer.nbytes))
+        return reply
+
+    @rpc
+    def Alloc(self, request, context):
+        return self._allocate(request, context, reserve=False)
+
+    @rpc
+    def Reserve(self, request, context):
+        return self._allocate(request, context, reserve=True)
+
+    @rpc
+    def Free(self, request, context):
+        client = self._client(context)
+        allocator = client.get("allocator", request.allocator)
+        owner, buffer = client.get("buffer", request.buffer)
+        if owner is not allocator:
+            raise EpNotFound(f"buffer {request.buffer} does not belong to allocator {request.allocator}")
+        client.pop("buffer", request.buffer)
+        allocator.free(buffer)
+        released = [buffer.region.id] if allocator.region(buffer.region.id) is None else []
+        return allocator_pb2.FreeResponse(released_regions=released)
+
+    @rpc
+    def GetStats(self, request, context):
+        return allocator_pb2.AllocatorStats(stats=self._client(context).get("allocator", request.id).get_stats())
+
+    @rpc
+    def GetInfo(self, request, context):
+        return self._client(context).get("allocator", request.id).memory_info.to_proto()

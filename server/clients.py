@@ -1,0 +1,110 @@
+"""Per-client handle tables. Every handle belongs to the client (connection) that made it: another client
+asking for it gets NOT_FOUND, and a client's handles are released together when it leaves."""
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ephost.errors import EpFailedPrecondition, EpNotFound
+
+log = logging.getLogger(__name__)
+
+METADATA_KEY = "ephost-client"
+
+# Kinds of handle, and how each is released when its client leaves (in this order).
+KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffer", "allocator")
+
+
+@dataclass
+class ClientState:
+    client_id: str
+    name: str
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
+    _tables: dict[str, dict[int, Any]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, obj: Any) -> int:
+        with self._lock:
+            handle = next(self._ids)
+            self._tables[kind][handle] = obj
+            return handle
+
+    def get(self, kind: str, handle: int) -> Any:
+        with self._lock:
+            try:
+                return self._tables[kind][handle]
+            except KeyError:
+                raise EpNotFound(f"unknown {kind.replace('_', ' ')} handle {handle} (never made by this "
+                                 "client, or already released)") from None
+
+    def pop(self, kind: str, handle: int) -> Any:
+        with self._lock:
+            try:
+                return self._tables[kind].pop(handle)
+            except KeyError:
+                raise EpNotFound(f"unknown {kind.replace('_', ' ')} handle {handle} (never made by this "
+                                 "client, or already released)") from None
+
+    def items(self, kind: str) -> list[tuple[int, Any]]:
+        with self._lock:
+            return list(self._tables[kind].items())
+
+    def count(self, kind: str) -> int:
+        with self._lock:
+            return len(self._tables[kind])
+
+    def drain(self) -> list[tuple[str, Any]]:
+        """Remove every handle, in release order."""
+        with self._lock:
+            out = [(kind, obj) for kind in KINDS for obj in self._tables[kind].values()]
+            for table in self._tables.values():
+                table.clear()
+            return out
+
+
+class ClientRegistry:
+    def __init__(self, release: Callable[[str, Any], None]):
+        self._clients: dict[str, ClientState] = {}
+        self._lock = threading.Lock()
+        self._release = release
+
+    def hello(self, name: str) -> ClientState:
+        client = ClientState(secrets.token_hex(16), name)
+        with self._lock:
+            self._clients[client.client_id] = client
+        log.info("client %r connected (%d connected)", name, len(self._clients))
+        return client
+
+    def lookup(self, metadata) -> ClientState:
+        client_id = next((v for k, v in metadata if k == METADATA_KEY), None)
+        if client_id is None:
+            raise EpFailedPrecondition("no client id in the call's metadata; call Worker.Hello first")
+        with self._lock:
+            client = self._clients.get(client_id)
+        if client is None:
+            raise EpFailedPrecondition("unknown client (the worker may have restarted); call Worker.Hello again")
+        return client
+
+    def goodbye(self, client: ClientState) -> None:
+        with self._lock:
+            self._clients.pop(client.client_id, None)
+        self.release_all(client)
+
+    def release_all(self, client: ClientState) -> None:
+        for kind, obj in client.drain():
+            try:
+                self._release(kind, obj)
+            except Exception:
+                log.exception("releasing a %s of client %r failed", kind, client.name)
+
+    def all(self) -> list[ClientState]:
+        with self._lock:
+            return list(self._clients.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._clients)

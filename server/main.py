@@ -1,0 +1,151 @@
+"""The worker process: `ephost worker --ep NAME [--option KEY=VALUE ...] [--listen ADDR]`.
+
+It serves one EP over gRPC, prints one JSON line with its address once it is ready, reports SERVING on
+grpc.health.v1, drains and exits on SIGTERM, and, when launched with --exit-with-parent, exits as soon as
+the process that launched it dies (it watches its stdin, whose other end only the launcher holds).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Mapping
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ephost.errors import EpError
+from ephost.eps import load_factory
+from ephost.fdshare import DescriptorServer
+from ephost.server.allocator_service import AllocatorService
+from ephost.server.ep_service import EpService
+from ephost.server.factory_service import EpFactoryService
+from ephost.server.state import WorkerState
+from ephost.server.stream_service import StreamService
+from ephost.server.transfer_service import DataTransferService
+from ephost.server.worker_service import WorkerService
+from ephost.v1 import (allocator_pb2_grpc, data_transfer_pb2_grpc, ep_pb2_grpc, factory_pb2_grpc, stream_pb2_grpc,
+                       worker_pb2_grpc)
+
+log = logging.getLogger("ephost.worker")
+
+SERVICES = ("ephost.v1.EpFactory", "ephost.v1.Ep", "ephost.v1.Allocator", "ephost.v1.Stream",
+            "ephost.v1.DataTransfer", "ephost.v1.Worker")
+DEFAULT_MAX_MESSAGE = 1 << 30
+
+
+@dataclass
+class Listen:
+    address: str                   # what gRPC binds and what clients dial
+    fd_socket: str | None          # descriptor socket, for clients on this host
+    private_dir: str | None        # made by us, removed on exit
+
+
+def parse_listen(listen: str | None, insecure: bool) -> Listen:
+    if listen is None:
+        private = tempfile.mkdtemp(prefix="ephost-")  # mode 0700: only this user reaches the sockets
+        path = os.path.join(private, "worker.sock")
+        return Listen(f"unix://{path}", path + ".fds", private)
+    if listen.startswith("unix:"):
+        path = listen[len("unix://"):] if listen.startswith("unix://") else listen[len("unix:"):]
+        if not os.path.isabs(path):
+            raise SystemExit(f"ephost worker: unix socket path must be absolute: {listen}")
+        return Listen(f"unix://{path}", path + ".fds", None)
+    if not insecure:
+        raise SystemExit("ephost worker: listening on TCP needs --insecure (plain-text gRPC; TLS is not "
+                         "available yet). Without --listen the worker uses a private unix socket.")
+    log.warning("listening on %s without TLS or authentication (--insecure)", listen)
+    return Listen(listen, None, None)
+
+
+def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
+          max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16) -> int:
+    try:
+        factory = load_factory(ep, options)
+    except EpError as e:
+        print(f"ephost worker: {e}", file=sys.stderr)
+        return 2
+    fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
+    state = WorkerState(ep, factory, options, fd_server)
+    stop = threading.Event()
+    grace = [5.0]
+
+    def request_stop(seconds: float = 5.0) -> None:
+        grace[0] = seconds
+        stop.set()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ephost-rpc"),
+                         options=[("grpc.max_receive_message_length", max_message),
+                                  ("grpc.max_send_message_length", max_message)])
+    factory_pb2_grpc.add_EpFactoryServicer_to_server(EpFactoryService(state), server)
+    ep_pb2_grpc.add_EpServicer_to_server(EpService(state), server)
+    allocator_pb2_grpc.add_AllocatorServicer_to_server(AllocatorService(state), server)
+    stream_pb2_grpc.add_StreamServicer_to_server(StreamService(state), server)
+    data_transfer_pb2_grpc.add_DataTransferServicer_to_server(DataTransferService(state), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, request_stop), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(listen.address)
+    except RuntimeError as e:
+        print(f"ephost worker: cannot listen on {listen.address}: {e}", file=sys.stderr)
+        return 2
+    address = listen.address if listen.address.startswith("unix:") or not listen.address.endswith(":0") \
+        else f"{listen.address.rsplit(':', 1)[0]}:{port}"
+    server.start()
+    for name in ("", *SERVICES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    signal.signal(signal.SIGTERM, lambda *_: request_stop())
+    signal.signal(signal.SIGINT, lambda *_: request_stop())
+    if exit_with_parent:
+        threading.Thread(target=_watch_parent, args=(request_stop, stop), name="ephost-parent", daemon=True).start()
+
+    print(json.dumps({"ephost": "ready", "address": address, "pid": os.getpid(), "ep": ep}), flush=True)
+    log.info("serving EP %r at %s", ep, address)
+    while not stop.wait(0.5):
+        pass
+
+    log.info("draining (grace %.1f s)", grace[0])
+    state.draining.set()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace[0]).wait()
+    for client in state.clients.all():
+        state.clients.goodbye(client)
+    factory.close()
+    if fd_server is not None:
+        fd_server.close()
+    _remove_sockets(listen)
+    return 0
+
+
+def _watch_parent(request_stop, stopping: threading.Event) -> None:
+    """Stdin is a pipe whose write end only the launcher holds: EOF means the launcher is gone."""
+    try:
+        while os.read(0, 4096):
+            pass
+    except OSError:
+        pass
+    if not stopping.is_set():
+        log.warning("the launching process has gone; exiting")
+        request_stop(0.5)
+
+
+def _remove_sockets(listen: Listen) -> None:
+    if listen.private_dir:
+        shutil.rmtree(listen.private_dir, ignore_errors=True)
+        return
+    for path in (listen.address[len("unix://"):] if listen.address.startswith("unix://") else None,
+                 listen.fd_socket):
+        if path:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

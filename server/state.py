@@ -1,0 +1,79 @@
+"""Everything a worker's servicers share: the EP factory, the clients and their handles, the counters."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from typing import Any, Mapping
+
+from ephost.errors import EpNotFound
+from ephost.fdshare import DescriptorServer
+from ephost.memory import Region
+from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo
+from ephost.server.clients import ClientRegistry, ClientState
+from ephost.server.stats import WorkerStats
+from ephost.v1 import worker_pb2
+
+PROTOCOL = "ephost.v1"
+
+
+class WorkerState:
+    def __init__(self, ep_name: str, factory, options: Mapping[str, str], fd_server: DescriptorServer | None):
+        self.ep_name = ep_name
+        self.factory = factory
+        self.options = dict(options)
+        self.devices: list[EpDeviceInfo] = list(factory.get_supported_devices())
+        self.fd_server = fd_server
+        self.stats = WorkerStats()
+        self.clients = ClientRegistry(self._release)
+        self.started_at = time.time()
+        self.draining = threading.Event()
+        self._models: dict[str, bytes] = {}
+        self._models_lock = threading.Lock()
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),
+                                     pid=os.getpid(), ep_options=self.options, started_at=self.started_at)
+
+    def device(self, index: int) -> EpDeviceInfo:
+        if index >= len(self.devices):
+            raise EpNotFound(f"no device {index}; this worker has {len(self.devices)}")
+        return self.devices[index]
+
+    def memory_info(self, device_index: int, mem_type: int) -> MemoryInfo:
+        device = self.device(device_index)
+        for info in device.memory_infos:
+            if info.device_mem_type == mem_type:
+                return info
+        raise EpNotFound(f"device {device_index} has no {DeviceMemoryType(mem_type).name} memory")
+
+    def region(self, client: ClientState, region_id: int) -> Region:
+        """A region of one of this client's allocators; another client's regions are NOT_FOUND."""
+        for _, allocator in client.items("allocator"):
+            region = allocator.region(region_id)
+            if region is not None:
+                return region
+        raise EpNotFound(f"unknown shared-memory region {region_id} for this client")
+
+    def model(self, ref) -> bytes:
+        """The bytes of a ModelRef, caching inline models by content hash so they travel once."""
+        if ref.WhichOneof("source") == "model":
+            data = bytes(ref.model)
+            with self._models_lock:
+                self._models[hashlib.sha256(data).hexdigest()] = data
+            return data
+        with self._models_lock:
+            data = self._models.get(ref.sha256)
+        if data is None:
+            raise EpNotFound("model not known to this worker by that hash; send it inline once")
+        return data
+
+    def _release(self, kind: str, obj: Any) -> None:
+        if kind in ("stream", "notification"):
+            obj.release()
+        elif kind == "ep":
+            self.factory.release_ep(obj)
+        elif kind == "allocator":
+            self.factory.release_allocator(obj)
+        # buffers go with their allocator; compute infos and data transfers hold nothing to release

@@ -1,0 +1,33 @@
+"""Counters a worker reports through Worker.GetStats."""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from ephost.v1 import worker_pb2
+
+
+class WorkerStats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._methods: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+        self.counters = dict.fromkeys(("bytes_copied", "bytes_inline_in", "bytes_inline_out", "copies"), 0)
+
+    def record_call(self, method: str, seconds: float, ok: bool) -> None:
+        with self._lock:
+            m = self._methods[method]
+            m[0] += 1
+            m[1] += 0 if ok else 1
+            m[2] += seconds
+            m[3] = max(m[3], seconds)
+
+    def add(self, **amounts: int) -> None:
+        with self._lock:
+            for key, value in amounts.items():
+                self.counters[key] += value
+
+    def to_proto(self, **extra: int) -> worker_pb2.WorkerStats:
+        with self._lock:
+            methods = {name: worker_pb2.MethodStats(calls=int(c), errors=int(e), total_s=t, max_s=mx)
+                       for name, (c, e, t, mx) in self._methods.items()}
+            return worker_pb2.WorkerStats(methods=methods, **self.counters, **extra)
