@@ -7,7 +7,7 @@ import threading
 
 import grpc
 
-from ephost.errors import EpError, EpWorkerUnavailable, error_for_status
+from ephost.errors import EpDeadlineExceeded, EpError, EpWorkerUnavailable, error_for_status
 from ephost.fdshare import fetch_descriptor
 from ephost.memory import Region
 from ephost.v1 import (allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2_grpc, factory_pb2_grpc,
@@ -21,7 +21,8 @@ MAX_MESSAGE = 1 << 30
 
 
 class WorkerConnection:
-    def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, process=None):
+    def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
+                 process=None):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -42,7 +43,10 @@ class WorkerConnection:
         self._regions_lock = threading.Lock()
         try:
             hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL),
-                              wait_for_ready=True)
+                              timeout=connect_timeout_s, wait_for_ready=True)
+        except EpDeadlineExceeded:
+            self.channel.close()
+            raise EpWorkerUnavailable(f"no worker answered at {address} within {connect_timeout_s:g} s") from None
         except BaseException:
             self.channel.close()
             raise

@@ -22,7 +22,8 @@ from ephost.client.targets import parse_target
 log = logging.getLogger(__name__)
 
 # Registration options that configure the connection rather than the EP.
-CONNECTION_OPTIONS = {"timeout_s": "deadline of each call to the worker, in seconds (default 60)"}
+CONNECTION_OPTIONS = {"timeout_s": "deadline of each call to the worker, in seconds (default 60)",
+                      "connect_timeout_s": "how long to wait for the worker to answer at all (default 10)"}
 
 
 @dataclass(eq=False)
@@ -79,7 +80,8 @@ class Environment:
                 unknown = sorted(set(options) - set(CONNECTION_OPTIONS))
                 if unknown:
                     raise EpInvalidArgument(f"unknown connection option(s) {unknown}; known: {sorted(CONNECTION_OPTIONS)}")
-                conn = WorkerConnection(spec.address, name=name, timeout_s=float(options.get("timeout_s", 60)))
+                conn = WorkerConnection(spec.address, name=name, timeout_s=float(options.get("timeout_s", 60)),
+                                        connect_timeout_s=float(options.get("connect_timeout_s", 10)))
                 factory = RemoteEpFactory(conn)
             registration = Registration(name, target, factory, process)
             try:

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable, Mapping
@@ -35,9 +34,8 @@ class WorkerProcess:
                  on_exit: Callable[["WorkerProcess"], None] | None = None):
         self.ep = ep
         self.options = dict(options or {})
-        self._dir = tempfile.mkdtemp(prefix="ephost-")
-        command = [sys.executable, "-m", "ephost", "worker", "--ep", ep, "--exit-with-parent",
-                   "--listen", f"unix://{os.path.join(self._dir, 'worker.sock')}"]
+        self._dir: str | None = None  # the worker's private socket directory
+        command = [sys.executable, "-m", "ephost", "worker", "--ep", ep, "--exit-with-parent"]
         for key, value in self.options.items():
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit
@@ -69,13 +67,15 @@ class WorkerProcess:
                                           call="startup")
                 line += chunk
         try:
-            ready = json.loads(line.splitlines()[0])
-            return ready["address"]
+            address = json.loads(line.splitlines()[0])["address"]
         except (ValueError, KeyError):
             raise EpWorkerUnavailable(f"worker for EP {self.ep!r} announced itself unreadably") from None
+        self._dir = os.path.dirname(address[len("unix://"):])
+        return address
 
     def _watch(self) -> None:
         code = self.proc.wait()
+        self._remove_dir()
         self.exited.set()
         self.proc.stdout.close()
         level = logging.INFO if code == 0 else logging.WARNING
@@ -111,4 +111,9 @@ class WorkerProcess:
                 pass
         if not self.proc.stdin.closed:
             self.proc.stdin.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
+        """A worker removes its directory when it exits; one that was killed cannot."""
+        if self._dir and os.path.basename(self._dir).startswith("ephost-"):
+            shutil.rmtree(self._dir, ignore_errors=True)

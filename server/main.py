@@ -68,6 +68,14 @@ def parse_listen(listen: str | None, insecure: bool) -> Listen:
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16) -> int:
     try:
+        return _serve(ep, options, listen, exit_with_parent, max_message, threads)
+    finally:
+        _remove_sockets(listen)
+
+
+def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, max_message: int,
+           threads: int) -> int:
+    try:
         factory = load_factory(ep, options)
     except EpError as e:
         print(f"ephost worker: {e}", file=sys.stderr)
@@ -122,7 +130,6 @@ def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_pare
     factory.close()
     if fd_server is not None:
         fd_server.close()
-    _remove_sockets(listen)
     return 0
 
 

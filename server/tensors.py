@@ -38,7 +38,10 @@ def resolve(state: WorkerState, client: ClientState, refs, role: str, *, writabl
             region = state.region(client, ref.shm.region)
             if ref.shm.nbytes != nbytes:
                 raise EpInvalidArgument(f"{label} is described by a slice of {ref.shm.nbytes} bytes")
-            region.view(ref.shm.offset, ref.shm.nbytes)  # bounds check before anything is touched
+            try:
+                region.view(ref.shm.offset, ref.shm.nbytes)  # bounds check before anything is touched
+            except EpInvalidArgument as e:
+                raise type(e)(f"{label}: {e}") from None
             owner = next(a for _, a in client.items("allocator") if a.region(region.id) is region)
             buffer = Buffer(owner.memory_info, nbytes, 0, region, ref.shm.offset)
             out.tensors.append(Tensor(shape, dtype, owner.memory_info, buffer=buffer))

@@ -1,0 +1,191 @@
+"""Bad requests on the wire get a clear status, reveal no shared-memory detail, and the worker keeps serving."""
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from onnx import TensorProto
+
+from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, stream_pb2, worker_pb2
+
+HOST = common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE
+FLOAT = TensorProto.FLOAT
+
+
+def status_of(call):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+@pytest.fixture
+def setup(raw):
+    """A host-accessible allocator with one 64-byte buffer, and a data transfer."""
+    allocator = raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(device_mem_type=HOST)).allocator
+    buffer = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64))
+    transfer = raw(raw.factory.CreateDataTransfer, common_pb2.Empty()).data_transfer
+    return allocator, buffer, transfer
+
+
+@pytest.fixture(autouse=True)
+def still_serving(served, raw):
+    """After every test here: the worker is healthy and a fresh client can allocate."""
+    yield
+    assert served.proc.poll() is None, "the worker died"
+    health = health_pb2_grpc.HealthStub(raw.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    allocator = raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest()).allocator
+    assert raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+
+
+def assert_reveals_nothing(message, served, raw):
+    for secret in (raw.hello.fd_socket, served.dir, "/dev/shm", "memfd"):
+        assert secret not in message
+
+
+def desc(*shape, elem_type=FLOAT):
+    return common_pb2.TensorDesc(elem_type=elem_type, shape=list(shape))
+
+
+def copy(raw, transfer, src, dst):
+    return raw(raw.transfer.CopyTensors, data_transfer_pb2.CopyTensorsRequest(data_transfer=transfer, src=src, dst=dst))
+
+
+def test_calls_without_hello_are_refused(raw):
+    code, message = status_of(lambda: raw.factory.CreateEp(factory_pb2.CreateEpRequest(), timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "Hello" in message
+    code, _ = status_of(lambda: raw.factory.CreateEp(factory_pb2.CreateEpRequest(), timeout=10,
+                                                     metadata=(("ephost-client", "forged"),)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_wrong_protocol_version(raw):
+    code, message = status_of(lambda: raw.worker.Hello(worker_pb2.HelloRequest(protocol="ephost.v0"), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "ephost.v1" in message
+
+
+def test_unknown_and_released_handles(raw, setup):
+    allocator, buffer, transfer = setup
+    cases = [
+        (raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=987654, nbytes=8), "allocator handle 987654"),
+        (raw.allocator.GetStats, common_pb2.Handle(id=0), "allocator handle 0"),
+        (raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=55555), "buffer handle 55555"),
+        (raw.factory.ReleaseEp, common_pb2.Handle(id=42), "ep handle 42"),
+        (raw.stream.Activate, common_pb2.Handle(id=42), "notification handle 42"),
+        (raw.stream.Release, common_pb2.Handle(id=42), "stream or notification handle 42"),
+        (raw.ep.Compute, ep_pb2.ComputeRequest(node_compute_info=42), "compute info handle 42"),
+        (raw.transfer.CanCopy, data_transfer_pb2.CanCopyRequest(data_transfer=42), "data transfer handle 42"),
+        (raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(device_index=3), "no device 3"),
+    ]
+    for method, request, expected in cases:
+        code, message = status_of(lambda: raw(method, request))
+        assert code == grpc.StatusCode.NOT_FOUND, (method, message)
+        assert expected in message
+    raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=buffer.buffer))
+    code, message = status_of(lambda: raw(raw.allocator.Free,
+                                          allocator_pb2.FreeRequest(allocator=allocator, buffer=buffer.buffer)))
+    assert code == grpc.StatusCode.NOT_FOUND and "already released" in message
+    raw(raw.factory.ReleaseAllocator, common_pb2.Handle(id=allocator))
+    code, _ = status_of(lambda: raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=8)))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_negative_and_absurd_allocation_sizes(raw, setup):
+    allocator, _, _ = setup
+    code, message = status_of(lambda: raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=-5)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "-5" in message
+    code, message = status_of(lambda: raw(raw.allocator.Alloc,
+                                          allocator_pb2.AllocRequest(allocator=allocator, nbytes=1 << 62)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in message
+
+
+def test_slices_outside_their_region(raw, setup, served):
+    allocator, buffer, transfer = setup
+    region, size = buffer.shm.region, raw(raw.allocator.GetStats, common_pb2.Handle(id=allocator)).stats["TotalAllocated"]
+    dst = [common_pb2.TensorRef(desc=desc(4), buffer=buffer.buffer)]
+    cases = [
+        (common_pb2.ShmSlice(region=region, offset=size, nbytes=16), grpc.StatusCode.OUT_OF_RANGE),
+        (common_pb2.ShmSlice(region=region, offset=size - 8, nbytes=16), grpc.StatusCode.OUT_OF_RANGE),
+        (common_pb2.ShmSlice(region=region, offset=(1 << 63) - 8, nbytes=16), grpc.StatusCode.OUT_OF_RANGE),
+        (common_pb2.ShmSlice(region=region, offset=-16, nbytes=16), grpc.StatusCode.INVALID_ARGUMENT),
+        (common_pb2.ShmSlice(region=region, offset=0, nbytes=12), grpc.StatusCode.INVALID_ARGUMENT),
+        (common_pb2.ShmSlice(region=region + 1000, offset=0, nbytes=16), grpc.StatusCode.NOT_FOUND),
+    ]
+    for shm, expected in cases:
+        code, message = status_of(lambda: copy(raw, transfer, [common_pb2.TensorRef(desc=desc(4), shm=shm)], dst))
+        assert code == expected, (shm, message)
+        assert_reveals_nothing(message, served, raw)
+    ok = common_pb2.ShmSlice(region=region, offset=size - 16, nbytes=16)
+    copy(raw, transfer, [common_pb2.TensorRef(desc=desc(4), shm=ok)], dst)  # the last 16 bytes are fine
+
+
+def test_descriptions_that_do_not_fit(raw, setup):
+    _, buffer, transfer = setup
+    into_buffer = [common_pb2.TensorRef(desc=desc(100), buffer=buffer.buffer)]
+    cases = [
+        ([common_pb2.TensorRef(desc=desc(100), inline=b"\0" * 400)], into_buffer, "does not fit its buffer"),
+        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 15)], [common_pb2.TensorRef(desc=desc(4), buffer=buffer.buffer)], "15 inline bytes"),
+        ([common_pb2.TensorRef(desc=desc(2, -3), inline=b"")], into_buffer, "negative dimension"),
+        ([common_pb2.TensorRef(desc=desc(1 << 40, 1 << 40), inline=b"")], into_buffer, "more than any tensor"),
+        ([common_pb2.TensorRef(desc=desc(1, elem_type=TensorProto.STRING), inline=b"")], into_buffer, "STRING"),
+        ([common_pb2.TensorRef(desc=desc(1, elem_type=999), inline=b"")], into_buffer, "999"),
+        ([common_pb2.TensorRef(desc=desc(4))], into_buffer, "says nowhere"),
+        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)], [common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)], "cannot be a destination"),
+        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)], [], "1 sources but 0 destinations"),
+        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)],
+         [common_pb2.TensorRef(desc=desc(4, elem_type=TensorProto.INT32), buffer=buffer.buffer)], "source is float32[4] but destination is int32[4]"),
+        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)],
+         [common_pb2.TensorRef(desc=desc(2, 2), buffer=buffer.buffer)], "source is float32[4] but destination is float32[2, 2]"),
+    ]
+    for src, dst, expected in cases:
+        code, message = status_of(lambda: copy(raw, transfer, src, dst))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, message
+        assert expected in message
+
+
+def test_bad_models(raw):
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    code, message = status_of(lambda: raw(raw.ep.GetCapability, ep_pb2.GetCapabilityRequest(
+        ep=ep, model=ep_pb2.ModelRef(model=b"\x08\x07this is not onnx\xff"))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid ONNX model" in message
+    code, message = status_of(lambda: raw(raw.ep.GetCapability, ep_pb2.GetCapabilityRequest(
+        ep=ep, model=ep_pb2.ModelRef(sha256="00" * 32))))
+    assert code == grpc.StatusCode.NOT_FOUND and "send it inline" in message
+
+
+def test_bytes_that_are_not_a_message(raw):
+    method = raw.channel.unary_unary("/ephost.v1.Allocator/Alloc", request_serializer=None,
+                                     response_deserializer=None)
+    code, _ = status_of(lambda: method(b"\xff\xff\xff\xff", timeout=10, metadata=raw.metadata))
+    assert code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_stream_misuse(raw):
+    stream = raw(raw.factory.CreateSyncStreamForDevice, factory_pb2.CreateSyncStreamRequest()).id
+    notification = raw(raw.stream.CreateNotification, common_pb2.Handle(id=stream)).id
+    code, message = status_of(lambda: raw(raw.stream.WaitOnHost, stream_pb2.WaitOnHostRequest(notification=notification)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "never activated" in message
+    code, _ = status_of(lambda: raw(raw.stream.WaitOnDevice,
+                                    stream_pb2.WaitOnDeviceRequest(notification=notification, stream=notification)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    raw(raw.stream.Release, common_pb2.Handle(id=stream))
+    code, _ = status_of(lambda: raw(raw.stream.Flush, common_pb2.Handle(id=stream)))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_region_export_is_checked(raw, setup):
+    from ephost.fdshare import fetch_descriptor
+    import ephost
+    allocator, buffer, _ = setup
+    code, _ = status_of(lambda: raw(raw.worker.ExportRegion, worker_pb2.ExportRegionRequest(region=99999)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    private = raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest()).allocator
+    raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=private, nbytes=8))
+    # a ticket works once, and only once
+    ticket = raw(raw.worker.ExportRegion, worker_pb2.ExportRegionRequest(region=buffer.shm.region)).ticket
+    fd, size = fetch_descriptor(raw.hello.fd_socket, ticket)
+    import os
+    os.close(fd)
+    assert size > 0
+    with pytest.raises(ephost.EpPermissionDenied):
+        fetch_descriptor(raw.hello.fd_socket, ticket)
+    with pytest.raises(ephost.EpPermissionDenied):
+        fetch_descriptor(raw.hello.fd_socket, b"\0" * 32)

@@ -1,0 +1,38 @@
+"""The command line: `ephost devices TARGET` and `ephost check TARGET`."""
+import subprocess
+import sys
+
+
+def ephost(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "ephost", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_devices_of_a_launched_ep_as_a_table():
+    result = ephost("devices", "reference", "--option", "ops=Add,Mul")
+    assert result.returncode == 0, result.stderr
+    header, rule, row = result.stdout.splitlines()
+    assert header.split()[:3] == ["EP", "EP", "vendor"] and set(rule) <= {"-", " "}
+    assert row.split()[:3] == ["reference", "ephost", "CPU"]
+    assert "reference_host_accessible (HOST_ACCESSIBLE)" in row and "ops=2" in row
+
+
+def test_devices_of_a_running_worker(worker):
+    w = worker("--ep", "reference")
+    result = ephost("devices", w.address)
+    assert result.returncode == 0, result.stderr
+    assert "reference" in result.stdout.splitlines()[2]
+
+
+def test_check_round_trips_a_tensor():
+    result = ephost("check", "reference", "--mib", "8")
+    assert result.returncode == 0, result.stderr
+    assert "copied 8 MiB" in result.stdout and "identical" in result.stdout
+
+
+def test_errors_are_one_clear_line():
+    result = ephost("devices", "no-such-ep")
+    assert result.returncode == 1
+    assert "no EP named 'no-such-ep'" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = ephost("devices", "unix:///nonexistent/ephost.sock", "--option", "connect_timeout_s=2")
+    assert result.returncode == 1 and "EpWorkerUnavailable" in result.stderr and "Traceback" not in result.stderr

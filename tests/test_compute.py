@@ -1,0 +1,58 @@
+"""GetCapability, Compile and Compute of the reference EP, in process and through a worker."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import ephost
+from ephost.eps.base import FusedGraph
+
+
+def small_model() -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    nodes = [helper.make_node("Add", ["x", "x"], ["s"], name="add"),
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("Mul", ["r", "x"], ["y"], name="mul")]
+    return helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.fixture(params=["ref", "local"])
+def ep(request, env):
+    registration = env._registrations[request.param]
+    ep = registration.factory.create_ep([0], {})
+    yield ep
+    registration.factory.release_ep(ep)
+
+
+def test_capability_respects_claimed_nodes(ep):
+    (group,) = ep.get_capability(small_model(), frozenset())
+    assert group.fused and set(group.node_names) == {"add", "relu", "mul"}
+    (group,) = ep.get_capability(small_model(), frozenset({"relu"}))
+    assert set(group.node_names) == {"add", "mul"}
+
+
+def test_ops_allow_list_limits_capability():
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("few", "reference", {"ops": "Add,Mul"})
+        factory = env._registrations["few"].factory
+        ep = factory.create_ep([0], {})
+        (group,) = ep.get_capability(small_model(), frozenset())
+        assert set(group.node_names) == {"add", "mul"}
+
+
+def test_compile_and_compute_match_the_evaluator(ep):
+    model = small_model()
+    (info,) = ep.compile([FusedGraph("whole", model)])
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    (y,) = info.compute([x])
+    np.testing.assert_allclose(y, np.maximum(x + x, 0) * x, rtol=1e-6)
+    (again,) = ep.compile([FusedGraph("again", model)])  # the same model travels once, by hash
+    np.testing.assert_allclose(again.compute([x])[0], y)
+    ep.release_node_compute_infos([info, again])
+
+
+def test_compute_with_the_wrong_inputs_is_a_clear_error(ep):
+    (info,) = ep.compile([FusedGraph("whole", small_model())])
+    with pytest.raises(ephost.EpInvalidArgument, match="takes 1 inputs, got 2"):
+        info.compute([np.zeros((2, 3), np.float32)] * 2)

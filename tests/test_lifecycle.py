@@ -1,0 +1,106 @@
+"""A worker's life: it drains on SIGTERM, dies with the application that launched it, and its death is a
+typed error that names the EP, the signal and the call. The application keeps its data; nothing leaks."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ephost
+from ephost import DeviceMemoryType, Tensor
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_sigterm_drains_in_flight_calls_then_exits(worker):
+    w = worker("--ep", "reference")
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", w.address)
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
+        a, b = (Tensor.empty((128 << 20,), np.uint8, allocator) for _ in range(2))
+        stream = device.create_sync_stream()
+        for _ in range(16):  # a second or so of copies queued inside the worker
+            env.copy_tensors([a, b], [b, a], stream=stream)
+        results = []
+        thread = threading.Thread(target=lambda: results.append(stream.flush()))
+        thread.start()
+        time.sleep(0.3)  # the Flush call is now waiting inside the worker
+        w.proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        assert results == [None], "a call in flight when SIGTERM came must finish"
+        assert w.proc.wait(30) == 0
+    assert not os.path.exists(w.socket) and not os.path.exists(w.socket + ".fds")
+
+
+def test_worker_dies_with_the_application_that_launched_it(tmp_path):
+    app = textwrap.dedent("""
+        import os, sys, time, ephost
+        env = ephost.Environment()
+        env.register_execution_provider_library("ref", "reference")
+        print(env._registrations["ref"].process.pid, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", app], stdout=subprocess.PIPE)
+    try:
+        worker_pid = int(proc.stdout.readline())
+        shm_before = set(os.listdir("/dev/shm"))
+        proc.kill()
+        proc.wait()
+        assert wait_gone(worker_pid, 2.0), "worker outlived its application by more than 2 s"
+        assert set(os.listdir("/dev/shm")) - shm_before == set()
+    finally:
+        proc.stdout.close()
+
+
+def test_a_killed_worker_is_a_typed_error_naming_ep_signal_and_call():
+    env = ephost.Environment()
+    try:
+        env.register_execution_provider_library("victim", "reference")
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
+        process = env._registrations["victim"].process
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.exited.wait(5), "the death is noticed by the watcher, without any call"
+        with pytest.raises(ephost.EpWorkerCrashed) as info:
+            allocator.get_stats()
+        error = info.value
+        assert error.ep == "reference" and error.signal == signal.SIGKILL
+        assert "SIGKILL" in str(error) and "Allocator/GetStats" in str(error) and error.call == "Allocator/GetStats"
+        assert isinstance(error, ephost.EpWorkerUnavailable) and isinstance(error, ephost.EpError)
+    finally:
+        env.close()
+
+
+def test_the_application_keeps_its_data_when_the_worker_dies():
+    env = ephost.Environment()
+    try:
+        env.register_execution_provider_library("victim", "reference")
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
+        data = np.random.default_rng(3).standard_normal((256, 1024)).astype(np.float32)
+        tensor = Tensor.from_numpy(data, allocator)
+        view = tensor.numpy()
+        process = env._registrations["victim"].process
+        os.kill(process.pid, signal.SIGKILL)
+        process.exited.wait(5)
+        np.testing.assert_array_equal(tensor.numpy(), data)
+        np.testing.assert_array_equal(view, data)
+        view[0, 0] = 42.0  # still writable memory of this process
+        assert tensor.numpy()[0, 0] == 42.0
+    finally:
+        env.close()
