@@ -1,0 +1,1 @@
+"""Benchmarks that print side-by-side comparison tables (`make bench`)."""
