@@ -114,7 +114,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     signal.signal(signal.SIGTERM, lambda *_: request_stop())
     signal.signal(signal.SIGINT, lambda *_: request_stop())
     if exit_with_parent:
-        threading.Thread(target=_watch_parent, args=(request_stop, stop), name="ephost-parent", daemon=True).start()
+        threading.Thread(target=_watch_parent, args=(listen, stop), name="ephost-parent", daemon=True).start()
 
     print(json.dumps({"ephost": "ready", "address": address, "pid": os.getpid(), "ep": ep}), flush=True)
     log.info("serving EP %r at %s", ep, address)
@@ -133,8 +133,9 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     return 0
 
 
-def _watch_parent(request_stop, stopping: threading.Event) -> None:
-    """Stdin is a pipe whose write end only the launcher holds: EOF means the launcher is gone."""
+def _watch_parent(listen: Listen, stopping: threading.Event) -> None:
+    """Stdin is a pipe whose write end only the launcher holds: EOF means the launcher is gone. Its clients
+    went with it, so there is nothing to drain: exit at once. Shared memory goes with the process."""
     try:
         while os.read(0, 4096):
             pass
@@ -142,7 +143,8 @@ def _watch_parent(request_stop, stopping: threading.Event) -> None:
         pass
     if not stopping.is_set():
         log.warning("the launching process has gone; exiting")
-        request_stop(0.5)
+        _remove_sockets(listen)
+        os._exit(0)
 
 
 def _remove_sockets(listen: Listen) -> None:

@@ -140,3 +140,14 @@ def test_mismatched_copies_are_refused(env, host_allocator, bad):
 def test_non_contiguous_arrays_are_refused_clearly():
     with pytest.raises(ephost.EpInvalidArgument, match="contiguous"):
         Tensor.from_numpy(np.zeros((4, 4))[:, ::2])
+
+
+def test_can_copy_is_the_eps_own_answer(env, any_device):
+    registration = env._registrations[any_device.registration_name]
+    transfer = registration.data_transfer
+    own = [registration.memory[any_device.memory_info(t)] for t in DeviceMemoryType]
+    gpu = ephost.MemoryInfo("SomeGpu", ephost.HardwareDeviceType.GPU, 0x10de, 0, DeviceMemoryType.DEFAULT)
+    for a in own + [ephost.HOST_MEMORY]:
+        for b in own + [ephost.HOST_MEMORY]:
+            assert transfer.can_copy(a, b)
+        assert not transfer.can_copy(a, gpu) and not transfer.can_copy(gpu, a)

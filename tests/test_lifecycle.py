@@ -15,12 +15,19 @@ import ephost
 from ephost import DeviceMemoryType, Tensor
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit status waits for init to reap it, which takes its time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_gone(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not running(pid):
             return True
         time.sleep(0.02)
     return False
