@@ -1,5 +1,7 @@
 """ephost.client: the application side — Environment, EP devices, allocators, streams, worker supervision."""
 from ephost.client.devices import EpDevice, SharedAllocator, SyncNotification, SyncStream
 from ephost.client.environment import Environment
+from ephost.client.session import InferenceSession, NodeArg, SessionOptions
 
-__all__ = ["Environment", "EpDevice", "SharedAllocator", "SyncNotification", "SyncStream"]
+__all__ = ["Environment", "EpDevice", "SharedAllocator", "SyncNotification", "SyncStream", "InferenceSession",
+           "SessionOptions", "NodeArg"]

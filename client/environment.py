@@ -36,6 +36,18 @@ class Registration:
     devices: list[EpDevice] = field(default_factory=list)
     # qualified MemoryInfo (what users see) -> the EP's own MemoryInfo
     memory: dict[MemoryInfo, MemoryInfo] = field(default_factory=dict)
+    _session_allocator: object = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def session_allocator(self):
+        """The EP's own HOST_ACCESSIBLE allocator (made on first use) that sessions leave outputs in, or
+        None where the EP has no such memory."""
+        with self._lock:
+            if self._session_allocator is None:
+                infos = [m for m in self.memory.values() if m.host_accessible]
+                if infos:
+                    self._session_allocator = self.factory.create_allocator(infos[0], {})
+            return self._session_allocator
 
     def close(self) -> None:
         try:

@@ -2,22 +2,23 @@
 a worker exactly as they use an in-process EP."""
 from __future__ import annotations
 
-import hashlib
-import threading
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
 
 from ephost.eps.base import FusedGraph, NodeGroup
+from ephost import values
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.memory import Buffer
 from ephost.tensor import Tensor, check_copy_pairs
-from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, desc_to_proto
+from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, desc_to_proto, nbytes_of
 from ephost.client.connection import WorkerConnection
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, stream_pb2
 
 _EMPTY = common_pb2.Empty()
+# Tensors smaller than this travel inline in Compute; larger ones through the worker's shared memory.
+INLINE_LIMIT = 64 << 10
 
 
 class RemoteAllocator:
@@ -34,7 +35,7 @@ class RemoteAllocator:
             region = self._conn.map_region(reply.shm.region)
             if region is not None:
                 self._regions.add(region.id)
-        return Buffer(self.memory_info, reply.nbytes, reply.buffer, region, reply.shm.offset)
+        return Buffer(self.memory_info, reply.nbytes, reply.buffer, region, reply.shm.offset, owner=self._conn)
 
     def alloc(self, nbytes: int) -> Buffer:
         return self._allocate(self._conn.allocator.Alloc, nbytes)
@@ -145,19 +146,59 @@ def _ref(tensor: Tensor, role: str) -> common_pb2.TensorRef:
 
 
 class RemoteComputeInfo:
+    """A partition compiled in a worker. Values it makes stay in the worker's memory (mapped here when it is
+    shared); values that already live in that worker are handed back by handle, without a copy."""
+
     def __init__(self, conn: WorkerConnection, handle: int, name: str):
         self._conn = conn
         self.handle = handle
         self.name = name
 
-    def compute(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        refs = [_ref(Tensor.from_numpy(np.ascontiguousarray(a)), "source") for a in inputs]
-        reply = self._conn.call(self._conn.ep.Compute, ep_pb2.ComputeRequest(node_compute_info=self.handle, inputs=refs))
-        outputs = []
-        for ref in reply.outputs:
-            shape, dtype = desc_from_proto(ref.desc)
-            outputs.append(np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy())
-        return outputs
+    def compute(self, inputs: Sequence[Any], allocator: "RemoteAllocator | None" = None,
+                keep: Sequence[int] = ()) -> list[Any]:
+        staged: list[Buffer] = []
+        try:
+            request = ep_pb2.ComputeRequest(
+                node_compute_info=self.handle, inputs=[self._input(v, allocator, staged) for v in inputs],
+                output_allocator=allocator.handle if allocator is not None else 0, inline_limit=INLINE_LIMIT,
+                keep=keep if allocator is not None else ())
+            reply = self._conn.call(self._conn.ep.Compute, request)
+        finally:
+            for buffer in staged:
+                allocator.free(buffer)
+        return [self._output(v, allocator) for v in reply.outputs]
+
+    def _input(self, value: Any, allocator, staged: list[Buffer]) -> common_pb2.Value:
+        if not isinstance(value, Tensor):
+            return common_pb2.Value(onnx=values.encode(value))
+        desc = desc_to_proto(value.shape, value.dtype)
+        buffer = value.buffer
+        if buffer is not None and buffer.owner is self._conn:
+            return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, buffer=buffer.handle))
+        data = value.local_bytes()
+        if data is None:
+            raise EpInvalidArgument(f"{self.name}: an input lives in {value.memory_info.name} memory, which "
+                                    "neither this process nor the worker can read; copy it to the host first")
+        if allocator is not None and value.nbytes >= INLINE_LIMIT:
+            target = allocator.alloc(value.nbytes)
+            staged.append(target)
+            view = target.host_view()
+            if view is not None:  # written once, straight into the worker's memory
+                view[:] = data
+                return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, buffer=target.handle))
+        return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, inline=data.tobytes()))
+
+    def _output(self, message: common_pb2.Value, allocator) -> Any:
+        if message.WhichOneof("kind") == "onnx":
+            return values.decode(message.onnx)
+        ref = message.tensor
+        shape, dtype = desc_from_proto(ref.desc)
+        if ref.WhichOneof("location") == "inline":
+            return Tensor.from_numpy(np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy())
+        region = self._conn.map_region(ref.mapped.region) if ref.HasField("mapped") else None
+        buffer = Buffer(allocator.memory_info, nbytes_of(shape, dtype), ref.buffer, region, ref.mapped.offset,
+                        owner=self._conn)
+        return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, allocator=allocator)
 
 
 class RemoteEp:
@@ -165,30 +206,27 @@ class RemoteEp:
         self._conn = conn
         self.handle = handle
         self._name = name
-        self._sent: set[str] = set()
-        self._lock = threading.Lock()
-
-    def _model_ref(self, model: onnx.ModelProto) -> ep_pb2.ModelRef:
-        data = model.SerializeToString()
-        digest = hashlib.sha256(data).hexdigest()
-        with self._lock:
-            if digest in self._sent:
-                return ep_pb2.ModelRef(sha256=digest)
-            self._sent.add(digest)
-        return ep_pb2.ModelRef(model=data)
 
     def get_name(self) -> str:
         return self._name
 
     def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
-        reply = self._conn.call(self._conn.ep.GetCapability, ep_pb2.GetCapabilityRequest(
-            ep=self.handle, model=self._model_ref(model), claimed_nodes=sorted(claimed)))
+        with self._conn.model_ref(model) as ref:
+            reply = self._conn.call(self._conn.ep.GetCapability, ep_pb2.GetCapabilityRequest(
+                ep=self.handle, model=ref, claimed_nodes=sorted(claimed)))
         return [NodeGroup(tuple(g.node_names), fused=g.kind == ep_pb2.NodeGroup.KIND_FUSED) for g in reply.groups]
 
     def compile(self, graphs: Sequence[FusedGraph]) -> list[RemoteComputeInfo]:
-        reply = self._conn.call(self._conn.ep.Compile, ep_pb2.CompileRequest(
-            ep=self.handle, graphs=[ep_pb2.FusedGraph(name=g.name, model=self._model_ref(g.model)) for g in graphs]))
-        return [RemoteComputeInfo(self._conn, h, g.name) for h, g in zip(reply.node_compute_infos, graphs)]
+        infos: list[RemoteComputeInfo] = []
+        for source in dict.fromkeys(g.source for g in graphs):  # one call per model they come from
+            batch = [g for g in graphs if g.source is source]
+            with self._conn.model_ref(source.model) as ref:
+                reply = self._conn.call(self._conn.ep.Compile, ep_pb2.CompileRequest(
+                    ep=self.handle, model=ref, graphs=[
+                        ep_pb2.FusedGraph(name=g.name, nodes=g.nodes, inputs=g.inputs, outputs=g.outputs)
+                        for g in batch]))
+            infos += [RemoteComputeInfo(self._conn, h, g.name) for h, g in zip(reply.node_compute_infos, batch)]
+        return infos
 
     def release_node_compute_infos(self, infos: Sequence[RemoteComputeInfo]) -> None:
         self._conn.call(self._conn.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(

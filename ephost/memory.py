@@ -107,6 +107,7 @@ class Buffer:
     region: Region | None = None
     offset: int = 0
     reserved: bool = False
+    owner: Any = None  # what can name `handle` (a worker connection), for buffers that live elsewhere
 
     def host_view(self, owner: Any = None) -> np.ndarray | None:
         if self.region is None:

@@ -103,6 +103,13 @@ class Tensor:
         raw = self.local_bytes()
         return None if raw is None else raw.view(self.dtype).reshape(self.shape)
 
+    def detach_buffer(self) -> Buffer | None:
+        """Take over the buffer: it is no longer freed when this tensor goes (its new owner frees it)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        return self._buffer
+
     def release(self) -> None:
         """Give the buffer back to its allocator now rather than when the tensor is collected."""
         if self._finalizer is not None:

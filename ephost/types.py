@@ -141,6 +141,11 @@ _ELEM_BY_NP: dict[np.dtype, int] = {v: k for k, v in _NP_BY_ELEM.items()}
 MAX_TENSOR_BYTES = 1 << 48
 
 
+def is_plain_dtype(dtype) -> bool:
+    """Whether tensors of this dtype can live in tensor memory (numpy has the type natively)."""
+    return np.dtype(dtype) in _ELEM_BY_NP
+
+
 def elem_type_of(dtype) -> int:
     dt = np.dtype(dtype)
     try:

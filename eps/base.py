@@ -6,12 +6,13 @@ turns a worker back into the same interface. Sessions and the Environment see on
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
-import numpy as np
 import onnx
 
+from ephost.graph import GraphIndex, extract
 from ephost.memory import Buffer
 from ephost.types import EpDeviceInfo, MemoryInfo
 
@@ -29,10 +30,18 @@ class NodeGroup:
 
 @dataclass(frozen=True)
 class FusedGraph:
-    """A fused group as a standalone model: its inputs, outputs, nodes and the initializers it uses."""
+    """A fused group of a model's nodes, with the values it reads and makes. `model` is the group as a
+    standalone model (its nodes, inputs, outputs and the initializers it uses), cut out when first asked."""
 
     name: str
-    model: onnx.ModelProto = field(repr=False)
+    source: GraphIndex = field(repr=False)
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @functools.cached_property
+    def model(self) -> onnx.ModelProto:
+        return extract(self.source, self.name, self.nodes, self.inputs, self.outputs)
 
 
 @runtime_checkable
@@ -70,9 +79,16 @@ class DataTransfer(Protocol):
 
 @runtime_checkable
 class NodeComputeInfo(Protocol):
+    """A compiled partition. Inputs and outputs are graph values: a Tensor for plain tensors; a list, None,
+    dict or numpy array (strings, bfloat16...) for the rest. Outputs may be placed in `allocator`'s memory
+    when one is given (the caller can hand that memory on without a copy), else in host memory; `keep`
+    names the outputs (by position) that must stay in `allocator`'s memory because the same EP reads them
+    next."""
+
     name: str
 
-    def compute(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]: ...
+    def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None,
+                keep: Sequence[int] = ()) -> list[Any]: ...
 
 
 @runtime_checkable

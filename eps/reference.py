@@ -8,9 +8,9 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Mapping, Sequence
+import threading
+from typing import Any, Mapping, Sequence
 
-import numpy as np
 import onnx
 import onnx.defs
 from onnx.reference import ReferenceEvaluator
@@ -20,7 +20,9 @@ from ephost.eps.arena import ArenaAllocator
 from ephost.eps.base import FusedGraph, NodeGroup
 from ephost.eps.streams import QueueStream
 from ephost.eps.transfer import HostDataTransfer
-from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.errors import EpError, EpInvalidArgument, EpNotFound
+from ephost.tensor import Tensor
+from ephost.values import as_value
 from ephost.memory import Region
 from ephost.types import (AllocatorType, DeviceMemoryType, EpDeviceInfo, HardwareDevice, HardwareDeviceType,
                           MemoryInfo)
@@ -70,11 +72,27 @@ class ReferenceComputeInfo:
             self._evaluator = ReferenceEvaluator(graph.model)
         except Exception as e:
             raise EpInvalidArgument(f"reference EP cannot compile {graph.name!r}: {type(e).__name__}: {e}") from None
+        self._lock = threading.Lock()  # the evaluator keeps state while it runs
 
-    def compute(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = ()) -> list[Any]:
         if len(inputs) != len(self._input_names):
             raise EpInvalidArgument(f"{self.name} takes {len(self._input_names)} inputs, got {len(inputs)}")
-        return list(self._evaluator.run(None, dict(zip(self._input_names, inputs))))
+        feeds = {}
+        for name, value in zip(self._input_names, inputs):
+            if isinstance(value, Tensor):
+                array = value.local_array()
+                if array is None:
+                    raise EpInvalidArgument(f"input {name!r} is in memory the reference EP cannot read")
+                value = array
+            feeds[name] = value
+        with self._lock:
+            try:
+                results = self._evaluator.run(None, feeds)
+            except EpError:
+                raise
+            except Exception as e:
+                raise EpInvalidArgument(f"{self.name} failed: {type(e).__name__}: {e}") from None
+        return [as_value(r) for r in results]
 
 
 class ReferenceEp:

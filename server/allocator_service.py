@@ -3,6 +3,7 @@ in a region the client can map."""
 from __future__ import annotations
 
 from ephost.errors import EpNotFound
+from ephost.server.clients import BufferEntry
 from ephost.server.rpc import rpc
 from ephost.server.state import WorkerState
 from ephost.v1 import allocator_pb2, allocator_pb2_grpc, common_pb2
@@ -21,7 +22,7 @@ class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
         client = self._client(context)
         allocator = client.get("allocator", request.allocator)
         buffer = allocator.reserve(request.nbytes) if reserve else allocator.alloc(request.nbytes)
-        handle = client.add("buffer", (allocator, buffer))
+        handle = client.add("buffer", BufferEntry(allocator, buffer))
         reply = allocator_pb2.AllocResponse(buffer=handle, nbytes=buffer.nbytes)
         if buffer.region is not None and buffer.region.shareable and allocator.memory_info.host_accessible:
             reply.shm.CopyFrom(common_pb2.ShmSlice(region=buffer.region.id, offset=buffer.offset,
@@ -40,8 +41,9 @@ class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
     def Free(self, request, context):
         client = self._client(context)
         allocator = client.get("allocator", request.allocator)
-        owner, buffer = client.get("buffer", request.buffer)
-        if owner is not allocator:
+        entry = client.get("buffer", request.buffer)
+        buffer = entry.buffer
+        if entry.allocator is not allocator:
             raise EpNotFound(f"buffer {request.buffer} does not belong to allocator {request.allocator}")
         client.pop("buffer", request.buffer)
         allocator.free(buffer)

@@ -20,9 +20,17 @@ KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffe
 
 
 @dataclass
+class BufferEntry:
+    allocator: Any
+    buffer: Any
+    produced: bool = False  # made by a Compute of this worker, not written by the client
+
+
+@dataclass
 class ClientState:
     client_id: str
     name: str
+    models: dict[str, Any] = field(default_factory=dict)  # content hash -> GraphIndex of a model it sent
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _tables: dict[str, dict[int, Any]] = field(default_factory=lambda: {k: {} for k in KINDS})
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -63,6 +71,7 @@ class ClientState:
             out = [(kind, obj) for kind in KINDS for obj in self._tables[kind].values()]
             for table in self._tables.values():
                 table.clear()
+            self.models.clear()
             return out
 
 

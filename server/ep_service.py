@@ -1,23 +1,12 @@
-"""Ep over gRPC (OrtEp, OrtNodeComputeInfo): GetCapability, Compile and Compute over tensor references."""
+"""Ep over gRPC (OrtEp, OrtNodeComputeInfo): GetCapability and Compile against a model sent once, and
+Compute over graph values that stay in this worker's memory between partitions."""
 from __future__ import annotations
 
-import numpy as np
-import onnx
-
 from ephost.eps.base import FusedGraph
-from ephost.errors import EpInvalidArgument
-from ephost.tensor import Tensor, check_copy_pairs
 from ephost.server.rpc import rpc
 from ephost.server.state import WorkerState
-from ephost.server.tensors import resolve, to_ref
+from ephost.server.tensors import input_value, output_value
 from ephost.v1 import common_pb2, ep_pb2, ep_pb2_grpc
-
-
-def _parse_model(data: bytes) -> onnx.ModelProto:
-    try:
-        return onnx.load_model_from_string(data)
-    except Exception as e:
-        raise EpInvalidArgument(f"model bytes are not a valid ONNX model: {type(e).__name__}") from None
 
 
 class EpService(ep_pb2_grpc.EpServicer):
@@ -31,9 +20,10 @@ class EpService(ep_pb2_grpc.EpServicer):
 
     @rpc
     def GetCapability(self, request, context):
-        ep = self._client(context).get("ep", request.ep)
-        model = _parse_model(self.state.model(request.model))
-        groups = ep.get_capability(model, frozenset(request.claimed_nodes))
+        client = self._client(context)
+        ep = client.get("ep", request.ep)
+        index = self.state.model(client, request.model)
+        groups = ep.get_capability(index.model, frozenset(request.claimed_nodes))
         kind = ep_pb2.NodeGroup.Kind
         return ep_pb2.GetCapabilityResponse(groups=[
             ep_pb2.NodeGroup(kind=kind.KIND_FUSED if g.fused else kind.KIND_SINGLE, node_names=list(g.node_names))
@@ -43,7 +33,9 @@ class EpService(ep_pb2_grpc.EpServicer):
     def Compile(self, request, context):
         client = self._client(context)
         ep = client.get("ep", request.ep)
-        graphs = [FusedGraph(g.name, _parse_model(self.state.model(g.model))) for g in request.graphs]
+        index = self.state.model(client, request.model)
+        graphs = [FusedGraph(g.name, index, tuple(g.nodes), tuple(g.inputs), tuple(g.outputs))
+                  for g in request.graphs]
         infos = ep.compile(graphs)
         return ep_pb2.CompileResponse(node_compute_infos=[client.add("compute_info", (ep, i)) for i in infos])
 
@@ -51,20 +43,21 @@ class EpService(ep_pb2_grpc.EpServicer):
     def Compute(self, request, context):
         client = self._client(context)
         _, info = client.get("compute_info", request.node_compute_info)
+        allocator = client.get("allocator", request.output_allocator) if request.output_allocator else None
         stream = client.get("stream", request.stream) if request.stream else None
-        inputs = resolve(self.state, client, request.inputs, "input", writable=False)
-        outputs = resolve(self.state, client, request.outputs, "output", writable=True)
+        inputs, resident = [], 0
+        for i, message in enumerate(request.inputs):
+            value, here = input_value(self.state, client, message, i)
+            inputs.append(value)
+            resident += here
         if stream is not None:
             stream.flush(context.time_remaining())  # inputs may still be arriving on the stream
-        results = info.compute([t.local_array() for t in inputs.tensors])
-        self.state.stats.add(bytes_inline_in=inputs.inline_bytes)
-        produced = [Tensor.from_numpy(np.ascontiguousarray(r)) for r in results]
-        if not request.outputs:
-            return ep_pb2.ComputeResponse(outputs=[to_ref(t) for t in produced])
-        check_copy_pairs(produced, outputs.tensors)
-        for src, dst in zip(produced, outputs.tensors):
-            dst.local_bytes()[:] = src.local_bytes()
-        return ep_pb2.ComputeResponse(outputs=[to_ref(outputs.tensors[i]) for i in outputs.replies])
+        outputs = info.compute(inputs, allocator)
+        self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident)
+        keep = set(request.keep)
+        return ep_pb2.ComputeResponse(outputs=[
+            output_value(client, allocator, 0 if i in keep else request.inline_limit, v)
+            for i, v in enumerate(outputs)])
 
     @rpc
     def ReleaseNodeComputeInfos(self, request, context):

@@ -51,8 +51,8 @@ class EpFactoryService(factory_pb2_grpc.EpFactoryServicer):
     def ReleaseAllocator(self, request, context):
         client = self._client(context)
         allocator = client.pop("allocator", request.id)
-        for handle, (owner, _) in client.items("buffer"):
-            if owner is allocator:
+        for handle, entry in client.items("buffer"):
+            if entry.allocator is allocator:
                 client.pop("buffer", handle)
         self.state.factory.release_allocator(allocator)
         return common_pb2.Empty()

@@ -7,7 +7,10 @@ import threading
 import time
 from typing import Any, Mapping
 
-from ephost.errors import EpNotFound
+import onnx
+
+from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
 from ephost.memory import Region
 from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo
@@ -29,8 +32,6 @@ class WorkerState:
         self.clients = ClientRegistry(self._release)
         self.started_at = time.time()
         self.draining = threading.Event()
-        self._models: dict[str, bytes] = {}
-        self._models_lock = threading.Lock()
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),
@@ -56,18 +57,32 @@ class WorkerState:
                 return region
         raise EpNotFound(f"unknown shared-memory region {region_id} for this client")
 
-    def model(self, ref) -> bytes:
-        """The bytes of a ModelRef, caching inline models by content hash so they travel once."""
-        if ref.WhichOneof("source") == "model":
+    def model(self, client: ClientState, ref) -> GraphIndex:
+        """The model a ModelRef names, parsed and indexed once per client and content hash."""
+        source = ref.WhichOneof("source")
+        if source == "sha256":
+            index = client.models.get(ref.sha256)
+            if index is None:
+                raise EpNotFound("model not known to this worker by that hash; send it inline once")
+            return index
+        if source == "model":
             data = bytes(ref.model)
-            with self._models_lock:
-                self._models[hashlib.sha256(data).hexdigest()] = data
-            return data
-        with self._models_lock:
-            data = self._models.get(ref.sha256)
-        if data is None:
-            raise EpNotFound("model not known to this worker by that hash; send it inline once")
-        return data
+        elif source == "buffer":
+            entry = client.get("buffer", ref.buffer.buffer)
+            view = entry.buffer.host_view()
+            if view is None or not 0 <= ref.buffer.nbytes <= entry.buffer.nbytes:
+                raise EpInvalidArgument("model buffer is not readable or is smaller than the model's size")
+            data = bytes(view[: ref.buffer.nbytes])
+        else:
+            raise EpInvalidArgument("ModelRef says nowhere where the model is")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest not in client.models:
+            try:
+                model = onnx.load_model_from_string(data)
+            except Exception as e:
+                raise EpInvalidArgument(f"model bytes are not a valid ONNX model: {type(e).__name__}") from None
+            client.models[digest] = GraphIndex.of(model)
+        return client.models[digest]
 
     def _release(self, kind: str, obj: Any) -> None:
         if kind in ("stream", "notification"):

@@ -3,14 +3,16 @@ handles belong to the caller, slices lie inside their region, sizes match the de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from ephost import values
 from ephost.errors import EpInvalidArgument
 from ephost.memory import Buffer
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, desc_from_proto, describe, nbytes_of
-from ephost.server.clients import ClientState
+from ephost.server.clients import BufferEntry, ClientState
 from ephost.server.state import WorkerState
 from ephost.v1 import common_pb2
 
@@ -30,7 +32,7 @@ def resolve(state: WorkerState, client: ClientState, refs, role: str, *, writabl
         where = ref.WhichOneof("location")
         label = f"{role} {i} ({describe(shape, dtype)}, {nbytes} bytes)"
         if where == "buffer":
-            _, buffer = client.get("buffer", ref.buffer)
+            buffer = client.get("buffer", ref.buffer).buffer
             if nbytes > buffer.nbytes:
                 raise EpInvalidArgument(f"{label} does not fit its buffer of {buffer.nbytes} bytes")
             out.tensors.append(Tensor(shape, dtype, buffer.memory_info, buffer=buffer))
@@ -63,8 +65,35 @@ def resolve(state: WorkerState, client: ClientState, refs, role: str, *, writabl
     return out
 
 
-def to_ref(tensor: Tensor) -> common_pb2.TensorRef:
-    """An inline TensorRef carrying a host tensor's bytes."""
-    array = np.ascontiguousarray(tensor.numpy())
-    return common_pb2.TensorRef(desc=common_pb2.TensorDesc(elem_type=tensor.elem_type, shape=list(tensor.shape)),
-                                inline=array.tobytes())
+def input_value(state: WorkerState, client: ClientState, message: common_pb2.Value, i: int) -> tuple[Any, bool]:
+    """A Compute input as a graph value, and whether it was already here (made by an earlier Compute)."""
+    if message.WhichOneof("kind") == "onnx":
+        return values.decode(message.onnx), False
+    if message.WhichOneof("kind") != "tensor":
+        raise EpInvalidArgument(f"input {i} is empty (set tensor or onnx)")
+    ref = message.tensor
+    resident = ref.WhichOneof("location") == "buffer" and client.get("buffer", ref.buffer).produced
+    return resolve(state, client, [ref], f"input {i}", writable=False).tensors[0], resident
+
+
+def output_value(client: ClientState, allocator, inline_limit: int, value: Any) -> common_pb2.Value:
+    """A Compute output: left in a buffer of `allocator` (the client's handle to it is returned) when it is
+    large enough and an allocator was given, else inline."""
+    if not isinstance(value, Tensor):
+        return common_pb2.Value(onnx=values.encode(value))
+    desc = common_pb2.TensorDesc(elem_type=value.elem_type, shape=list(value.shape))
+    if allocator is None or value.nbytes < inline_limit:
+        return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, inline=value.local_bytes().tobytes()))
+    buffer = value.buffer
+    in_allocator = buffer is not None and buffer.region is not None \
+        and allocator.region(buffer.region.id) is buffer.region  # the EP put it there itself
+    if not in_allocator:
+        placed = Tensor.empty(value.shape, value.dtype, allocator)
+        placed.local_bytes()[:] = value.local_bytes()
+        value = placed
+    buffer = value.detach_buffer()  # the client owns it from now on, through its handle
+    ref = common_pb2.TensorRef(desc=desc, buffer=client.add("buffer", BufferEntry(allocator, buffer, produced=True)))
+    if buffer.region is not None and buffer.region.shareable:
+        ref.mapped.CopyFrom(common_pb2.ShmSlice(region=buffer.region.id, offset=buffer.offset, nbytes=buffer.nbytes))
+    return common_pb2.Value(tensor=ref)
+

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65phost/v1/common.proto\x12\tephost.v1\"\xf6\x01\n\nMemoryInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x32\n\x0b\x64\x65vice_type\x18\x02 \x01(\x0e\x32\x1d.ephost.v1.HardwareDeviceType\x12\x18\n\x10\x64\x65vice_vendor_id\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\x05\x12\x34\n\x0f\x64\x65vice_mem_type\x18\x05 \x01(\x0e\x32\x1b.ephost.v1.DeviceMemoryType\x12\x11\n\talignment\x18\x06 \x01(\x04\x12\x30\n\x0e\x61llocator_type\x18\x07 \x01(\x0e\x32\x18.ephost.v1.AllocatorType\"\xdf\x01\n\x0eHardwareDevice\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.ephost.v1.HardwareDeviceType\x12\x11\n\tvendor_id\x18\x02 \x01(\r\x12\x0e\n\x06vendor\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x39\n\x08metadata\x18\x05 \x03(\x0b\x32\'.ephost.v1.HardwareDevice.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xec\x02\n\x08\x45pDevice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x65p_name\x18\x02 \x01(\t\x12\x11\n\tep_vendor\x18\x03 \x01(\t\x12\x38\n\x0b\x65p_metadata\x18\x04 \x03(\x0b\x32#.ephost.v1.EpDevice.EpMetadataEntry\x12\x36\n\nep_options\x18\x05 \x03(\x0b\x32\".ephost.v1.EpDevice.EpOptionsEntry\x12)\n\x06\x64\x65vice\x18\x06 \x01(\x0b\x32\x19.ephost.v1.HardwareDevice\x12+\n\x0cmemory_infos\x18\x07 \x03(\x0b\x32\x15.ephost.v1.MemoryInfo\x1a\x31\n\x0f\x45pMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x30\n\x0e\x45pOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\nTensorDesc\x12\x11\n\telem_type\x18\x01 \x01(\x05\x12\r\n\x05shape\x18\x02 \x03(\x03\":\n\x08ShmSlice\x12\x0e\n\x06region\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"\r\n\x0bInlineReply\"\xad\x01\n\tTensorRef\x12#\n\x04\x64\x65sc\x18\x01 \x01(\x0b\x32\x15.ephost.v1.TensorDesc\x12\"\n\x03shm\x18\x02 \x01(\x0b\x32\x13.ephost.v1.ShmSliceH\x00\x12\x10\n\x06inline\x18\x03 \x01(\x0cH\x00\x12\x10\n\x06\x62uffer\x18\x04 \x01(\x04H\x00\x12\'\n\x05reply\x18\x05 \x01(\x0b\x32\x16.ephost.v1.InlineReplyH\x00\x42\n\n\x08location\"\x07\n\x05\x45mpty\"\x14\n\x06Handle\x12\n\n\x02id\x18\x01 \x01(\x04*n\n\x12HardwareDeviceType\x12\x1c\n\x18HARDWARE_DEVICE_TYPE_CPU\x10\x00\x12\x1c\n\x18HARDWARE_DEVICE_TYPE_GPU\x10\x01\x12\x1c\n\x18HARDWARE_DEVICE_TYPE_NPU\x10\x02*Z\n\x10\x44\x65viceMemoryType\x12\x1e\n\x1a\x44\x45VICE_MEMORY_TYPE_DEFAULT\x10\x00\x12&\n\"DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE\x10\x05*D\n\rAllocatorType\x12\x19\n\x15\x41LLOCATOR_TYPE_DEVICE\x10\x00\x12\x18\n\x14\x41LLOCATOR_TYPE_ARENA\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65phost/v1/common.proto\x12\tephost.v1\"\xf6\x01\n\nMemoryInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x32\n\x0b\x64\x65vice_type\x18\x02 \x01(\x0e\x32\x1d.ephost.v1.HardwareDeviceType\x12\x18\n\x10\x64\x65vice_vendor_id\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\x05\x12\x34\n\x0f\x64\x65vice_mem_type\x18\x05 \x01(\x0e\x32\x1b.ephost.v1.DeviceMemoryType\x12\x11\n\talignment\x18\x06 \x01(\x04\x12\x30\n\x0e\x61llocator_type\x18\x07 \x01(\x0e\x32\x18.ephost.v1.AllocatorType\"\xdf\x01\n\x0eHardwareDevice\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.ephost.v1.HardwareDeviceType\x12\x11\n\tvendor_id\x18\x02 \x01(\r\x12\x0e\n\x06vendor\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x39\n\x08metadata\x18\x05 \x03(\x0b\x32\'.ephost.v1.HardwareDevice.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xec\x02\n\x08\x45pDevice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x65p_name\x18\x02 \x01(\t\x12\x11\n\tep_vendor\x18\x03 \x01(\t\x12\x38\n\x0b\x65p_metadata\x18\x04 \x03(\x0b\x32#.ephost.v1.EpDevice.EpMetadataEntry\x12\x36\n\nep_options\x18\x05 \x03(\x0b\x32\".ephost.v1.EpDevice.EpOptionsEntry\x12)\n\x06\x64\x65vice\x18\x06 \x01(\x0b\x32\x19.ephost.v1.HardwareDevice\x12+\n\x0cmemory_infos\x18\x07 \x03(\x0b\x32\x15.ephost.v1.MemoryInfo\x1a\x31\n\x0f\x45pMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x30\n\x0e\x45pOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\".\n\nTensorDesc\x12\x11\n\telem_type\x18\x01 \x01(\x05\x12\r\n\x05shape\x18\x02 \x03(\x03\":\n\x08ShmSlice\x12\x0e\n\x06region\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"\r\n\x0bInlineReply\"\xd2\x01\n\tTensorRef\x12#\n\x04\x64\x65sc\x18\x01 \x01(\x0b\x32\x15.ephost.v1.TensorDesc\x12\"\n\x03shm\x18\x02 \x01(\x0b\x32\x13.ephost.v1.ShmSliceH\x00\x12\x10\n\x06inline\x18\x03 \x01(\x0cH\x00\x12\x10\n\x06\x62uffer\x18\x04 \x01(\x04H\x00\x12\'\n\x05reply\x18\x05 \x01(\x0b\x32\x16.ephost.v1.InlineReplyH\x00\x12#\n\x06mapped\x18\x06 \x01(\x0b\x32\x13.ephost.v1.ShmSliceB\n\n\x08location\"\x8f\x01\n\tOnnxValue\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.ephost.v1.OnnxValue.Kind\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"K\n\x04Kind\x12\x0f\n\x0bKIND_TENSOR\x10\x00\x12\x11\n\rKIND_SEQUENCE\x10\x01\x12\x11\n\rKIND_OPTIONAL\x10\x02\x12\x0c\n\x08KIND_MAP\x10\x03\"]\n\x05Value\x12&\n\x06tensor\x18\x01 \x01(\x0b\x32\x14.ephost.v1.TensorRefH\x00\x12$\n\x04onnx\x18\x02 \x01(\x0b\x32\x14.ephost.v1.OnnxValueH\x00\x42\x06\n\x04kind\"\x07\n\x05\x45mpty\"\x14\n\x06Handle\x12\n\n\x02id\x18\x01 \x01(\x04*n\n\x12HardwareDeviceType\x12\x1c\n\x18HARDWARE_DEVICE_TYPE_CPU\x10\x00\x12\x1c\n\x18HARDWARE_DEVICE_TYPE_GPU\x10\x01\x12\x1c\n\x18HARDWARE_DEVICE_TYPE_NPU\x10\x02*Z\n\x10\x44\x65viceMemoryType\x12\x1e\n\x1a\x44\x45VICE_MEMORY_TYPE_DEFAULT\x10\x00\x12&\n\"DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE\x10\x05*D\n\rAllocatorType\x12\x19\n\x15\x41LLOCATOR_TYPE_DEVICE\x10\x00\x12\x18\n\x14\x41LLOCATOR_TYPE_ARENA\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EPDEVICE_EPMETADATAENTRY']._serialized_options = b'8\001'
   _globals['_EPDEVICE_EPOPTIONSENTRY']._loaded_options = None
   _globals['_EPDEVICE_EPOPTIONSENTRY']._serialized_options = b'8\001'
-  _globals['_HARDWAREDEVICETYPE']._serialized_start=1209
-  _globals['_HARDWAREDEVICETYPE']._serialized_end=1319
-  _globals['_DEVICEMEMORYTYPE']._serialized_start=1321
-  _globals['_DEVICEMEMORYTYPE']._serialized_end=1411
-  _globals['_ALLOCATORTYPE']._serialized_start=1413
-  _globals['_ALLOCATORTYPE']._serialized_end=1481
+  _globals['_HARDWAREDEVICETYPE']._serialized_start=1487
+  _globals['_HARDWAREDEVICETYPE']._serialized_end=1597
+  _globals['_DEVICEMEMORYTYPE']._serialized_start=1599
+  _globals['_DEVICEMEMORYTYPE']._serialized_end=1689
+  _globals['_ALLOCATORTYPE']._serialized_start=1691
+  _globals['_ALLOCATORTYPE']._serialized_end=1759
   _globals['_MEMORYINFO']._serialized_start=38
   _globals['_MEMORYINFO']._serialized_end=284
   _globals['_HARDWAREDEVICE']._serialized_start=287
@@ -62,9 +62,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INLINEREPLY']._serialized_start=987
   _globals['_INLINEREPLY']._serialized_end=1000
   _globals['_TENSORREF']._serialized_start=1003
-  _globals['_TENSORREF']._serialized_end=1176
-  _globals['_EMPTY']._serialized_start=1178
-  _globals['_EMPTY']._serialized_end=1185
-  _globals['_HANDLE']._serialized_start=1187
-  _globals['_HANDLE']._serialized_end=1207
+  _globals['_TENSORREF']._serialized_end=1213
+  _globals['_ONNXVALUE']._serialized_start=1216
+  _globals['_ONNXVALUE']._serialized_end=1359
+  _globals['_ONNXVALUE_KIND']._serialized_start=1284
+  _globals['_ONNXVALUE_KIND']._serialized_end=1359
+  _globals['_VALUE']._serialized_start=1361
+  _globals['_VALUE']._serialized_end=1454
+  _globals['_EMPTY']._serialized_start=1456
+  _globals['_EMPTY']._serialized_end=1463
+  _globals['_HANDLE']._serialized_start=1465
+  _globals['_HANDLE']._serialized_end=1485
 # @@protoc_insertion_point(module_scope)

@@ -124,18 +124,46 @@ class InlineReply(_message.Message):
     def __init__(self) -> None: ...
 
 class TensorRef(_message.Message):
-    __slots__ = ("desc", "shm", "inline", "buffer", "reply")
+    __slots__ = ("desc", "shm", "inline", "buffer", "reply", "mapped")
     DESC_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_FIELD_NUMBER: _ClassVar[int]
     desc: TensorDesc
     shm: ShmSlice
     inline: bytes
     buffer: int
     reply: InlineReply
-    def __init__(self, desc: _Optional[_Union[TensorDesc, _Mapping]] = ..., shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., inline: _Optional[bytes] = ..., buffer: _Optional[int] = ..., reply: _Optional[_Union[InlineReply, _Mapping]] = ...) -> None: ...
+    mapped: ShmSlice
+    def __init__(self, desc: _Optional[_Union[TensorDesc, _Mapping]] = ..., shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., inline: _Optional[bytes] = ..., buffer: _Optional[int] = ..., reply: _Optional[_Union[InlineReply, _Mapping]] = ..., mapped: _Optional[_Union[ShmSlice, _Mapping]] = ...) -> None: ...
+
+class OnnxValue(_message.Message):
+    __slots__ = ("kind", "data")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_TENSOR: _ClassVar[OnnxValue.Kind]
+        KIND_SEQUENCE: _ClassVar[OnnxValue.Kind]
+        KIND_OPTIONAL: _ClassVar[OnnxValue.Kind]
+        KIND_MAP: _ClassVar[OnnxValue.Kind]
+    KIND_TENSOR: OnnxValue.Kind
+    KIND_SEQUENCE: OnnxValue.Kind
+    KIND_OPTIONAL: OnnxValue.Kind
+    KIND_MAP: OnnxValue.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    kind: OnnxValue.Kind
+    data: bytes
+    def __init__(self, kind: _Optional[_Union[OnnxValue.Kind, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("tensor", "onnx")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    ONNX_FIELD_NUMBER: _ClassVar[int]
+    tensor: TensorRef
+    onnx: OnnxValue
+    def __init__(self, tensor: _Optional[_Union[TensorRef, _Mapping]] = ..., onnx: _Optional[_Union[OnnxValue, _Mapping]] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

@@ -9,12 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelRef(_message.Message):
-    __slots__ = ("model", "sha256")
+    __slots__ = ("model", "sha256", "buffer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     model: bytes
     sha256: str
-    def __init__(self, model: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+    buffer: BufferBlob
+    def __init__(self, model: _Optional[bytes] = ..., sha256: _Optional[str] = ..., buffer: _Optional[_Union[BufferBlob, _Mapping]] = ...) -> None: ...
+
+class BufferBlob(_message.Message):
+    __slots__ = ("buffer", "nbytes")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    buffer: int
+    nbytes: int
+    def __init__(self, buffer: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class GetCapabilityRequest(_message.Message):
     __slots__ = ("ep", "model", "claimed_nodes")
@@ -47,20 +57,26 @@ class GetCapabilityResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[NodeGroup, _Mapping]]] = ...) -> None: ...
 
 class FusedGraph(_message.Message):
-    __slots__ = ("name", "model")
+    __slots__ = ("name", "nodes", "inputs", "outputs")
     NAME_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     name: str
-    model: ModelRef
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ...) -> None: ...
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CompileRequest(_message.Message):
-    __slots__ = ("ep", "graphs")
+    __slots__ = ("ep", "model", "graphs")
     EP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
     ep: int
+    model: ModelRef
     graphs: _containers.RepeatedCompositeFieldContainer[FusedGraph]
-    def __init__(self, ep: _Optional[int] = ..., graphs: _Optional[_Iterable[_Union[FusedGraph, _Mapping]]] = ...) -> None: ...
+    def __init__(self, ep: _Optional[int] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ..., graphs: _Optional[_Iterable[_Union[FusedGraph, _Mapping]]] = ...) -> None: ...
 
 class CompileResponse(_message.Message):
     __slots__ = ("node_compute_infos",)
@@ -69,22 +85,26 @@ class CompileResponse(_message.Message):
     def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("node_compute_info", "inputs", "outputs", "stream")
+    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep")
     NODE_COMPUTE_INFO_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
+    INLINE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     node_compute_info: int
-    inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
-    outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
+    inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Value]
+    output_allocator: int
+    inline_limit: int
     stream: int
-    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., stream: _Optional[int] = ...) -> None: ...
+    keep: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
     __slots__ = ("outputs",)
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
-    outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Value]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ...) -> None: ...
 
 class ReleaseNodeComputeInfosRequest(_message.Message):
     __slots__ = ("ep", "node_compute_infos")

@@ -1,0 +1,93 @@
+"""ONNX's own node test cases through ephost (ephost.backend): every case ONNX's reference evaluator passes
+in one process must pass through ephost, with the tolerances each case carries."""
+import collections
+import warnings
+
+import pytest
+from onnx.backend.test.case.node import collect_testcases
+from onnx.backend.test.runner import Runner
+from onnx.reference import ReferenceEvaluator
+
+import ephost
+from ephost import backend
+from ephost.eps.reference import evaluator_ops
+
+
+def run_case(case, prepare) -> None:
+    rep = prepare(case.model)
+    try:
+        for inputs, expected in case.data_sets:
+            outputs = rep.run(inputs)
+            Runner.assert_similar_outputs(expected, outputs, rtol=case.rtol, atol=case.atol, model_dir=None)
+    finally:
+        if hasattr(rep, "close"):
+            rep.close()
+
+
+class _InProcess:
+    def __init__(self, model):
+        self.evaluator = ReferenceEvaluator(model)
+        self.names = [i.name for i in model.graph.input]
+
+    def run(self, inputs):
+        return self.evaluator.run(None, dict(zip(self.names, inputs)))
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """(all node cases, those the reference evaluator passes in one process)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        every = collect_testcases(None)
+        passing = []
+        for case in every:
+            try:
+                run_case(case, _InProcess)
+            except Exception:
+                continue
+            passing.append(case)
+    return every, passing
+
+
+def through(env, providers, cases):
+    failures, partitions = [], collections.Counter()
+
+    def prepare(model):
+        rep = backend.prepare(model, env=env, providers=providers)
+        partitions[len(rep.session.get_provider_graph_assignment_info())] += 1
+        return rep
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for case in cases:
+            try:
+                run_case(case, prepare)
+            except Exception as e:
+                failures.append(f"{case.name}: {type(e).__name__}: {str(e)[:300]}")
+    return failures, partitions
+
+
+def test_every_case_the_evaluator_passes_passes_on_a_reference_worker(cases):
+    every, passing = cases
+    assert len(every) > 1500 and len(passing) > 1500
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("worker", "reference")
+        failures, partitions = through(env, ["worker"], passing)
+    print(f"\nONNX node cases: {len(every)}; reference evaluator in process passes {len(passing)}; "
+          f"through one reference worker: {len(passing) - len(failures)} pass")
+    assert failures == [], "\n".join(failures[:20])
+    assert set(partitions) <= {0, 1}, "a single worker that takes every op makes one partition"
+
+
+def test_every_case_passes_split_across_two_workers_and_the_fallback(cases):
+    _, passing = cases
+    ops = sorted(evaluator_ops())
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("a", "reference", {"ops": ",".join(ops[0::3])})
+        env.register_execution_provider_library("b", "reference", {"ops": ",".join(ops[1::3])})
+        failures, partitions = through(env, ["a", "b"], passing)
+    multi = sum(n for k, n in partitions.items() if k > 1)
+    print(f"\nsplit across two workers and the fallback: {len(passing) - len(failures)} of {len(passing)} pass; "
+          f"{multi} models ran as several partitions (up to {max(partitions)})")
+    assert failures == [], "\n".join(failures[:20])
+    assert multi > 200
