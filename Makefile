@@ -20,7 +20,7 @@ $(VENV)/.installed-run: pyproject.toml | $(BIN)/python
 	touch $@
 
 run: $(VENV)/.installed-run
-	$(BIN)/ephost check reference
+	$(BIN)/ephost run
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

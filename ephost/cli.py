@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--mib", type=int, default=64, help="tensor size in MiB (default 64)")
         p.set_defaults(func=func)
 
+    from ephost import run_command
+    run_command.add_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")

@@ -36,3 +36,28 @@ def test_errors_are_one_clear_line():
     assert "Traceback" not in result.stderr
     result = ephost("devices", "unix:///nonexistent/ephost.sock", "--option", "connect_timeout_s=2")
     assert result.returncode == 1 and "EpWorkerUnavailable" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_run_shows_who_ran_what(tmp_path):
+    import numpy as np
+    import onnx
+    import models
+    onnx.save(models.diamond((2, 3)), tmp_path / "diamond.onnx")
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+    np.save(tmp_path / "x.npy", x)
+    result = ephost("run", str(tmp_path / "diamond.onnx"), "--ep", "reference", "--option", "ops=Add,Mul",
+                    "--ep", "reference", "--option", "ops=Relu", "--input", f"x={tmp_path / 'x.npy'}", "--runs", "2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    table = lines[lines.index(next(l for l in lines if l.startswith("partition"))) + 2:][:3]
+    assert [row.split()[:4] for row in table] == [["0", "reference", "reference", "1"],
+                                                  ["1", "reference#1", "reference", "1"],
+                                                  ["2", "reference", "reference", "1"]]
+    assert "y  float32[2, 3]" in result.stdout and "time per run" in result.stdout
+
+
+def test_run_without_a_model_checks_the_bundled_resnet50():
+    result = ephost("run", "--runs", "1", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "matches the expected output" in result.stdout
+    assert "float32[1, 1000]" in result.stdout

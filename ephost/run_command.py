@@ -1,0 +1,167 @@
+"""`ephost run [MODEL] [--ep TARGET [--option KEY=VALUE ...]] ... [--input NAME=FILE.npy ...]`.
+
+Loads a model into an InferenceSession over the given EPs (default: a reference worker), feeds it the given
+inputs or random ones of the declared shapes, and prints which EP got which nodes, the outputs and the time
+per run. Without MODEL it runs the resnet50 that ships with the onnx package and checks it against the
+output shipped beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ephost.errors import EpInvalidArgument
+from ephost.types import dtype_of
+
+DEFAULT_MODEL = "resnet50"
+
+
+@dataclass
+class EpArg:
+    target: str
+    options: dict[str, str] = field(default_factory=dict)
+
+
+class _AddEp(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.ep.append(EpArg(value))
+
+
+class _AddOption(argparse.Action):
+    """--option KEY=VALUE belongs to the --ep before it."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            parser.error(f"--option takes KEY=VALUE, got {value!r}")
+        if not namespace.ep:
+            parser.error("--option must follow the --ep it applies to")
+        namespace.ep[-1].options[key] = val
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run a model across EPs and show who ran what",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help=f"an .onnx file (default: the onnx package's {DEFAULT_MODEL})")
+    p.add_argument("--ep", action=_AddEp, default=[], metavar="TARGET",
+                   help="an EP name, worker address or inproc:NAME; repeat to add EPs in order of preference")
+    p.add_argument("--option", action=_AddOption, metavar="KEY=VALUE", help="an option of the --ep before it")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
+    p.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
+    p.set_defaults(func=main)
+
+
+def bundled_model(name: str) -> tuple[str, str]:
+    """(model path, expected output path) of a model the onnx package ships with its output."""
+    base = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", f"light_{name}")
+    return base + ".onnx", base + "_output_0.pb"
+
+
+def bundled_input(arg) -> np.ndarray:
+    """The input the onnx package's model tests feed (their expected outputs were made from it)."""
+    shape = tuple(d if isinstance(d, int) and d > 0 else 1 for d in arg.shape)
+    n = int(np.prod(shape))
+    return (np.arange(n).reshape(shape) / n).astype(np.float32)
+
+
+def random_input(arg, rng: np.random.Generator) -> np.ndarray:
+    if not arg.type.startswith("tensor("):
+        raise EpInvalidArgument(f"input {arg.name!r} is a {arg.type}; give it with --input")
+    shape = [d if isinstance(d, int) and d > 0 else 1 for d in (arg.shape or [])]
+    elem = onnx.TensorProto.DataType.Value(arg.type[len("tensor("):-1].upper())
+    dtype = dtype_of(elem)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) > 0.5
+    return rng.integers(0, 10, size=shape).astype(dtype)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _ops(nodes) -> str:
+    counts = Counter(n.op_type for n in nodes).most_common()
+    text = " ".join(f"{op}x{k}" for op, k in counts[:6])
+    return text + (f" +{len(counts) - 6} more" if len(counts) > 6 else "")
+
+
+def main(args) -> int:
+    from ephost import Environment, InferenceSession, SessionOptions
+
+    expected = None
+    path = args.model
+    if path is None:
+        path, expected_path = bundled_model(DEFAULT_MODEL)
+        expected = numpy_helper.to_array(onnx.load_tensor(expected_path))
+    eps = args.ep or [EpArg("reference")]
+    with Environment() as env:
+        options = SessionOptions()
+        for i, ep in enumerate(eps):
+            name = ep.target if ep.target not in [e.target for e in eps[:i]] else f"{ep.target}#{i}"
+            env.register_execution_provider_library(name, ep.target, ep.options)
+            options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == name])
+        with InferenceSession(path, options, env=env) as session:
+            rng = np.random.default_rng(0)
+            given = dict(_load_input(spec) for spec in args.input)
+            feeds = {}
+            for arg in session.get_inputs():
+                if arg.name in given:
+                    feeds[arg.name] = given[arg.name]
+                elif expected is not None:
+                    feeds[arg.name] = bundled_input(arg)
+                else:
+                    feeds[arg.name] = random_input(arg, rng)
+            print(f"model: {path}")
+            rows = [["partition", "registration", "EP", "nodes", "ops"]]
+            for i, sub in enumerate(session.get_provider_graph_assignment_info()):
+                rows.append([str(i), sub.registration, sub.ep_name, str(len(sub.nodes)), _ops(sub.nodes)])
+            print(_table(rows))
+            start = time.perf_counter()
+            outputs = session.run(None, feeds)
+            first = time.perf_counter() - start
+            times = []
+            for _ in range(max(args.runs, 0)):
+                start = time.perf_counter()
+                outputs = session.run(None, feeds)
+                times.append(time.perf_counter() - start)
+            print("outputs:")
+            for arg, value in zip(session.get_outputs(), outputs):
+                shape = f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
+                print(f"  {arg.name}  {shape}")
+            ok = True
+            if expected is not None:
+                diff = float(np.max(np.abs(outputs[0] - expected)))
+                ok = bool(np.allclose(outputs[0], expected, rtol=1e-3, atol=1e-5))
+                print(f"  {'matches' if ok else 'DIFFERS FROM'} the expected output shipped with the model "
+                      f"(max abs difference {diff:.2e})")
+            median = statistics.median(times) if times else first
+            print(f"time per run: {_ms(median)} median of {len(times)} runs (first run {_ms(first)})")
+    return 0 if ok else 1
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _load_input(spec: str) -> tuple[str, np.ndarray]:
+    name, sep, path = spec.partition("=")
+    if not sep:
+        raise EpInvalidArgument(f"--input takes NAME=FILE.npy, got {spec!r}")
+    try:
+        return name, np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise EpInvalidArgument(f"cannot read input {name!r} from {path}: {e}") from None
+
