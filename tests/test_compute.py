@@ -5,7 +5,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import ephost
+from ephost import Tensor
 from ephost.eps.base import FusedGraph
+from ephost.graph import GraphIndex, prepare_model
 
 
 def small_model() -> onnx.ModelProto:
@@ -41,18 +43,23 @@ def test_ops_allow_list_limits_capability():
         assert set(group.node_names) == {"add", "mul"}
 
 
+def whole(name, model):
+    index = GraphIndex.of(prepare_model(model))
+    return FusedGraph(name, index, tuple(index.order), tuple(index.graph_inputs), tuple(index.graph_outputs))
+
+
 def test_compile_and_compute_match_the_evaluator(ep):
-    model = small_model()
-    (info,) = ep.compile([FusedGraph("whole", model)])
+    graph = whole("whole", small_model())
+    (info,) = ep.compile([graph])
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
-    (y,) = info.compute([x])
-    np.testing.assert_allclose(y, np.maximum(x + x, 0) * x, rtol=1e-6)
-    (again,) = ep.compile([FusedGraph("again", model)])  # the same model travels once, by hash
-    np.testing.assert_allclose(again.compute([x])[0], y)
+    (y,) = info.compute([Tensor.from_numpy(x)])
+    np.testing.assert_allclose(y.numpy(), np.maximum(x + x, 0) * x, rtol=1e-6)
+    (again,) = ep.compile([FusedGraph("again", graph.source, graph.nodes, graph.inputs, graph.outputs)])
+    np.testing.assert_allclose(again.compute([Tensor.from_numpy(x)])[0].numpy(), y.numpy())
     ep.release_node_compute_infos([info, again])
 
 
 def test_compute_with_the_wrong_inputs_is_a_clear_error(ep):
-    (info,) = ep.compile([FusedGraph("whole", small_model())])
+    (info,) = ep.compile([whole("whole", small_model())])
     with pytest.raises(ephost.EpInvalidArgument, match="takes 1 inputs, got 2"):
-        info.compute([np.zeros((2, 3), np.float32)] * 2)
+        info.compute([Tensor.from_numpy(np.zeros((2, 3), np.float32))] * 2)
