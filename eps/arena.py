@@ -147,12 +147,17 @@ class ArenaAllocator:
                 return
             chunk = next(c for c in self._chunks if c.region is buffer.region)
             chunk.give_back(buffer.offset, size)
-            # Keep the first region; give the others back as soon as they are empty.
-            if chunk.live == 0 and chunk is not self._chunks[0]:
-                self._chunks.remove(chunk)
-                self._stats["TotalAllocated"] -= chunk.region.size
-                self._stats["NumArenaShrinkages"] += 1
-                chunk.region.close()
+            if chunk.live == 0:
+                self._shrink(keep=chunk)
+
+    def _shrink(self, keep: _Chunk) -> None:
+        """Give back empty regions, except the first and the one just emptied: a loop that allocates and
+        frees a large tensor reuses its region instead of mapping a new one every time."""
+        for chunk in [c for c in self._chunks[1:] if c.live == 0 and c is not keep]:
+            self._chunks.remove(chunk)
+            self._stats["TotalAllocated"] -= chunk.region.size
+            self._stats["NumArenaShrinkages"] += 1
+            chunk.region.close()
 
     def get_stats(self) -> dict[str, int]:
         with self._lock:
