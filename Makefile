@@ -12,11 +12,11 @@ $(BIN)/python:
 
 # One stamp per set of extras, rebuilt when the project's metadata changes.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,onnxruntime]'
+	$(BIN)/python -m pip install -q -e '.[test,openvino]'
 	touch $@
 
 $(VENV)/.installed-run: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[onnxruntime]'
+	$(BIN)/python -m pip install -q -e '.[openvino]'
 	touch $@
 
 run: $(VENV)/.installed-run

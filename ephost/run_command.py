@@ -1,9 +1,10 @@
 """`ephost run [MODEL] [--ep TARGET [--option KEY=VALUE ...]] ... [--input NAME=FILE.npy ...]`.
 
-Loads a model into an InferenceSession over the given EPs (default: a reference worker), feeds it the given
-inputs or random ones of the declared shapes, and prints which EP got which nodes, the outputs and the time
-per run. Without MODEL it runs the resnet50 that ships with the onnx package and checks it against the
-output shipped beside it.
+Loads a model into an InferenceSession over the given EPs (default: OpenVINO's plugin EP in a worker, or ONNX
+Runtime's CPU EP in a worker where OpenVINO has no device), feeds it the given inputs or random ones of the
+declared shapes, and prints which EP got which nodes, the outputs and the time per run. Without MODEL it runs
+the resnet50 that ships with the onnx package, checks it against the output shipped beside it, and times the
+same model in this process under ONNX Runtime's CPU EP.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ephost.errors import EpInvalidArgument
+from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.types import dtype_of
 
 DEFAULT_MODEL = "resnet50"
+MAX_ROWS = 40
 
 
 @dataclass
@@ -55,7 +57,9 @@ def add_parser(sub) -> None:
                    help="an EP name, worker address or inproc:NAME; repeat to add EPs in order of preference")
     p.add_argument("--option", action=_AddOption, metavar="KEY=VALUE", help="an option of the --ep before it")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
-    p.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up (default 3)")
+    p.add_argument("--runs", type=int, default=10, help="timed runs after one warm-up (default 10)")
+    p.add_argument("--compare", action="store_true",
+                   help="also time the model in this process under ONNX Runtime's CPU EP")
     p.set_defaults(func=main)
 
 
@@ -106,13 +110,17 @@ def main(args) -> int:
     if path is None:
         path, expected_path = bundled_model(DEFAULT_MODEL)
         expected = numpy_helper.to_array(onnx.load_tensor(expected_path))
-    eps = args.ep or [EpArg("reference")]
     with Environment() as env:
         options = SessionOptions()
+        eps = args.ep or default_eps(env)
         for i, ep in enumerate(eps):
             name = ep.target if ep.target not in [e.target for e in eps[:i]] else f"{ep.target}#{i}"
-            env.register_execution_provider_library(name, ep.target, ep.options)
-            options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == name])
+            if name not in env._registrations:
+                env.register_execution_provider_library(name, ep.target, ep.options)
+            devices = [d for d in env.get_ep_devices() if d.registration_name == name]
+            if not devices:
+                raise EpNotFound(f"{ep.target} reports no device on this machine")
+            options.add_provider_for_devices(devices)
         with InferenceSession(path, options, env=env) as session:
             rng = np.random.default_rng(0)
             given = dict(_load_input(spec) for spec in args.input)
@@ -126,9 +134,12 @@ def main(args) -> int:
                     feeds[arg.name] = random_input(arg, rng)
             print(f"model: {path}")
             rows = [["partition", "registration", "EP", "nodes", "ops"]]
-            for i, sub in enumerate(session.get_provider_graph_assignment_info()):
+            assigned = session.get_provider_graph_assignment_info()
+            for i, sub in enumerate(assigned[:MAX_ROWS]):
                 rows.append([str(i), sub.registration, sub.ep_name, str(len(sub.nodes)), _ops(sub.nodes)])
             print(_table(rows))
+            if len(assigned) > MAX_ROWS:
+                print(f"... and {len(assigned) - MAX_ROWS} more partitions")
             start = time.perf_counter()
             outputs = session.run(None, feeds)
             first = time.perf_counter() - start
@@ -149,7 +160,49 @@ def main(args) -> int:
                       f"(max abs difference {diff:.2e})")
             median = statistics.median(times) if times else first
             print(f"time per run: {_ms(median)} median of {len(times)} runs (first run {_ms(first)})")
+            if not args.model or args.compare:
+                baseline = in_process_ort(path, feeds, max(args.runs, 1))
+                if baseline is not None:
+                    print(f"in process, ONNX Runtime's CPU EP: {_ms(baseline)} median; "
+                          f"out of process / in process: {median / baseline:.2f}")
     return 0 if ok else 1
+
+
+def default_eps(env) -> list[EpArg]:
+    """OpenVINO's plugin EP in a worker where it runs on this machine; ONNX Runtime's CPU EP where not."""
+    try:
+        import onnxruntime_ep_openvino
+        library = onnxruntime_ep_openvino.get_library_path()
+    except ImportError:
+        print("OpenVINO EP: not installed (pip install 'ephost[openvino]'); using ONNX Runtime's CPU EP")
+        return [EpArg("onnxruntime")]
+    env.register_execution_provider_library("openvino", library)
+    if any(d.registration_name == "openvino" for d in env.get_ep_devices()):
+        return [EpArg("openvino")]
+    env.unregister_execution_provider_library("openvino")
+    from ephost.eps.reference import cpu_device
+    vendor = cpu_device().vendor
+    print(f"OpenVINO EP: its library loads but reports no device here (it takes Intel devices; this CPU is "
+          f"{vendor}); using ONNX Runtime's CPU EP")
+    return [EpArg("onnxruntime")]
+
+
+def in_process_ort(path: str, feeds: dict, runs: int) -> float | None:
+    """Median seconds per run of the same model in this process under ONNX Runtime's CPU EP."""
+    try:
+        import onnxruntime as ort
+        from ephost.eps.onnxruntime import readable_model
+    except ImportError:
+        return None
+    session = ort.InferenceSession(readable_model(onnx.load(path)).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    session.run(None, feeds)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _ms(seconds: float) -> str:

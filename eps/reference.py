@@ -16,16 +16,12 @@ import onnx.defs
 from onnx.reference import ReferenceEvaluator
 
 from ephost.eps import check_options
-from ephost.eps.arena import ArenaAllocator
 from ephost.eps.base import FusedGraph, NodeGroup
-from ephost.eps.streams import QueueStream
-from ephost.eps.transfer import HostDataTransfer
-from ephost.errors import EpError, EpInvalidArgument, EpNotFound
+from ephost.eps.host import HostMemoryFactory
+from ephost.errors import EpError, EpInvalidArgument
 from ephost.tensor import Tensor
 from ephost.values import as_value
-from ephost.memory import Region
-from ephost.types import (AllocatorType, DeviceMemoryType, EpDeviceInfo, HardwareDevice, HardwareDeviceType,
-                          MemoryInfo)
+from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType
 
 EP_NAME = "reference"
 VERSION = "0.1.0"
@@ -51,7 +47,7 @@ def evaluator_ops() -> frozenset[str]:
 
 
 @functools.cache
-def _cpu_device() -> HardwareDevice:
+def cpu_device() -> HardwareDevice:
     vendor, vendor_id = "unknown", 0
     try:
         with open("/proc/cpuinfo") as f:
@@ -129,7 +125,7 @@ class ReferenceEp:
         pass
 
 
-class ReferenceEpFactory:
+class ReferenceEpFactory(HostMemoryFactory):
     def __init__(self, options: Mapping[str, str] | None = None):
         options = dict(options or {})
         check_options(EP_NAME, options, OPTIONS)
@@ -143,15 +139,10 @@ class ReferenceEpFactory:
             self._ops = ops
         else:
             self._ops = known
-        device = _cpu_device()
-        self._memory = {
-            t: MemoryInfo(name, HardwareDeviceType.CPU, device.vendor_id, 0, t, 64, AllocatorType.ARENA)
-            for t, name in ((DeviceMemoryType.DEFAULT, "reference"),
-                            (DeviceMemoryType.HOST_ACCESSIBLE, "reference_host_accessible"))
-        }
+        device = cpu_device()
+        self._init_memory(EP_NAME, device.vendor_id)
         self._device = EpDeviceInfo(
-            index=0, ep_name=EP_NAME, ep_vendor="ephost", device=device,
-            memory_infos=tuple(self._memory.values()),
+            index=0, ep_name=EP_NAME, ep_vendor="ephost", device=device, memory_infos=self.memory_infos,
             ep_metadata={"version": VERSION, "ops": str(len(self._ops))},
             ep_options={k: v for k, v in options.items()},
         )
@@ -175,36 +166,12 @@ class ReferenceEpFactory:
     def get_supported_devices(self) -> list[EpDeviceInfo]:
         return [self._device]
 
-    def _check_devices(self, indices: Sequence[int]) -> None:
-        bad = [i for i in indices if i != 0]
-        if bad:
-            raise EpNotFound(f"reference EP has one device (index 0); no device {bad[0]}")
-
     def create_ep(self, device_indices: Sequence[int], session_options: Mapping[str, str]) -> ReferenceEp:
         self._check_devices(device_indices)
         return ReferenceEp(self._ops, session_options)
 
     def release_ep(self, ep: ReferenceEp) -> None:
         pass
-
-    def create_allocator(self, memory_info: MemoryInfo, options: Mapping[str, str]) -> ArenaAllocator:
-        if memory_info not in self._memory.values():
-            raise EpNotFound(f"reference EP has no memory {memory_info.name!r}")
-        shared = memory_info.device_mem_type == DeviceMemoryType.HOST_ACCESSIBLE
-        return ArenaAllocator(memory_info, Region.create_shared if shared else Region.create_private, options)
-
-    def release_allocator(self, allocator: ArenaAllocator) -> None:
-        allocator.close()
-
-    def create_data_transfer(self) -> HostDataTransfer:
-        return HostDataTransfer(self._memory.values())
-
-    def is_stream_aware(self) -> bool:
-        return True
-
-    def create_sync_stream_for_device(self, device_index: int, options: Mapping[str, str]) -> QueueStream:
-        self._check_devices([device_index])
-        return QueueStream("reference stream")
 
     def close(self) -> None:
         pass

@@ -1,0 +1,54 @@
+"""Memory, copies and streams for EPs whose device memory is this process's own memory (CPU EPs, and vendor
+EPs that run on the CPU): HOST_ACCESSIBLE arenas of shared memory the application maps, DEFAULT arenas of
+private memory, a data transfer that copies bytes, and queue streams."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from ephost.eps.arena import ArenaAllocator
+from ephost.eps.streams import QueueStream
+from ephost.eps.transfer import HostDataTransfer
+from ephost.errors import EpNotFound
+from ephost.memory import Region
+from ephost.types import AllocatorType, DeviceMemoryType, HardwareDeviceType, MemoryInfo
+
+
+class HostMemoryFactory:
+    """Mixin for an EP factory: call `_init_memory` in __init__, set `device_count`."""
+
+    device_count = 1
+
+    def _init_memory(self, name: str, vendor_id: int) -> None:
+        self._memory = {
+            t: MemoryInfo(memory_name, HardwareDeviceType.CPU, vendor_id, 0, t, 64, AllocatorType.ARENA)
+            for t, memory_name in ((DeviceMemoryType.DEFAULT, name),
+                                   (DeviceMemoryType.HOST_ACCESSIBLE, f"{name}_host_accessible"))
+        }
+
+    @property
+    def memory_infos(self) -> tuple[MemoryInfo, ...]:
+        return tuple(self._memory.values())
+
+    def _check_devices(self, indices: Sequence[int]) -> None:
+        bad = [i for i in indices if not 0 <= i < self.device_count]
+        if bad:
+            raise EpNotFound(f"{self.get_name()} has {self.device_count} device(s); no device {bad[0]}")
+
+    def create_allocator(self, memory_info: MemoryInfo, options: Mapping[str, str]) -> ArenaAllocator:
+        if memory_info not in self._memory.values():
+            raise EpNotFound(f"{self.get_name()} has no memory {memory_info.name!r}")
+        shared = memory_info.device_mem_type == DeviceMemoryType.HOST_ACCESSIBLE
+        return ArenaAllocator(memory_info, Region.create_shared if shared else Region.create_private, options)
+
+    def release_allocator(self, allocator: ArenaAllocator) -> None:
+        allocator.close()
+
+    def create_data_transfer(self) -> HostDataTransfer:
+        return HostDataTransfer(self._memory.values())
+
+    def is_stream_aware(self) -> bool:
+        return True
+
+    def create_sync_stream_for_device(self, device_index: int, options: Mapping[str, str]) -> QueueStream:
+        self._check_devices([device_index])
+        return QueueStream(f"{self.get_name()} stream")

@@ -1,0 +1,346 @@
+"""The `onnxruntime` EP: ONNX Runtime inside the worker, with any of its execution providers by name or any
+ORT plugin EP library by path (OpenVINO's among them), so that a crash in vendor code stays in the worker.
+
+GetCapability is the vendor's own decision: ONNX Runtime is asked which nodes the chosen EP takes (with
+session.record_ep_graph_assignment_info), and each subgraph it assigns to that EP becomes a fused group.
+Compile builds one ORT session per partition; Compute binds inputs and outputs to the tensors' own memory
+(IOBinding over shared-memory arrays), so no tensor is copied inside the worker.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ephost.eps import check_options
+from ephost.eps.base import FusedGraph, NodeGroup
+from ephost.eps.host import HostMemoryFactory
+from ephost.eps.reference import cpu_device
+from ephost.errors import EpError, EpInvalidArgument, EpNotFound
+from ephost.tensor import Tensor
+from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype
+from ephost.values import as_value
+
+log = logging.getLogger(__name__)
+
+EP_NAME = "onnxruntime"
+CPU = "CPUExecutionProvider"
+OPTIONS = {
+    "provider": f"the ONNX Runtime execution provider to run (default {CPU}, or the EP of `library`)",
+    "provider_options": "options for that provider, as KEY=VALUE pairs separated by ';'",
+    "library": "path to an ONNX Runtime plugin EP library to register and use",
+    "intra_op_num_threads": "threads inside one operator (ORT's default: one per core)",
+    "inter_op_num_threads": "threads across operators",
+    "graph_optimization_level": "disable, basic, extended or all (default all)",
+}
+_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+           "all": "ORT_ENABLE_ALL"}
+_REGISTRATION = "ephost"
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise EpNotFound("the onnxruntime EP needs ONNX Runtime: pip install 'ephost[onnxruntime]'") from None
+    return onnxruntime
+
+
+@functools.cache
+def max_ir_version() -> int:
+    """The newest ONNX IR version this ONNX Runtime reads, found by asking it."""
+    ort = _ort()
+    for ir in range(onnx.IR_VERSION, 3, -1):
+        model = helper.make_model(
+            helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]),
+            opset_imports=[helper.make_opsetid("", 13)], ir_version=ir)
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=[CPU])
+            return ir
+        except Exception:
+            continue
+    return 3
+
+
+def readable_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with an IR version ONNX Runtime reads: lowered where its opsets allow it, else a clear error.
+    (The onnx package writes the newest IR version; ONNX Runtime may read only an older one.)"""
+    limit = max_ir_version()
+    if model.ir_version <= limit:
+        return model
+    needed = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    if needed > limit:
+        opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
+        raise EpInvalidArgument(f"the model's opsets ({opsets}) need ONNX IR version {needed}, and this ONNX Runtime "
+                                f"reads at most IR version {limit}")
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(model)
+    lowered.ir_version = limit
+    return lowered
+
+
+def _pairs(text: str, what: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise EpInvalidArgument(f"{what} takes KEY=VALUE pairs separated by ';', got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+class OrtComputeInfo:
+    def __init__(self, graph: FusedGraph, session):
+        self.name = graph.name
+        self._session = session
+        self._inputs = [i.name for i in session.get_inputs()]
+        self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
+
+    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = ()) -> list[Any]:
+        if len(inputs) != len(self._inputs):
+            raise EpInvalidArgument(f"{self.name} takes {len(self._inputs)} inputs, got {len(inputs)}")
+        arrays = {}
+        for name, value in zip(self._inputs, inputs):
+            if isinstance(value, Tensor):
+                value = value.local_array()
+                if value is None:
+                    raise EpInvalidArgument(f"input {name!r} is in memory this EP cannot read")
+            arrays[name] = value
+        if not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype) for v in arrays.values()):
+            return self._run(arrays)  # sequences, strings...: what IOBinding cannot bind
+        binding = self._session.io_binding()
+        for name, array in arrays.items():
+            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        placed: dict[str, Tensor] = {}
+        for name, static in self._outputs:
+            if allocator is not None and static is not None:
+                # ORT writes the result straight into memory the client maps: no copy anywhere.
+                tensor = Tensor.empty(static[0], static[1], allocator)
+                array = tensor.local_array()
+                binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+                placed[name] = tensor
+            else:
+                binding.bind_output(name, "cpu")
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as e:
+            raise EpInvalidArgument(f"{self.name} failed in ONNX Runtime: {e}") from None
+        produced = iter(binding.copy_outputs_to_cpu())
+        out = []
+        for name, static in self._outputs:
+            value = next(produced)
+            out.append(placed[name] if name in placed else as_value(value))
+        return out
+
+    def _run(self, feeds: dict[str, Any]) -> list[Any]:
+        try:
+            return [as_value(v) for v in self._session.run(None, feeds)]
+        except Exception as e:
+            raise EpInvalidArgument(f"{self.name} failed in ONNX Runtime: {e}") from None
+
+
+def _static(arg) -> tuple[tuple[int, ...], np.dtype] | None:
+    """(shape, dtype) of an output whose shape and plain type are known before the run."""
+    if not arg.type.startswith("tensor(") or not all(isinstance(d, int) and d >= 0 for d in arg.shape or [None]):
+        return None
+    try:
+        dtype = dtype_of(onnx.TensorProto.DataType.Value(arg.type[7:-1].upper()))
+    except (ValueError, EpError):
+        return None
+    return tuple(arg.shape), dtype
+
+
+class OrtEp:
+    def __init__(self, factory: "OrtEpFactory", devices: list, provider_options: dict[str, str]):
+        self._factory = factory
+        self._devices = devices
+        self._provider_options = provider_options
+        self.dynamic_options: dict[str, str] = {}
+
+    def get_name(self) -> str:
+        return self._factory.get_name()
+
+    def _session(self, model: onnx.ModelProto, *, capability: bool = False):
+        ort = _ort()
+        options = ort.SessionOptions()
+        f = self._factory
+        for key in ("intra_op_num_threads", "inter_op_num_threads"):
+            if key in f.options:
+                setattr(options, key, int(f.options[key]))
+        level = "disable" if capability else f.options.get("graph_optimization_level", "all")
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+        if capability:
+            options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+            options.log_severity_level = 4  # asking is allowed to fail; that is an answer, not an error
+        if f.ort_devices:
+            options.add_provider_for_devices([f.ort_devices[i] for i in self._devices], self._provider_options)
+            providers = None
+        else:
+            providers = [(f.provider, self._provider_options)]
+        return ort.InferenceSession(readable_model(model).SerializeToString(), options, providers=providers)
+
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+        try:
+            session = self._session(model, capability=True)
+        except EpError as e:
+            log.warning("%s takes no node of this model: %s", self.get_name(), e)
+            return []
+        except Exception as e:
+            # ORT will not take the whole model (an op no EP of it runs): ask node by node.
+            log.info("%s cannot load the whole model (%s); asking node by node", self.get_name(), e)
+            return self._capability_by_node(model, claimed)
+        # Everything ORT gives the chosen EP, as one group: the session splits it where fusing would make a
+        # cycle. (ORT reports the CPU EP's nodes one subgraph each; a partition of them is one ORT session.)
+        provider = self._factory.provider
+        model_nodes = {n.name for n in model.graph.node}
+        reported, names = set(), []
+        for subgraph in session.get_provider_graph_assignment_info():
+            for node in subgraph.get_nodes():
+                reported.add(node.name)
+                if subgraph.ep_name == provider and node.name in model_nodes and node.name not in claimed:
+                    names.append(node.name)
+        # Nodes ORT rewrote before assigning (ops it runs through their function body) are reported under
+        # other names, or none: ask about each of them alone. Constants become initializers: leave them.
+        rewritten = {n.name for n in model.graph.node
+                     if n.name not in reported and n.name not in claimed and n.op_type != "Constant"}
+        if rewritten:
+            for group in self._capability_by_node(model, claimed, only=rewritten):
+                names += group.node_names
+        return [NodeGroup(tuple(names), fused=True)] if names else []
+
+    def _capability_by_node(self, model: onnx.ModelProto, claimed: frozenset[str],
+                            only: set[str] | None = None) -> list[NodeGroup]:
+        from ephost.graph import GraphIndex
+        index = GraphIndex.of(model)
+        taken = []
+        for name in index.order:
+            if name in claimed or (only is not None and name not in only):
+                continue
+            inputs, outputs = index.partition_io([name])
+            single = FusedGraph(name, index, (name,), tuple(inputs), tuple(outputs))
+            try:
+                session = self._session(single.model, capability=True)
+            except Exception:
+                continue
+            if any(s.ep_name == self._factory.provider for s in session.get_provider_graph_assignment_info()):
+                taken.append(name)
+        return [NodeGroup(tuple(taken), fused=True)] if taken else []
+
+    def compile(self, graphs: Sequence[FusedGraph]) -> list[OrtComputeInfo]:
+        infos = []
+        for graph in graphs:
+            try:
+                session = self._session(graph.model)
+            except EpError:
+                raise
+            except Exception as e:
+                raise EpInvalidArgument(f"ONNX Runtime cannot compile {graph.name!r}: {e}") from None
+            infos.append(OrtComputeInfo(graph, session))
+        return infos
+
+    def release_node_compute_infos(self, infos) -> None:
+        pass  # each session goes with its compute info
+
+    def get_preferred_data_layout(self) -> str:
+        return "NCHW"
+
+    def set_dynamic_options(self, options: Mapping[str, str]) -> None:
+        self.dynamic_options.update(options)
+
+    def on_run_start(self, run_options: Mapping[str, str]) -> None:
+        pass
+
+    def on_run_end(self, sync_stream: bool) -> None:
+        pass
+
+
+class OrtEpFactory(HostMemoryFactory):
+    def __init__(self, options: Mapping[str, str] | None = None):
+        options = dict(options or {})
+        check_options(EP_NAME, options, OPTIONS)
+        level = options.get("graph_optimization_level", "all")
+        if level not in _LEVELS:
+            raise EpInvalidArgument(f"graph_optimization_level must be one of {sorted(_LEVELS)}, got {level!r}")
+        self.options = options
+        ort = _ort()
+        # ORT logs to stderr on its own; keep it to errors unless this process logs in detail.
+        ort.set_default_logger_severity(2 if log.isEnabledFor(logging.INFO) else 3)
+        self.provider_options = _pairs(options.get("provider_options", ""), "provider_options")
+        before = {d.ep_name for d in ort.get_ep_devices()}
+        library = options.get("library")
+        if library:
+            if not os.path.isfile(library):
+                raise EpNotFound(f"no plugin EP library at {library}")
+            try:
+                ort.register_execution_provider_library(_REGISTRATION, library)
+            except Exception as e:
+                raise EpInvalidArgument(f"ONNX Runtime cannot load the EP library {library}: {e}") from None
+        added = sorted({d.ep_name for d in ort.get_ep_devices()} - before)
+        self.provider = options.get("provider") or (added[0] if added else _library_ep_name(library) or CPU)
+        self.ort_devices = [d for d in ort.get_ep_devices() if d.ep_name == self.provider]
+        if not self.ort_devices and self.provider not in ort.get_available_providers() and not library:
+            raise EpNotFound(f"ONNX Runtime has no execution provider {self.provider!r}; it has "
+                             f"{', '.join(ort.get_available_providers())}")
+        self.version = ort.__version__
+        self._init_memory(self.provider, cpu_device().vendor_id)
+        self._devices = [self._device_info(i, d) for i, d in enumerate(self.ort_devices)]
+        if not self.ort_devices and not library:
+            # A provider ORT knows only by name (no plugin devices): it runs on this host.
+            self._devices = [EpDeviceInfo(0, self.provider, "Microsoft", cpu_device(), self.memory_infos,
+                                          {"version": self.version}, dict(self.provider_options))]
+        if library and not self._devices:
+            log.warning("EP library %s (EP %s) reports no device on this machine's hardware", library,
+                        self.provider)
+        self.device_count = len(self._devices)
+
+    def _device_info(self, index: int, d) -> EpDeviceInfo:
+        hw = d.device
+        device = HardwareDevice(HardwareDeviceType(int(hw.type.value)), hw.vendor_id, hw.vendor, hw.device_id,
+                                dict(hw.metadata))
+        return EpDeviceInfo(index, d.ep_name, d.ep_vendor, device, self.memory_infos, dict(d.ep_metadata),
+                            {**dict(d.ep_options), **self.provider_options})
+
+    def get_name(self) -> str:
+        return self.provider
+
+    def get_vendor(self) -> str:
+        return self._devices[0].ep_vendor if self._devices else "unknown"
+
+    def get_vendor_id(self) -> int:
+        return self._devices[0].device.vendor_id if self._devices else 0
+
+    def get_version(self) -> str:
+        return self.version
+
+    def get_supported_devices(self) -> list[EpDeviceInfo]:
+        return list(self._devices)
+
+    def create_ep(self, device_indices: Sequence[int], session_options: Mapping[str, str]) -> OrtEp:
+        self._check_devices(device_indices)
+        return OrtEp(self, list(device_indices) or [0], {**self.provider_options, **session_options})
+
+    def release_ep(self, ep: OrtEp) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _library_ep_name(library: str | None) -> str | None:
+    """The EP name a Python package that ships a plugin library declares (onnxruntime_ep_openvino does)."""
+    if not library:
+        return None
+    if "openvino" in os.path.basename(library):
+        try:
+            import onnxruntime_ep_openvino
+            return onnxruntime_ep_openvino.get_ep_name()
+        except ImportError:
+            return None
+    return None
