@@ -1,8 +1,12 @@
 import argparse
 
-from bench import copy_bandwidth
+from bench import copy_bandwidth, session_overhead
 
 parser = argparse.ArgumentParser(prog="python -m bench")
 parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
+parser.add_argument("which", nargs="*", choices=["copy", "session"], help="which benchmarks (default: all)")
 args = parser.parse_args()
-copy_bandwidth.main(quick=args.quick)
+for name, module in (("copy", copy_bandwidth), ("session", session_overhead)):
+    if not args.which or name in args.which:
+        module.main(quick=args.quick)
+        print()

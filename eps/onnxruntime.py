@@ -37,6 +37,7 @@ OPTIONS = {
     "intra_op_num_threads": "threads inside one operator (ORT's default: one per core)",
     "inter_op_num_threads": "threads across operators",
     "graph_optimization_level": "disable, basic, extended or all (default all)",
+    "session_config": "ONNX Runtime session config entries, KEY=VALUE pairs separated by ';'",
 }
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
@@ -174,6 +175,8 @@ class OrtEp:
         for key in ("intra_op_num_threads", "inter_op_num_threads"):
             if key in f.options:
                 setattr(options, key, int(f.options[key]))
+        for key, value in f.session_config.items():
+            options.add_session_config_entry(key, value)
         level = "disable" if capability else f.options.get("graph_optimization_level", "all")
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
         if capability:
@@ -190,7 +193,7 @@ class OrtEp:
         try:
             session = self._session(model, capability=True)
         except EpError as e:
-            log.warning("%s takes no node of this model: %s", self.get_name(), e)
+            log.info("%s takes no node of this model: %s", self.get_name(), e)
             return []
         except Exception as e:
             # ORT will not take the whole model (an op no EP of it runs): ask node by node.
@@ -273,6 +276,7 @@ class OrtEpFactory(HostMemoryFactory):
         # ORT logs to stderr on its own; keep it to errors unless this process logs in detail.
         ort.set_default_logger_severity(2 if log.isEnabledFor(logging.INFO) else 3)
         self.provider_options = _pairs(options.get("provider_options", ""), "provider_options")
+        self.session_config = _pairs(options.get("session_config", ""), "session_config")
         before = {d.ep_name for d in ort.get_ep_devices()}
         library = options.get("library")
         if library:

@@ -56,7 +56,7 @@ class EpService(ep_pb2_grpc.EpServicer):
         self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident)
         keep = set(request.keep)
         return ep_pb2.ComputeResponse(outputs=[
-            output_value(client, allocator, 0 if i in keep else request.inline_limit, v)
+            output_value(self.state, client, allocator, 0 if i in keep else request.inline_limit, v)
             for i, v in enumerate(outputs)])
 
     @rpc

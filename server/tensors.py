@@ -76,7 +76,8 @@ def input_value(state: WorkerState, client: ClientState, message: common_pb2.Val
     return resolve(state, client, [ref], f"input {i}", writable=False).tensors[0], resident
 
 
-def output_value(client: ClientState, allocator, inline_limit: int, value: Any) -> common_pb2.Value:
+def output_value(state: WorkerState, client: ClientState, allocator, inline_limit: int,
+                 value: Any) -> common_pb2.Value:
     """A Compute output: left in a buffer of `allocator` (the client's handle to it is returned) when it is
     large enough and an allocator was given, else inline."""
     if not isinstance(value, Tensor):
@@ -87,10 +88,13 @@ def output_value(client: ClientState, allocator, inline_limit: int, value: Any) 
     buffer = value.buffer
     in_allocator = buffer is not None and buffer.region is not None \
         and allocator.region(buffer.region.id) is buffer.region  # the EP put it there itself
-    if not in_allocator:
+    if in_allocator:
+        state.stats.add(compute_outputs_in_place=1)
+    else:
         placed = Tensor.empty(value.shape, value.dtype, allocator)
         placed.local_bytes()[:] = value.local_bytes()
         value = placed
+        state.stats.add(compute_outputs_copied=1)
     buffer = value.detach_buffer()  # the client owns it from now on, through its handle
     ref = common_pb2.TensorRef(desc=desc, buffer=client.add("buffer", BufferEntry(allocator, buffer, produced=True)))
     if buffer.region is not None and buffer.region.shareable:

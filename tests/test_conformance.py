@@ -91,3 +91,41 @@ def test_every_case_passes_split_across_two_workers_and_the_fallback(cases):
           f"{multi} models ran as several partitions (up to {max(partitions)})")
     assert failures == [], "\n".join(failures[:20])
     assert multi > 200
+
+
+def test_every_case_onnx_runtime_passes_in_process_passes_through_an_onnxruntime_worker(cases):
+    """The vendor decides: ONNX Runtime in the worker takes what it can run; the reference fallback takes
+    the rest, so cases ORT cannot run alone pass as well."""
+    ort = pytest.importorskip("onnxruntime", reason="installed by the onnxruntime extra")
+    from ephost.eps.onnxruntime import readable_model
+
+    class InProcessOrt:
+        def __init__(self, model):
+            self.session = ort.InferenceSession(readable_model(model).SerializeToString(),
+                                                providers=["CPUExecutionProvider"])
+            self.names = [i.name for i in model.graph.input]
+
+        def run(self, inputs):
+            return self.session.run(None, dict(zip(self.names, inputs)))
+
+    every, _ = cases
+    ort.set_default_logger_severity(4)
+    ort_passing = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for case in every:
+            try:
+                run_case(case, InProcessOrt)
+                ort_passing.add(case.name)
+            except Exception:
+                pass
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ort", "onnxruntime")
+        failures, _ = through(env, ["ort"], every)
+    failed = {f.split(":", 1)[0] for f in failures}
+    passed = len(every) - len(failed)
+    print(f"\nONNX Runtime in process passes {len(ort_passing)} of {len(every)} node cases; through an onnxruntime "
+          f"worker with the reference fallback {passed} pass")
+    regressions = sorted(ort_passing & failed)
+    assert regressions == [], "\n".join(f for f in failures if f.split(":", 1)[0] in regressions)[:4000]
+    assert passed > len(ort_passing)

@@ -1,0 +1,122 @@
+"""Time per run of the same model in process (ONNX Runtime) and out of process (ephost, the same EP in a
+worker), measured side by side in one run: runs alternate between the two so that the machine's noise falls
+on both alike. Medians and ratios; for the tiny model, the overhead per call in microseconds.
+
+Both sides run ONNX Runtime with the same settings, thread spinning off: with it on, the threads of one side
+spin after each run and take the cores the other side's next run needs, which measures the spinning.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import ephost
+from ephost import InferenceSession, SessionOptions
+from ephost.eps.onnxruntime import readable_model
+from ephost.run_command import bundled_input, bundled_model
+from ephost.v1 import common_pb2
+
+CNNS = ["resnet50", "squeezenet", "shufflenet", "inception_v1", "densenet121"]
+SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
+
+
+def tiny_model() -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"], name="add")], "tiny", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def side_by_side(fns: dict, runs: int) -> dict[str, float]:
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ep_targets(env) -> list[tuple[str, str]]:
+    """(label, registration) of the EPs to compare: ORT's CPU EP, and OpenVINO where it has a device."""
+    config = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
+    env.register_execution_provider_library("ort-cpu", "onnxruntime", {"session_config": config})
+    targets = [("ORT CPU", "ort-cpu")]
+    try:
+        import onnxruntime_ep_openvino
+        env.register_execution_provider_library("openvino", "onnxruntime", {
+            "library": onnxruntime_ep_openvino.get_library_path(), "session_config": config})
+        if any(d.registration_name == "openvino" for d in env.get_ep_devices()):
+            targets.append(("OpenVINO", "openvino"))
+        else:
+            env.unregister_execution_provider_library("openvino")
+    except ImportError:
+        pass
+    return targets
+
+
+def in_process_session(model: onnx.ModelProto, label: str):
+    data = readable_model(model).SerializeToString()
+    options = ort.SessionOptions()
+    for key, value in SESSION_CONFIG.items():
+        options.add_session_config_entry(key, value)
+    if label == "OpenVINO":
+        import onnxruntime_ep_openvino as ov
+        ort.register_execution_provider_library("bench-openvino", ov.get_library_path())
+        options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == ov.get_ep_name()], {})
+        return ort.InferenceSession(data, options)
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def options_for(env, registration: str) -> SessionOptions:
+    options = SessionOptions()
+    options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == registration])
+    return options
+
+
+def main(quick: bool = False) -> None:
+    ort.set_default_logger_severity(3)
+    runs = 20 if quick else 60
+    cnn_runs = 5 if quick else 15
+    with ephost.Environment() as env:
+        targets = ep_targets(env)
+        conn = env._registrations["ort-cpu"].factory.conn
+        x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+        tiny = tiny_model()
+        with InferenceSession(tiny, options_for(env, "ort-cpu"), env=env) as session:
+            inproc = in_process_session(tiny, "ORT CPU")
+            t = side_by_side({
+                "in process": lambda: inproc.run(None, {"x": x}),
+                "out of process": lambda: session.run(None, {"x": x}),
+                "empty gRPC call": lambda: conn.call(conn.worker.GetInfo, common_pb2.Empty()),
+            }, runs)
+        print("Tiny model (one Add on 16 floats), ORT CPU EP, median per run\n")
+        print("| in process | out of process | overhead per call | of which an empty gRPC call |")
+        print("|---|---|---|---|")
+        print(f"| {t['in process'] * 1e6:.0f} µs | {t['out of process'] * 1e6:.0f} µs | "
+              f"{(t['out of process'] - t['in process']) * 1e6:.0f} µs | {t['empty gRPC call'] * 1e6:.0f} µs |")
+
+        print("\nCNNs from the onnx package, median per run, out of process / in process with the same EP\n")
+        print("| model | EP | in process | out of process | ratio |")
+        print("|---|---|---|---|---|")
+        for name in CNNS[:2] if quick else CNNS:
+            path, _ = bundled_model(name)
+            model = onnx.load(path)
+            for label, registration in targets:
+                with InferenceSession(model, options_for(env, registration), env=env) as session:
+                    (arg,) = session.get_inputs()
+                    feeds = {arg.name: bundled_input(arg)}
+                    inproc = in_process_session(model, label)
+                    t = side_by_side({"in": lambda: inproc.run(None, feeds),
+                                      "out": lambda: session.run(None, feeds)}, cnn_runs)
+                print(f"| {name} | {label} | {t['in'] * 1e3:.1f} ms | {t['out'] * 1e3:.1f} ms | "
+                      f"{t['out'] / t['in']:.3f} |")
+        if len(targets) == 1:
+            print("\nOpenVINO: its plugin library reports no device on this machine, so it is not in the table.")

@@ -1,0 +1,143 @@
+"""The onnxruntime EP: ONNX Runtime and its plugin EP libraries (OpenVINO's) inside a worker."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+import ephost
+from ephost import InferenceSession, SessionOptions
+from ephost.eps.onnxruntime import max_ir_version, readable_model
+from ephost.run_command import bundled_input, bundled_model
+import models
+
+OPENVINO = pytest.importorskip("onnxruntime_ep_openvino", reason="installed by the openvino extra")
+
+
+@pytest.fixture(scope="module")
+def ort_env():
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ort", "onnxruntime")
+        yield env
+
+
+def options_for(env, *names):
+    options = SessionOptions()
+    for name in names:
+        options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == name])
+    return options
+
+
+def stats(env, registration):
+    from ephost.v1 import common_pb2
+    conn = env._registrations[registration].factory.conn
+    return conn.call(conn.worker.GetStats, common_pb2.Empty())
+
+
+def test_devices_are_what_onnx_runtime_reports(ort_env):
+    (device,) = [d for d in ort_env.get_ep_devices() if d.registration_name == "ort"]
+    (expected,) = [d for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider"]
+    assert (device.ep_name, device.ep_vendor, device.ep_metadata) == \
+           (expected.ep_name, expected.ep_vendor, dict(expected.ep_metadata))
+    hw = device.device
+    assert (int(hw.type), hw.vendor_id, hw.vendor, hw.device_id) == \
+           (int(expected.device.type.value), expected.device.vendor_id, expected.device.vendor, expected.device.device_id)
+    assert device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE) is not None
+
+
+@pytest.mark.parametrize("name", ["resnet50", "squeezenet", "shufflenet"])
+def test_real_models_match_their_expected_outputs(ort_env, name):
+    path, expected_path = bundled_model(name)
+    expected = numpy_helper.to_array(onnx.load_tensor(expected_path))
+    with InferenceSession(path, options_for(ort_env, "ort"), env=ort_env) as session:
+        assert {s.registration for s in session.get_provider_graph_assignment_info()} == {"ort"}
+        (arg,) = session.get_inputs()
+        (y,) = session.run(None, {arg.name: bundled_input(arg)})
+    np.testing.assert_allclose(y, expected, rtol=1e-3, atol=1e-5)
+
+
+def test_outputs_are_written_in_place_into_shared_memory(ort_env):
+    """IOBinding: ORT writes a large output straight into memory the client maps; the reference EP, which
+    makes its own arrays, has its outputs copied there."""
+    model = models.chain(["Relu", "Neg"], shape=(512, 512))  # 1 MiB out: through shared memory
+    x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as session:
+        before = stats(ort_env, "ort")
+        (y,) = session.run(None, {"x": x})
+        after = stats(ort_env, "ort")
+    np.testing.assert_array_equal(y, -np.maximum(x, 0))
+    assert after.compute_outputs_in_place - before.compute_outputs_in_place == 1
+    assert after.compute_outputs_copied == before.compute_outputs_copied
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ref", "reference")
+        with InferenceSession(model, options_for(env, "ref"), env=env) as session:
+            session.run(None, {"x": x})
+            assert stats(env, "ref").compute_outputs_copied == 1
+
+
+def test_nodes_onnx_runtime_lacks_fall_back(ort_env):
+    # Mish on double at opset 24: ONNX Runtime's CPU EP has no kernel for it; the reference fallback has.
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Cast", ["r"], ["d"], name="cast", to=onnx.TensorProto.DOUBLE),
+             helper.make_node("Mish", ["d"], ["y"], name="mish")]
+    model = models.model(nodes, [models.tensor("x", [3, 3])], [models.tensor("y", [3, 3], onnx.TensorProto.DOUBLE)],
+                         opset=[helper.make_opsetid("", 24)])
+    x = np.random.default_rng(1).standard_normal((3, 3)).astype(np.float32)
+    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as session:
+        owners = {n.name: s.registration for s in session.get_provider_graph_assignment_info() for n in s.nodes}
+        assert owners == {"relu": "ort", "cast": "ort", "mish": "fallback"}
+        (y,) = session.run(None, {"x": x})
+    d = np.maximum(x, 0).astype(np.float64)
+    np.testing.assert_allclose(y, d * np.tanh(np.log1p(np.exp(d))), rtol=1e-6)
+
+
+def test_ir_versions_onnx_runtime_cannot_read(ort_env):
+    model = models.diamond()
+    model.ir_version = max_ir_version() + 1
+    assert readable_model(model).ir_version == max_ir_version()  # opset 18 allows the lower IR version
+    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as session:
+        assert {s.registration for s in session.get_provider_graph_assignment_info()} == {"ort"}
+    newest = models.model(models.diamond().graph.node, list(models.diamond().graph.input),
+                          list(models.diamond().graph.output),
+                          opset=[helper.make_opsetid("", onnx.defs.onnx_opset_version())])
+    if helper.find_min_ir_version_for(list(newest.opset_import), ignore_unknown=True) > max_ir_version():
+        with pytest.raises(ephost.EpInvalidArgument, match="reads at most IR version"):
+            readable_model(newest)
+        with InferenceSession(newest, options_for(ort_env, "ort"), env=ort_env) as session:
+            # ORT cannot read it, so it takes nothing; the fallback runs the model
+            assert {s.registration for s in session.get_provider_graph_assignment_info()} == {"fallback"}
+            x = np.ones((2, 3), np.float32)
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(ephost.EpNotFound, match="no execution provider 'NoSuchExecutionProvider'"):
+        ephost.eps.load_factory("onnxruntime", {"provider": "NoSuchExecutionProvider"})
+    with pytest.raises(ephost.EpInvalidArgument, match="graph_optimization_level"):
+        ephost.eps.load_factory("onnxruntime", {"graph_optimization_level": "max"})
+    with pytest.raises(ephost.EpNotFound, match="no plugin EP library"):
+        ephost.eps.load_factory("onnxruntime", {"library": "/nonexistent/libplugin.so"})
+    factory = ephost.eps.load_factory("onnxruntime", {"provider_options": "a=1;b=2", "intra_op_num_threads": "1"})
+    assert factory.get_supported_devices()[0].ep_options == {"a": "1", "b": "2"}
+
+
+def test_the_openvino_plugin_library_in_a_worker_reports_what_ort_reports_in_process():
+    """Registered by its path, as a user would. On an Intel machine OpenVINO reports its devices and takes
+    nodes; on others its factory reports no device: the worker must report exactly what ORT does in process."""
+    library = OPENVINO.get_library_path()
+    ort.register_execution_provider_library("ephost-test-ov", library)
+    in_process = [d for d in ort.get_ep_devices() if d.ep_name == OPENVINO.get_ep_name()]
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ov", library)
+        devices = [d for d in env.get_ep_devices() if d.registration_name == "ov"]
+        assert [(d.ep_name, d.ep_vendor, int(d.device.type), d.device.vendor_id, d.ep_metadata) for d in devices] == \
+               [(d.ep_name, d.ep_vendor, int(d.device.type.value), d.device.vendor_id, dict(d.ep_metadata))
+                for d in in_process]
+        process = env._registrations["ov"].process
+        assert process.proc.poll() is None, "a vendor library that finds no device does not bring its worker down"
+        if devices:
+            path, expected_path = bundled_model("resnet50")
+            with InferenceSession(path, options_for(env, "ov"), env=env) as session:
+                (arg,) = session.get_inputs()
+                (y,) = session.run(None, {arg.name: bundled_input(arg)})
+            np.testing.assert_allclose(y, numpy_helper.to_array(onnx.load_tensor(expected_path)), rtol=1e-3, atol=1e-4)
