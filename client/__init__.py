@@ -1,7 +1,7 @@
 """ephost.client: the application side — Environment, EP devices, allocators, streams, worker supervision."""
 from ephost.client.devices import EpDevice, SharedAllocator, SyncNotification, SyncStream
 from ephost.client.environment import Environment
-from ephost.client.session import InferenceSession, NodeArg, SessionOptions
+from ephost.client.session import InferenceSession, NodeArg, RunOptions, SessionOptions
 
 __all__ = ["Environment", "EpDevice", "SharedAllocator", "SyncNotification", "SyncStream", "InferenceSession",
-           "SessionOptions", "NodeArg"]
+           "SessionOptions", "RunOptions", "NodeArg"]

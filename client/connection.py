@@ -103,10 +103,11 @@ class WorkerConnection:
             return region
 
     def forget_region(self, region_id: int) -> None:
+        # Tensors this process still holds keep the mapping (and so their data) alive; the rest goes with GC.
         with self._regions_lock:
             region = self._regions.pop(region_id, None)
         if region is not None:
-            region.close()
+            region.close(unmap=False)
 
     # --- models: each travels to the worker once ----------------------------------------------------
 
@@ -169,7 +170,7 @@ class WorkerConnection:
         with self._regions_lock:
             for region in self._regions.values():
                 if region is not None:
-                    region.close()
+                    region.close(unmap=False)  # a worker's death must not take the application's data
             self._regions.clear()
 
 

@@ -13,25 +13,20 @@ from ephost.eps import load_factory
 from ephost.errors import EpAlreadyExists, EpError, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import HOST_MEMORY, DeviceMemoryType, MemoryInfo
-from ephost.client.connection import WorkerConnection
 from ephost.client.devices import EpDevice, SharedAllocator, SyncStream
 from ephost.client.launcher import WorkerProcess
 from ephost.client.remote import RemoteEpFactory
+from ephost.client.supervisor import SupervisionPolicy, WorkerLink
 from ephost.client.targets import parse_target
 
 log = logging.getLogger(__name__)
-
-# Registration options that configure the connection rather than the EP.
-CONNECTION_OPTIONS = {"timeout_s": "deadline of each call to the worker, in seconds (default 60)",
-                      "connect_timeout_s": "how long to wait for the worker to answer at all (default 10)"}
-
 
 @dataclass(eq=False)
 class Registration:
     name: str
     target: str
     factory: object
-    process: WorkerProcess | None = None
+    link: WorkerLink | None = None  # None for an EP hosted in this process
     data_transfer: object = None
     devices: list[EpDevice] = field(default_factory=list)
     # qualified MemoryInfo (what users see) -> the EP's own MemoryInfo
@@ -49,12 +44,12 @@ class Registration:
                     self._session_allocator = self.factory.create_allocator(infos[0], {})
             return self._session_allocator
 
+    @property
+    def process(self) -> WorkerProcess | None:
+        return self.link.process if self.link is not None else None
+
     def close(self) -> None:
-        try:
-            self.factory.close()
-        finally:
-            if self.process is not None:
-                self.process.stop()
+        self.factory.close()
 
 
 class Environment:
@@ -70,32 +65,35 @@ class Environment:
                                             options: Mapping[str, str] | None = None) -> None:
         """Register an EP under `name`. `target` is an EP name (launch a local worker for it), an address
         (`unix:///path.sock`, `host:port`, `grpc://host:port`: connect to a running worker), a path to an ONNX
-        Runtime plugin EP library, or `inproc:NAME` (host the EP in this process)."""
+        Runtime plugin EP library, or `inproc:NAME` (host the EP in this process).
+
+        Options go to the EP, except the supervision options (SupervisionPolicy.OPTIONS: restart,
+        crash_limit, crash_window_s, memory_limit_mb, timeout_s, connect_timeout_s)."""
         options = {str(k): str(v) for k, v in (options or {}).items()}
         with self._lock:
             self._check_open()
             if name in self._registrations:
                 raise EpAlreadyExists(f"an EP library is already registered as {name!r}")
             spec = parse_target(target)
-            process = None
+            link = None
             if spec.kind == "inproc":
                 factory = load_factory(spec.ep, options)
-            elif spec.kind == "launch":
-                ep_options = dict(options, library=spec.library) if spec.library else options
-                process = WorkerProcess(spec.ep, ep_options)
-                try:
-                    factory = RemoteEpFactory(WorkerConnection(process.address, name=name, process=process))
-                except BaseException:
-                    process.stop()
-                    raise
             else:
-                unknown = sorted(set(options) - set(CONNECTION_OPTIONS))
-                if unknown:
-                    raise EpInvalidArgument(f"unknown connection option(s) {unknown}; known: {sorted(CONNECTION_OPTIONS)}")
-                conn = WorkerConnection(spec.address, name=name, timeout_s=float(options.get("timeout_s", 60)),
-                                        connect_timeout_s=float(options.get("connect_timeout_s", 10)))
-                factory = RemoteEpFactory(conn)
-            registration = Registration(name, target, factory, process)
+                policy = SupervisionPolicy.take(options)
+                if spec.kind == "launch":
+                    ep_options = dict(options, library=spec.library) if spec.library else options
+                    link = WorkerLink(name, ep=spec.ep, ep_options=ep_options, policy=policy)
+                else:
+                    if options:
+                        raise EpInvalidArgument(f"unknown option(s) {sorted(options)} for a running worker; it takes "
+                                                f"{sorted(SupervisionPolicy.OPTIONS)}")
+                    link = WorkerLink(name, address=spec.address, policy=policy)
+                try:
+                    factory = RemoteEpFactory(link)
+                except BaseException:
+                    link.close()
+                    raise
+            registration = Registration(name, target, factory, link)
             try:
                 registration.data_transfer = factory.create_data_transfer()
                 for info in factory.get_supported_devices():

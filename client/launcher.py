@@ -39,6 +39,7 @@ class WorkerProcess:
         for key, value in self.options.items():
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit
+        self.stopping = False  # set when this side asked the worker to go: its exit is not a crash
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self.pid = self.proc.pid
         self.exited = threading.Event()
@@ -97,8 +98,26 @@ class WorkerProcess:
         return EpWorkerCrashed(f"worker for EP {self.ep!r} (pid {self.pid}) died with {describe_exit(code)} "
                                f"during {call}", ep=self.ep, returncode=code, call=call)
 
+    def kill(self) -> None:
+        """SIGKILL: for a worker that hangs. Its exit is reported like any death."""
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+
+    def resident_bytes(self) -> int:
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) << 10
+        except OSError:
+            pass
+        return 0
+
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the worker to drain and exit; kill it if it does not within `timeout`."""
+        self.stopping = True
         if self.proc.poll() is None:
             try:
                 self.proc.send_signal(signal.SIGTERM)

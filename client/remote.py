@@ -1,20 +1,25 @@
 """A worker turned back into the EP interface of ephost.eps.base, so that sessions and the Environment use
-a worker exactly as they use an in-process EP."""
+a worker exactly as they use an in-process EP.
+
+Every object here names something in the worker by a handle, and remembers how it made it: when the worker
+is restarted (a new generation of its WorkerLink), the handle is made again on the next use. Memory of a
+dead worker that this process mapped keeps its data and is then treated as host memory.
+"""
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
 
-from ephost.eps.base import FusedGraph, NodeGroup
 from ephost import values
+from ephost.eps.base import FusedGraph, NodeGroup
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.memory import Buffer
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, desc_to_proto, nbytes_of
-from ephost.client.connection import WorkerConnection
+from ephost.client.supervisor import WorkerLink
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, stream_pb2
 
 _EMPTY = common_pb2.Empty()
@@ -24,94 +29,153 @@ _EMPTY = common_pb2.Empty()
 INLINE_LIMIT = 512 << 10
 
 
-class RemoteAllocator:
-    def __init__(self, conn: WorkerConnection, handle: int, memory_info: MemoryInfo):
-        self._conn = conn
-        self.handle = handle
-        self.memory_info = memory_info
-        self._regions: set[int] = set()
+class _Handle:
+    """A handle in the worker, made by `_make()` and made again after the worker restarts."""
 
-    def _allocate(self, method, nbytes: int) -> Buffer:
-        reply = self._conn.call(method, allocator_pb2.AllocRequest(allocator=self.handle, nbytes=nbytes))
-        region = None
-        if reply.HasField("shm"):
-            region = self._conn.map_region(reply.shm.region)
-            if region is not None:
-                self._regions.add(region.id)
-        return Buffer(self.memory_info, reply.nbytes, reply.buffer, region, reply.shm.offset, owner=self._conn)
+    def __init__(self, link: WorkerLink):
+        self._link = link
+        self._generation = -1
+        self._id = 0
+        self._make_lock = threading.Lock()
+
+    def _make(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def handle(self) -> int:
+        with self._make_lock:
+            if self._generation != self._link.generation:
+                generation = self._link.generation
+                self._id = self._make()
+                self._generation = generation
+            return self._id
+
+    @property
+    def current(self) -> bool:
+        """Whether the handle was made on the worker that runs now (nothing to release otherwise)."""
+        return self._generation == self._link.generation
+
+    def _call(self, method_of: Callable, request_of: Callable[[int], Any], **kw):
+        conn = self._link.conn  # first: it waits out a restart, after which the handle is made again
+        return self._link.call(method_of, request_of(self.handle), conn=conn, **kw)
+
+
+def _owned(buffer: Buffer | None, link: WorkerLink) -> bool:
+    """Whether the worker that runs now can name this buffer by its handle."""
+    return buffer is not None and buffer.owner is not None and buffer.owner is link.current
+
+
+class RemoteAllocator(_Handle):
+    def __init__(self, link: WorkerLink, device_index: int, memory_info: MemoryInfo, options: Mapping[str, str]):
+        super().__init__(link)
+        self._device_index, self._options = device_index, dict(options)
+        self.memory_info = memory_info
+        self._regions: set[tuple[Any, int]] = set()
+        self.handle  # made now, so that bad options fail here
+
+    def _make(self) -> int:
+        reply = self._link.call(lambda c: c.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
+            device_index=self._device_index, device_mem_type=int(self.memory_info.device_mem_type),
+            options=self._options))
+        self.memory_info = MemoryInfo.from_proto(reply.memory_info)
+        return reply.allocator
+
+    def _allocate(self, method_of, nbytes: int) -> Buffer:
+        reply = self._call(method_of, lambda h: allocator_pb2.AllocRequest(allocator=h, nbytes=nbytes))
+        return self._buffer(reply.buffer, reply.nbytes, reply.shm if reply.HasField("shm") else None)
+
+    def _buffer(self, handle: int, nbytes: int, shm, conn=None) -> Buffer:
+        conn = conn or self._link.current
+        region = conn.map_region(shm.region) if shm is not None else None
+        if region is not None:
+            self._regions.add((conn, region.id))
+        return Buffer(self.memory_info, nbytes, handle, region, shm.offset if shm is not None else 0, owner=conn)
 
     def alloc(self, nbytes: int) -> Buffer:
-        return self._allocate(self._conn.allocator.Alloc, nbytes)
+        return self._allocate(lambda c: c.allocator.Alloc, nbytes)
 
     def reserve(self, nbytes: int) -> Buffer:
-        return self._allocate(self._conn.allocator.Reserve, nbytes)
+        return self._allocate(lambda c: c.allocator.Reserve, nbytes)
 
     def free(self, buffer: Buffer) -> None:
-        reply = self._conn.call(self._conn.allocator.Free,
-                                allocator_pb2.FreeRequest(allocator=self.handle, buffer=buffer.handle))
+        if not _owned(buffer, self._link) or not self.current:
+            return  # its worker is gone, and its memory with it (what this process mapped stays readable)
+        reply = self._call(lambda c: c.allocator.Free,
+                           lambda h: allocator_pb2.FreeRequest(allocator=h, buffer=buffer.handle))
         for region_id in reply.released_regions:
-            self._regions.discard(region_id)
-            self._conn.forget_region(region_id)
+            self._regions.discard((buffer.owner, region_id))
+            buffer.owner.forget_region(region_id)
 
     def get_stats(self) -> dict[str, int]:
-        return dict(self._conn.call(self._conn.allocator.GetStats, common_pb2.Handle(id=self.handle)).stats)
+        return dict(self._call(lambda c: c.allocator.GetStats, lambda h: common_pb2.Handle(id=h)).stats)
 
     def forget_regions(self) -> None:
-        for region_id in self._regions:
-            self._conn.forget_region(region_id)
+        for conn, region_id in self._regions:
+            conn.forget_region(region_id)
         self._regions.clear()
 
 
-class RemoteNotification:
-    def __init__(self, conn: WorkerConnection, handle: int):
-        self._conn = conn
-        self.handle = handle
+class RemoteStream(_Handle):
+    def __init__(self, link: WorkerLink, device_index: int, options: Mapping[str, str]):
+        super().__init__(link)
+        self._device_index, self._options = device_index, dict(options)
+        self.handle
 
-    def activate(self) -> None:
-        self._conn.call(self._conn.stream.Activate, common_pb2.Handle(id=self.handle))
+    def _make(self) -> int:
+        return self._link.call(lambda c: c.factory.CreateSyncStreamForDevice, factory_pb2.CreateSyncStreamRequest(
+            device_index=self._device_index, options=self._options)).id
 
-    def wait_on_host(self, timeout: float | None = None) -> None:
-        request = stream_pb2.WaitOnHostRequest(notification=self.handle, timeout_s=timeout or 0.0)
-        self._conn.call(self._conn.stream.WaitOnHost, request, timeout=(timeout + 5.0) if timeout else None)
-
-    def wait_on_device(self, stream: "RemoteStream") -> None:
-        self._conn.call(self._conn.stream.WaitOnDevice,
-                        stream_pb2.WaitOnDeviceRequest(notification=self.handle, stream=stream.handle))
-
-    def release(self) -> None:
-        self._conn.call(self._conn.stream.Release, common_pb2.Handle(id=self.handle))
-
-
-class RemoteStream:
-    def __init__(self, conn: WorkerConnection, handle: int):
-        self._conn = conn
-        self.handle = handle
-
-    def create_notification(self) -> RemoteNotification:
-        reply = self._conn.call(self._conn.stream.CreateNotification, common_pb2.Handle(id=self.handle))
-        return RemoteNotification(self._conn, reply.id)
+    def create_notification(self) -> "RemoteNotification":
+        return RemoteNotification(self._link, self)
 
     def flush(self, timeout: float | None = None) -> None:
-        self._conn.call(self._conn.stream.Flush, common_pb2.Handle(id=self.handle), timeout=timeout)
+        self._call(lambda c: c.stream.Flush, lambda h: common_pb2.Handle(id=h), timeout=timeout)
 
     def on_session_run_end(self) -> None:
-        self._conn.call(self._conn.stream.OnSessionRunEnd, common_pb2.Handle(id=self.handle))
+        self._call(lambda c: c.stream.OnSessionRunEnd, lambda h: common_pb2.Handle(id=h))
 
     def release(self) -> None:
-        self._conn.call(self._conn.stream.Release, common_pb2.Handle(id=self.handle))
+        if self.current:
+            self._call(lambda c: c.stream.Release, lambda h: common_pb2.Handle(id=h))
+
+
+class RemoteNotification(_Handle):
+    def __init__(self, link: WorkerLink, stream: RemoteStream):
+        super().__init__(link)
+        self._stream = stream
+        self.handle
+
+    def _make(self) -> int:
+        return self._link.call(lambda c: c.stream.CreateNotification, common_pb2.Handle(id=self._stream.handle)).id
+
+    def activate(self) -> None:
+        self._call(lambda c: c.stream.Activate, lambda h: common_pb2.Handle(id=h))
+
+    def wait_on_host(self, timeout: float | None = None) -> None:
+        self._call(lambda c: c.stream.WaitOnHost,
+                   lambda h: stream_pb2.WaitOnHostRequest(notification=h, timeout_s=timeout or 0.0),
+                   timeout=(timeout + 5.0) if timeout else None)
+
+    def wait_on_device(self, stream: RemoteStream) -> None:
+        self._call(lambda c: c.stream.WaitOnDevice,
+                   lambda h: stream_pb2.WaitOnDeviceRequest(notification=h, stream=stream.handle))
+
+    def release(self) -> None:
+        if self.current:
+            self._call(lambda c: c.stream.Release, lambda h: common_pb2.Handle(id=h))
 
 
 class _Staging:
     """A HOST_ACCESSIBLE allocator of the worker's, made on first use, through which host memory the worker
     cannot map reaches it: written once into shared memory instead of sent inline."""
 
-    def __init__(self, conn: WorkerConnection, memory: MemoryInfo | None, create):
-        self._conn, self._memory, self._create = conn, memory, create
+    def __init__(self, link: WorkerLink, memory: MemoryInfo | None, create):
+        self._link, self._memory, self._create = link, memory, create
         self._allocator: RemoteAllocator | None = None
         self._lock = threading.Lock()
 
     def buffer(self, nbytes: int) -> Buffer | None:
-        if self._memory is None or not self._conn.fd_socket or nbytes < INLINE_LIMIT:
+        if self._memory is None or not self._link.conn.fd_socket or nbytes < INLINE_LIMIT:
             return None
         with self._lock:
             if self._allocator is None:
@@ -126,19 +190,20 @@ class _Staging:
         self._allocator.free(buffer)
 
 
-class RemoteDataTransfer:
-    def __init__(self, conn: WorkerConnection, handle: int, staging: _Staging):
-        self._conn = conn
-        self.handle = handle
+class RemoteDataTransfer(_Handle):
+    def __init__(self, link: WorkerLink, staging: _Staging):
+        super().__init__(link)
         self._staging = staging
         self._can_copy: dict[tuple[MemoryInfo, MemoryInfo], bool] = {}
+
+    def _make(self) -> int:
+        return self._link.call(lambda c: c.factory.CreateDataTransfer, _EMPTY).data_transfer
 
     def can_copy(self, src: MemoryInfo, dst: MemoryInfo) -> bool:
         key = (src, dst)
         if key not in self._can_copy:
-            reply = self._conn.call(self._conn.data_transfer.CanCopy, data_transfer_pb2.CanCopyRequest(
-                data_transfer=self.handle, src=src.to_proto(), dst=dst.to_proto()))
-            self._can_copy[key] = reply.can_copy
+            self._can_copy[key] = self._call(lambda c: c.data_transfer.CanCopy, lambda h: data_transfer_pb2.CanCopyRequest(
+                data_transfer=h, src=src.to_proto(), dst=dst.to_proto())).can_copy
         return self._can_copy[key]
 
     def copy_tensors(self, src: Sequence[Tensor], dst: Sequence[Tensor], stream: RemoteStream | None = None) -> None:
@@ -160,9 +225,8 @@ class RemoteDataTransfer:
         try:
             src_refs = [self._ref(src[i], "source", staged, copy_back) for i in remote]
             dst_refs = [self._ref(dst[i], "destination", staged, copy_back) for i in remote]
-            reply = self._conn.call(self._conn.data_transfer.CopyTensors, data_transfer_pb2.CopyTensorsRequest(
-                data_transfer=self.handle, stream=stream.handle if stream is not None else 0,
-                src=src_refs, dst=dst_refs))
+            reply = self._call(lambda c: c.data_transfer.CopyTensors, lambda h: data_transfer_pb2.CopyTensorsRequest(
+                data_transfer=h, stream=stream.handle if stream is not None else 0, src=src_refs, dst=dst_refs))
             if staged and stream is not None:
                 # Like a copy from pageable memory on a device stream: host memory the worker cannot map
                 # goes through a staging buffer, which must outlive the queued copy.
@@ -179,12 +243,12 @@ class RemoteDataTransfer:
 
     def _ref(self, tensor: Tensor, role: str, staged: list, copy_back: list) -> common_pb2.TensorRef:
         desc = desc_to_proto(tensor.shape, tensor.dtype)
-        if tensor.buffer is not None and tensor.buffer.owner is self._conn:
+        if _owned(tensor.buffer, self._link):
             return common_pb2.TensorRef(desc=desc, buffer=tensor.buffer.handle)
         data = tensor.local_bytes()
         if data is None:
-            raise EpInvalidArgument(f"the {role} lives in {tensor.memory_info.name} memory, which this worker "
-                                    "cannot reach")
+            raise EpNotFound(f"the {role} lives in {tensor.memory_info.name} memory that this process cannot "
+                             "read and this worker does not have (its worker may have restarted)")
         buffer = self._staging.buffer(tensor.nbytes)
         if buffer is not None:
             staged.append(buffer)
@@ -198,37 +262,46 @@ class RemoteDataTransfer:
         return common_pb2.TensorRef(desc=desc, reply=common_pb2.InlineReply())
 
 
-class RemoteComputeInfo:
+class RemoteComputeInfo(_Handle):
     """A partition compiled in a worker. Values it makes stay in the worker's memory (mapped here when it is
     shared); values that already live in that worker are handed back by handle, without a copy."""
 
-    def __init__(self, conn: WorkerConnection, handle: int, name: str):
-        self._conn = conn
-        self.handle = handle
-        self.name = name
+    def __init__(self, link: WorkerLink, ep: "RemoteEp", graph: FusedGraph, handle: int):
+        super().__init__(link)
+        self._ep, self._graph = ep, graph
+        self.name = graph.name
+        self._id, self._generation = handle, link.generation
         # Staging buffers for inputs from elsewhere, kept between runs so a steady stream of runs costs one
         # call each (no allocation or free per run): (allocator, nbytes) -> idle buffers.
         self._idle: dict[tuple[Any, int], list[Buffer]] = {}
         self._idle_lock = threading.Lock()
 
-    def compute(self, inputs: Sequence[Any], allocator: "RemoteAllocator | None" = None,
-                keep: Sequence[int] = ()) -> list[Any]:
+    def _make(self) -> int:
+        return self._ep._compile([self._graph])[0]
+
+    def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
+                timeout: float | None = None) -> list[Any]:
         staged: list[Buffer] = []
         try:
+            conn = self._link.conn
+            handle = self.handle
             request = ep_pb2.ComputeRequest(
-                node_compute_info=self.handle, inputs=[self._input(v, allocator, staged) for v in inputs],
+                node_compute_info=handle, inputs=[self._input(v, allocator, staged) for v in inputs],
                 output_allocator=allocator.handle if allocator is not None else 0, inline_limit=INLINE_LIMIT,
                 keep=keep if allocator is not None else ())
-            reply = self._conn.call(self._conn.ep.Compute, request)
+            reply = self._link.call(lambda c: c.ep.Compute, request, conn=conn, timeout=timeout)
         finally:
             with self._idle_lock:
                 for buffer in staged:
                     self._idle.setdefault((allocator, buffer.nbytes), []).append(buffer)
-        return [self._output(v, allocator) for v in reply.outputs]
+        outputs = [self._output(v, allocator, conn) for v in reply.outputs]
+        self._link.between_calls()
+        return outputs
 
     def _staging_buffer(self, allocator, nbytes: int) -> Buffer:
         with self._idle_lock:
-            idle = self._idle.get((allocator, nbytes))
+            idle = [b for b in self._idle.get((allocator, nbytes), ()) if _owned(b, self._link)]
+            self._idle[(allocator, nbytes)] = idle
             if idle:
                 return idle.pop()
         return allocator.alloc(nbytes)
@@ -244,13 +317,12 @@ class RemoteComputeInfo:
         if not isinstance(value, Tensor):
             return common_pb2.Value(onnx=values.encode(value))
         desc = desc_to_proto(value.shape, value.dtype)
-        buffer = value.buffer
-        if buffer is not None and buffer.owner is self._conn:
-            return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, buffer=buffer.handle))
+        if _owned(value.buffer, self._link):
+            return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, buffer=value.buffer.handle))
         data = value.local_bytes()
         if data is None:
-            raise EpInvalidArgument(f"{self.name}: an input lives in {value.memory_info.name} memory, which "
-                                    "neither this process nor the worker can read; copy it to the host first")
+            raise EpNotFound(f"{self.name}: an input lives in {value.memory_info.name} memory, which neither this "
+                             "process nor the worker can read (its worker may have restarted)")
         if allocator is not None and value.nbytes >= INLINE_LIMIT:
             target = self._staging_buffer(allocator, value.nbytes)
             staged.append(target)
@@ -260,75 +332,88 @@ class RemoteComputeInfo:
                 return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, buffer=target.handle))
         return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, inline=data.tobytes()))
 
-    def _output(self, message: common_pb2.Value, allocator) -> Any:
+    def _output(self, message: common_pb2.Value, allocator: RemoteAllocator | None, conn) -> Any:
         if message.WhichOneof("kind") == "onnx":
             return values.decode(message.onnx)
         ref = message.tensor
         shape, dtype = desc_from_proto(ref.desc)
         if ref.WhichOneof("location") == "inline":
             return Tensor.from_numpy(np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy())
-        region = self._conn.map_region(ref.mapped.region) if ref.HasField("mapped") else None
-        buffer = Buffer(allocator.memory_info, nbytes_of(shape, dtype), ref.buffer, region, ref.mapped.offset,
-                        owner=self._conn)
+        buffer = allocator._buffer(ref.buffer, nbytes_of(shape, dtype), ref.mapped if ref.HasField("mapped") else None,
+                                   conn)
         return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, allocator=allocator)
 
 
-class RemoteEp:
-    def __init__(self, conn: WorkerConnection, handle: int, name: str):
-        self._conn = conn
-        self.handle = handle
-        self._name = name
+class RemoteEp(_Handle):
+    def __init__(self, link: WorkerLink, name: str, device_indices: Sequence[int], session_options: Mapping[str, str]):
+        super().__init__(link)
+        self._name, self._devices, self._options = name, list(device_indices), dict(session_options)
+        self.handle
+
+    def _make(self) -> int:
+        return self._link.call(lambda c: c.factory.CreateEp, factory_pb2.CreateEpRequest(
+            device_indices=self._devices, session_options=self._options)).id
 
     def get_name(self) -> str:
         return self._name
 
     def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
-        with self._conn.model_ref(model) as ref:
-            reply = self._conn.call(self._conn.ep.GetCapability, ep_pb2.GetCapabilityRequest(
-                ep=self.handle, model=ref, claimed_nodes=sorted(claimed)))
+        handle, conn = self.handle, self._link.conn
+        with conn.model_ref(model) as ref:
+            reply = self._link.call(lambda c: c.ep.GetCapability, ep_pb2.GetCapabilityRequest(
+                ep=handle, model=ref, claimed_nodes=sorted(claimed)))
         return [NodeGroup(tuple(g.node_names), fused=g.kind == ep_pb2.NodeGroup.KIND_FUSED) for g in reply.groups]
 
-    def compile(self, graphs: Sequence[FusedGraph]) -> list[RemoteComputeInfo]:
-        infos: list[RemoteComputeInfo] = []
+    def _compile(self, graphs: Sequence[FusedGraph]) -> list[int]:
+        handles: list[int] = []
+        handle, conn = self.handle, self._link.conn
         for source in dict.fromkeys(g.source for g in graphs):  # one call per model they come from
             batch = [g for g in graphs if g.source is source]
-            with self._conn.model_ref(source.model) as ref:
-                reply = self._conn.call(self._conn.ep.Compile, ep_pb2.CompileRequest(
-                    ep=self.handle, model=ref, graphs=[
-                        ep_pb2.FusedGraph(name=g.name, nodes=g.nodes, inputs=g.inputs, outputs=g.outputs)
-                        for g in batch]))
-            infos += [RemoteComputeInfo(self._conn, h, g.name) for h, g in zip(reply.node_compute_infos, batch)]
-        return infos
+            with conn.model_ref(source.model) as ref:
+                reply = self._link.call(lambda c: c.ep.Compile, ep_pb2.CompileRequest(ep=handle, model=ref, graphs=[
+                    ep_pb2.FusedGraph(name=g.name, nodes=g.nodes, inputs=g.inputs, outputs=g.outputs) for g in batch]))
+            handles += list(reply.node_compute_infos)
+        return handles
+
+    def compile(self, graphs: Sequence[FusedGraph]) -> list[RemoteComputeInfo]:
+        return [RemoteComputeInfo(self._link, self, g, h) for g, h in zip(graphs, self._compile(graphs))]
 
     def release_node_compute_infos(self, infos: Sequence[RemoteComputeInfo]) -> None:
         for info in infos:
             info.release_staging()
-        self._conn.call(self._conn.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(
-            ep=self.handle, node_compute_infos=[i.handle for i in infos]))
+        current = [i._id for i in infos if i.current]
+        if current and self.current:
+            self._call(lambda c: c.ep.ReleaseNodeComputeInfos,
+                       lambda h: ep_pb2.ReleaseNodeComputeInfosRequest(ep=h, node_compute_infos=current))
 
     def get_preferred_data_layout(self) -> str:
-        return self._conn.call(self._conn.ep.GetPreferredDataLayout, common_pb2.Handle(id=self.handle)).layout
+        return self._call(lambda c: c.ep.GetPreferredDataLayout, lambda h: common_pb2.Handle(id=h)).layout
 
     def set_dynamic_options(self, options: Mapping[str, str]) -> None:
-        self._conn.call(self._conn.ep.SetDynamicOptions,
-                        ep_pb2.SetDynamicOptionsRequest(ep=self.handle, options=dict(options)))
+        self._options.update(options)
+        self._call(lambda c: c.ep.SetDynamicOptions,
+                   lambda h: ep_pb2.SetDynamicOptionsRequest(ep=h, options=dict(options)))
 
     def on_run_start(self, run_options: Mapping[str, str]) -> None:
-        self._conn.call(self._conn.ep.OnRunStart, ep_pb2.RunStartRequest(ep=self.handle, run_options=dict(run_options)))
+        self._call(lambda c: c.ep.OnRunStart, lambda h: ep_pb2.RunStartRequest(ep=h, run_options=dict(run_options)))
 
     def on_run_end(self, sync_stream: bool) -> None:
-        self._conn.call(self._conn.ep.OnRunEnd, ep_pb2.RunEndRequest(ep=self.handle, sync_stream=sync_stream))
+        self._call(lambda c: c.ep.OnRunEnd, lambda h: ep_pb2.RunEndRequest(ep=h, sync_stream=sync_stream))
 
 
 class RemoteEpFactory:
-    """EpFactory of a worker, over its connection. Closing it closes the connection (and nothing else)."""
+    """EpFactory of a worker, over its link. Closing it closes the link (and the worker, if launched)."""
 
-    def __init__(self, conn: WorkerConnection):
-        self.conn = conn
-        info = conn.call(conn.factory.GetInfo, _EMPTY)
+    def __init__(self, link: WorkerLink):
+        self.link = link
+        info = link.call(lambda c: c.factory.GetInfo, _EMPTY)
         self._info = (info.name, info.vendor, info.vendor_id, info.version)
         self._devices = [EpDeviceInfo.from_proto(d)
-                         for d in conn.call(conn.factory.GetSupportedDevices, _EMPTY).devices]
+                         for d in link.call(lambda c: c.factory.GetSupportedDevices, _EMPTY).devices]
+
+    @property
+    def conn(self):
+        return self.link.conn
 
     def get_name(self) -> str:
         return self._info[0]
@@ -346,41 +431,34 @@ class RemoteEpFactory:
         return list(self._devices)
 
     def create_ep(self, device_indices: Sequence[int], session_options: Mapping[str, str]) -> RemoteEp:
-        reply = self.conn.call(self.conn.factory.CreateEp, factory_pb2.CreateEpRequest(
-            device_indices=list(device_indices), session_options=dict(session_options)))
-        return RemoteEp(self.conn, reply.id, self.get_name())
+        return RemoteEp(self.link, self.get_name(), device_indices, session_options)
 
     def release_ep(self, ep: RemoteEp) -> None:
-        self.conn.call(self.conn.factory.ReleaseEp, common_pb2.Handle(id=ep.handle))
+        if ep.current:
+            ep._call(lambda c: c.factory.ReleaseEp, lambda h: common_pb2.Handle(id=h))
 
     def create_allocator(self, memory_info: MemoryInfo, options: Mapping[str, str]) -> RemoteAllocator:
         for device in self._devices:
             if memory_info in device.memory_infos:
-                reply = self.conn.call(self.conn.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
-                    device_index=device.index, device_mem_type=int(memory_info.device_mem_type),
-                    options=dict(options)))
-                return RemoteAllocator(self.conn, reply.allocator, MemoryInfo.from_proto(reply.memory_info))
+                return RemoteAllocator(self.link, device.index, memory_info, options)
         raise EpNotFound(f"worker has no memory {memory_info.name!r}")
 
     def release_allocator(self, allocator: RemoteAllocator) -> None:
-        self.conn.call(self.conn.factory.ReleaseAllocator, common_pb2.Handle(id=allocator.handle))
+        if allocator.current:
+            allocator._call(lambda c: c.factory.ReleaseAllocator, lambda h: common_pb2.Handle(id=h))
         allocator.forget_regions()
 
     def create_data_transfer(self) -> RemoteDataTransfer | None:
-        handle = self.conn.call(self.conn.factory.CreateDataTransfer, _EMPTY).data_transfer
-        if not handle:
-            return None
         shared = [m for d in self._devices for m in d.memory_infos if m.host_accessible]
-        return RemoteDataTransfer(self.conn, handle, _Staging(self.conn, shared[0] if shared else None,
-                                                              self.create_allocator))
+        transfer = RemoteDataTransfer(self.link, _Staging(self.link, shared[0] if shared else None,
+                                                          self.create_allocator))
+        return transfer if transfer.handle else None
 
     def is_stream_aware(self) -> bool:
-        return self.conn.call(self.conn.factory.IsStreamAware, _EMPTY).stream_aware
+        return self.link.call(lambda c: c.factory.IsStreamAware, _EMPTY).stream_aware
 
     def create_sync_stream_for_device(self, device_index: int, options: Mapping[str, str]) -> RemoteStream:
-        reply = self.conn.call(self.conn.factory.CreateSyncStreamForDevice, factory_pb2.CreateSyncStreamRequest(
-            device_index=device_index, options=dict(options)))
-        return RemoteStream(self.conn, reply.id)
+        return RemoteStream(self.link, device_index, options)
 
     def close(self) -> None:
-        self.conn.close()
+        self.link.close()

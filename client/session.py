@@ -8,10 +8,11 @@ partition elsewhere reads it.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -21,7 +22,8 @@ from onnx import TensorProto, numpy_helper
 
 from ephost.eps.base import FusedGraph
 from ephost.eps.reference import ReferenceEpFactory
-from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpNotFound,
+                           EpWorkerCrashed, EpWorkerUnavailable)
 from ephost.graph import GraphIndex, cluster, prepare_model
 from ephost.tensor import Tensor
 from ephost.types import dtype_of
@@ -31,11 +33,31 @@ from ephost.client.devices import EpDevice
 log = logging.getLogger(__name__)
 
 FALLBACK = "fallback"  # the name the CPU fallback goes by in assignment info
+# What the failure policy handles: a worker that died, hung or is gone, and an EP that failed inside (a vendor
+# bug). Errors about the request itself (bad input) would fail anywhere and are raised as they are.
+_WORKER_FAILURES = (EpWorkerUnavailable, EpDeadlineExceeded, EpInternal)
+
+
+class _FellBack(Exception):
+    """An EP failed during set-up and the policy is to leave its nodes to the fallback."""
+
+
+POLICIES = ("raise", "retry", "fallback")
 
 
 class SessionOptions:
+    """Which EPs a session uses, and what it does when one fails.
+
+    `ep_failure_policy`: "raise" (a failed call raises its typed error), "retry" (wait for the worker's
+    restart, compile again, run the failed partition once more) or "fallback" (run the failed partition on the
+    CPU fallback; once the EP is marked failed, its partitions run there from then on). `compute_timeout_s`:
+    the deadline of every Compute (a worker past it is ended, then the policy applies); None: the EP's call
+    deadline."""
+
     def __init__(self):
         self._providers: list[tuple[list[EpDevice], dict[str, str]]] = []
+        self.ep_failure_policy = "raise"
+        self.compute_timeout_s: float | None = None
 
     def add_provider_for_devices(self, ep_devices: Sequence[EpDevice],
                                  provider_options: Mapping[str, str] | None = None) -> None:
@@ -51,6 +73,13 @@ class SessionOptions:
     @property
     def providers(self) -> list[tuple[list[EpDevice], dict[str, str]]]:
         return list(self._providers)
+
+
+@dataclass
+class RunOptions:
+    """Per-run settings (ONNX Runtime's RunOptions): `compute_timeout_s` overrides the session's."""
+
+    compute_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,7 @@ class _Partition:
     compute_info: Any = None
     allocator: Any = None
     keep: tuple[int, ...] = ()  # outputs a later partition of the same EP reads
+    fallback_info: Any = None   # the same partition compiled on the CPU fallback, once it was needed
 
 
 def _load(model) -> onnx.ModelProto:
@@ -145,9 +175,18 @@ class InferenceSession:
         self._outputs = list(graph.output)
         self._constants = {t.name: t for t in graph.initializer}
 
-        entries = (sess_options.providers if sess_options else []) + self._provider_shortcuts(providers or [])
+        options = sess_options or SessionOptions()
+        if options.ep_failure_policy not in POLICIES:
+            raise EpInvalidArgument(f"ep_failure_policy must be one of {POLICIES}, got {options.ep_failure_policy!r}")
+        self._policy = options.ep_failure_policy
+        self._timeout = options.compute_timeout_s
+        self.run_log: deque[dict] = deque(maxlen=1000)
+        self.failure_counters = Counter()
+        self._runs = itertools.count(1)
+        entries = options.providers + self._provider_shortcuts(providers or [])
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release on close
         self._fallback_factory = ReferenceEpFactory()
+        self._fallback_ep = self._fallback_factory.create_ep([0], {})
         try:
             self._partitions = self._partition(entries)
             self._compile()
@@ -177,9 +216,14 @@ class InferenceSession:
         owners: dict[tuple, tuple[str, str, Any]] = {}  # key -> (registration, ep name, ep)
         for position, (devices, options) in enumerate(entries):
             registration = self._env._registration_of(devices[0])
-            ep = registration.factory.create_ep([d.index for d in devices], options)
-            self._eps.append((registration, ep))
-            groups = ep.get_capability(self._model, frozenset(key_of))
+            try:
+                ep = self._guarded(registration.name, "CreateEp",
+                                   lambda: registration.factory.create_ep([d.index for d in devices], options))
+                self._eps.append((registration, ep))
+                groups = self._guarded(registration.name, "GetCapability",
+                                       lambda: ep.get_capability(self._model, frozenset(key_of)))
+            except _FellBack:
+                continue
             for g, group in enumerate(groups):
                 key = (position, g)
                 owners[key] = (registration.name, devices[0].ep_name, ep)
@@ -191,9 +235,8 @@ class InferenceSession:
                                     "does not exist" if name not in index.nodes else "was already claimed")
                         continue
                     key_of[name] = key
-        fallback_ep = self._fallback_factory.create_ep([0], {})
         fallback = (FALLBACK,)
-        owners[fallback] = (FALLBACK, self._fallback_factory.get_name(), fallback_ep)
+        owners[fallback] = (FALLBACK, self._fallback_factory.get_name(), self._fallback_ep)
         fusable.add(fallback)
         for name in index.nodes:
             key_of.setdefault(name, fallback)
@@ -216,10 +259,77 @@ class InferenceSession:
         for parts in by_ep.values():
             ep = parts[0].ep
             registration = self._env._registrations.get(parts[0].registration)
-            allocator = registration.session_allocator() if registration is not None else None
-            for p, info in zip(parts, ep.compile([p.graph for p in parts])):
+            try:
+                infos = self._guarded(parts[0].registration, "Compile", lambda: ep.compile([p.graph for p in parts]))
+                allocator = registration.session_allocator() if registration is not None else None
+            except _FellBack:
+                for p in parts:
+                    self._to_fallback(p)
+                continue
+            for p, info in zip(parts, infos):
                 p.compute_info, p.allocator = info, allocator
             log.info("compiled %d partition(s) on %s", len(parts), parts[0].registration)
+
+    # --- failures -------------------------------------------------------------------------------------
+
+    def _note(self, event: str, registration: str, what: str, error: BaseException | None = None, run: int = 0):
+        self.failure_counters[event] += 1
+        entry = {"run": run, "event": event, "registration": registration, "what": what,
+                 "error": f"{type(error).__name__}: {error}" if error is not None else ""}
+        self.run_log.append(entry)
+        log.warning("%s: %s %s%s", registration, what, event, f" ({entry['error']})" if error else "")
+
+    def _guarded(self, registration: str, what: str, call):
+        """Set-up calls to an EP (CreateEp, GetCapability, Compile) under the session's failure policy."""
+        try:
+            return call()
+        except _WORKER_FAILURES as error:
+            self._note("crashed" if isinstance(error, EpWorkerCrashed) else "failed", registration, what, error)
+            if self._policy == "raise":
+                raise
+            if self._policy == "retry":
+                link = self._env._registrations[registration].link
+                if link is not None:
+                    link.wait_healthy(link.policy.connect_timeout_s + link.policy.max_backoff_s)
+                self._note("retried", registration, what)
+                return call()
+            self._note("fell back", registration, what)
+            raise _FellBack() from error
+
+    def _recover(self, run: int, p: _Partition, inputs: list, error: EpError, timeout: float | None) -> list:
+        if not isinstance(error, _WORKER_FAILURES) or p.registration == FALLBACK:
+            raise error
+        event = {EpDeadlineExceeded: "timed out", EpInternal: "failed"}.get(type(error), "crashed")
+        self._note(event, p.registration, p.graph.name, error, run)
+        if self._policy == "raise":
+            raise error
+        registration = self._env._registrations.get(p.registration)
+        link = registration.link if registration is not None else None
+        if link is not None:
+            link.wait_noticed(1.0)
+            if self._policy == "retry":
+                link.wait_healthy(link.policy.connect_timeout_s + link.policy.max_backoff_s)
+        failed = registration is None or (link is not None and link.failed)
+        if self._policy == "retry" and not failed:
+            self._note("retried", p.registration, p.graph.name, run=run)
+            return p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
+        if self._policy != "fallback":
+            raise error
+        if failed:  # from now on its partitions run on the fallback
+            self._note("moved to the fallback", p.registration, "all its partitions", run=run)
+            for q in [q for q in self._partitions if q.registration == p.registration]:
+                self._to_fallback(q)
+            return p.compute_info.compute(inputs, None, (), timeout)
+        self._note("fell back", p.registration, p.graph.name, run=run)
+        if p.fallback_info is None:
+            (p.fallback_info,) = self._fallback_ep.compile([p.graph])
+        return p.fallback_info.compute(inputs)
+
+    def _to_fallback(self, p: _Partition) -> None:
+        if p.fallback_info is None:
+            (p.fallback_info,) = self._fallback_ep.compile([p.graph])
+        p.compute_info, p.allocator, p.keep = p.fallback_info, None, ()
+        p.registration, p.ep_name, p.ep = FALLBACK, self._fallback_factory.get_name(), self._fallback_ep
 
     # --- ONNX Runtime's session API ------------------------------------------------------------
 
@@ -246,8 +356,16 @@ class InferenceSession:
         values = self._feeds(input_feed)
         remaining = Counter(v for p in self._partitions for v in p.graph.inputs)
         keep = set(names)
+        run = next(self._runs)
+        timeout = (run_options.compute_timeout_s if run_options is not None and run_options.compute_timeout_s
+                   else self._timeout)
+        self.failure_counters["runs"] += 1
         for p in self._partitions:
-            outputs = p.compute_info.compute([values[v] for v in p.graph.inputs], p.allocator, p.keep)
+            inputs = [values[v] for v in p.graph.inputs]
+            try:
+                outputs = p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
+            except EpError as error:
+                outputs = self._recover(run, p, inputs, error, timeout)
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values.update(zip(p.graph.outputs, outputs))

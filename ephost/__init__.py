@@ -12,12 +12,12 @@ from typing import Mapping, Sequence
 from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
                            EpInternal, EpInvalidArgument, EpNotFound, EpOutOfRange, EpPermissionDenied,
                            EpResourceExhausted, EpUnauthenticated, EpUnimplemented, EpWorkerCrashed,
-                           EpWorkerUnavailable)
+                           EpWorkerFailed, EpWorkerUnavailable)
 from ephost.tensor import Tensor
 from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, HardwareDevice, HardwareDeviceType,
                           MemoryInfo)
-from ephost.client import (Environment, EpDevice, InferenceSession, NodeArg, SessionOptions, SharedAllocator,
-                           SyncNotification, SyncStream)
+from ephost.client import (Environment, EpDevice, InferenceSession, NodeArg, RunOptions, SessionOptions,
+                           SharedAllocator, SyncNotification, SyncStream)
 
 __version__ = "0.1.0"
 
@@ -51,11 +51,11 @@ def copy_tensors(src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStrea
 
 
 __all__ = [
-    "Environment", "EpDevice", "InferenceSession", "SessionOptions", "NodeArg", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
+    "Environment", "EpDevice", "InferenceSession", "SessionOptions", "RunOptions", "NodeArg", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
     "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType", "AllocatorType", "HOST_MEMORY",
     "get_default_environment", "register_execution_provider_library", "unregister_execution_provider_library",
     "get_ep_devices", "copy_tensors",
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",
     "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
-    "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed",
+    "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed",
 ]

@@ -83,6 +83,11 @@ class EpWorkerCrashed(EpWorkerUnavailable):
         return -self.returncode if self.returncode is not None and self.returncode < 0 else None
 
 
+class EpWorkerFailed(EpWorkerCrashed):
+    """A launched worker died and is not restarted (restarting is off, or it crashed more often than its
+    crash limit allows): every call to its EP fails with this until it is registered again."""
+
+
 # Status code -> class. EpWorkerCrashed is never decoded from a status: only the supervisor knows.
 _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
     cls.code: cls

@@ -87,14 +87,17 @@ class Region:
             raw._ephost_owner = owner  # a numpy view keeps its tensor (and so its buffer) alive
         return np.frombuffer(raw, dtype=np.uint8)
 
-    def close(self) -> None:
+    def close(self, unmap: bool = True) -> None:
+        """Close the descriptor; unmap too unless `unmap` is False, in which case the mapping lasts as long as
+        anything (a buffer, a numpy view) still refers to this region."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # views are still alive; the mapping goes when the last of them does
+        if unmap:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views are still alive; the mapping goes when the last of them does
 
 
 @dataclass(eq=False)

@@ -58,6 +58,10 @@ def add_parser(sub) -> None:
     p.add_argument("--option", action=_AddOption, metavar="KEY=VALUE", help="an option of the --ep before it")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--runs", type=int, default=10, help="timed runs after one warm-up (default 10)")
+    p.add_argument("--on-failure", choices=["raise", "retry", "fallback"], default="raise",
+                   help="what a failed EP call does: raise, retry once on the restarted worker, or run the "
+                        "partition on the CPU fallback (default raise)")
+    p.add_argument("--timeout", type=float, help="deadline of each Compute, in seconds")
     p.add_argument("--compare", action="store_true",
                    help="also time the model in this process under ONNX Runtime's CPU EP")
     p.set_defaults(func=main)
@@ -112,6 +116,8 @@ def main(args) -> int:
         expected = numpy_helper.to_array(onnx.load_tensor(expected_path))
     with Environment() as env:
         options = SessionOptions()
+        options.ep_failure_policy = args.on_failure
+        options.compute_timeout_s = args.timeout
         eps = args.ep or default_eps(env)
         for i, ep in enumerate(eps):
             name = ep.target if ep.target not in [e.target for e in eps[:i]] else f"{ep.target}#{i}"
@@ -144,9 +150,12 @@ def main(args) -> int:
             outputs = session.run(None, feeds)
             first = time.perf_counter() - start
             times = []
-            for _ in range(max(args.runs, 0)):
+            for i in range(max(args.runs, 0)):
                 start = time.perf_counter()
-                outputs = session.run(None, feeds)
+                try:
+                    outputs = session.run(None, feeds)
+                finally:
+                    _show_failures(session, i + 2)
                 times.append(time.perf_counter() - start)
             print("outputs:")
             for arg, value in zip(session.get_outputs(), outputs):
@@ -166,6 +175,15 @@ def main(args) -> int:
                     print(f"in process, ONNX Runtime's CPU EP: {_ms(baseline)} median; "
                           f"out of process / in process: {median / baseline:.2f}")
     return 0 if ok else 1
+
+
+def _show_failures(session, run: int) -> None:
+    """Print what the session's failure policy did in this run (a crash, a restart, a fallback)."""
+    for entry in session.run_log:
+        if entry["run"] == run and not entry.get("shown"):
+            entry["shown"] = True
+            error = f": {entry['error']}" if entry["error"] else ""
+            print(f"run {run}: {entry['registration']} {entry['what']} {entry['event']}{error}")
 
 
 def default_eps(env) -> list[EpArg]:

@@ -83,12 +83,13 @@ class NodeComputeInfo(Protocol):
     dict or numpy array (strings, bfloat16...) for the rest. Outputs may be placed in `allocator`'s memory
     when one is given (the caller can hand that memory on without a copy), else in host memory; `keep`
     names the outputs (by position) that must stay in `allocator`'s memory because the same EP reads them
-    next."""
+    next. `timeout` is the call's deadline in seconds: an EP in another process is abandoned (and its worker
+    ended) past it; code running in this process cannot be interrupted and ignores it."""
 
     name: str
 
-    def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None,
-                keep: Sequence[int] = ()) -> list[Any]: ...
+    def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None, keep: Sequence[int] = (),
+                timeout: float | None = None) -> list[Any]: ...
 
 
 @runtime_checkable

@@ -104,7 +104,8 @@ class OrtComputeInfo:
         self._inputs = [i.name for i in session.get_inputs()]
         self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
 
-    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = ()) -> list[Any]:
+    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
+                timeout: float | None = None) -> list[Any]:
         if len(inputs) != len(self._inputs):
             raise EpInvalidArgument(f"{self.name} takes {len(self._inputs)} inputs, got {len(inputs)}")
         arrays = {}

@@ -70,7 +70,8 @@ class ReferenceComputeInfo:
             raise EpInvalidArgument(f"reference EP cannot compile {graph.name!r}: {type(e).__name__}: {e}") from None
         self._lock = threading.Lock()  # the evaluator keeps state while it runs
 
-    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = ()) -> list[Any]:
+    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
+                timeout: float | None = None) -> list[Any]:
         if len(inputs) != len(self._input_names):
             raise EpInvalidArgument(f"{self.name} takes {len(self._input_names)} inputs, got {len(inputs)}")
         feeds = {}

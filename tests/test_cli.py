@@ -61,3 +61,18 @@ def test_run_without_a_model_checks_the_bundled_resnet50():
     assert result.returncode == 0, result.stderr
     assert "matches the expected output" in result.stdout
     assert "float32[1, 1000]" in result.stdout
+
+
+def test_run_shows_a_crash_and_the_fallback(tmp_path):
+    import onnx
+    import models
+    onnx.save(models.diamond((2, 3)), tmp_path / "diamond.onnx")
+    result = ephost("run", str(tmp_path / "diamond.onnx"), "--ep", "chaos", "--option", "fault=segfault",
+                    "--option", "after=3", "--on-failure", "fallback", "--runs", "4")
+    assert result.returncode == 0, result.stderr
+    assert "run 3: chaos chaos_0 crashed: EpWorkerCrashed" in result.stdout and "SIGSEGV" in result.stdout
+    assert "run 3: chaos chaos_0 fell back" in result.stdout
+    assert "y  float32[2, 3]" in result.stdout
+    failed = ephost("run", str(tmp_path / "diamond.onnx"), "--ep", "chaos", "--option", "fault=segfault",
+                    "--option", "after=2", "--runs", "2")
+    assert failed.returncode == 1 and "EpWorkerCrashed" in failed.stderr and "Traceback" not in failed.stderr

@@ -74,10 +74,10 @@ def test_worker_dies_with_the_application_that_launched_it(tmp_path):
         proc.stdout.close()
 
 
-def test_a_killed_worker_is_a_typed_error_naming_ep_signal_and_call():
+def test_a_killed_worker_that_is_not_restarted_is_a_typed_error_naming_ep_and_signal():
     env = ephost.Environment()
     try:
-        env.register_execution_provider_library("victim", "reference")
+        env.register_execution_provider_library("victim", "reference", {"restart": "false"})
         (device,) = env.get_ep_devices()
         allocator = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
         process = env._registrations["victim"].process
@@ -86,8 +86,9 @@ def test_a_killed_worker_is_a_typed_error_naming_ep_signal_and_call():
         with pytest.raises(ephost.EpWorkerCrashed) as info:
             allocator.get_stats()
         error = info.value
+        assert isinstance(error, ephost.EpWorkerFailed)
         assert error.ep == "reference" and error.signal == signal.SIGKILL
-        assert "SIGKILL" in str(error) and "Allocator/GetStats" in str(error) and error.call == "Allocator/GetStats"
+        assert "SIGKILL" in str(error) and "restarting is off" in str(error)
         assert isinstance(error, ephost.EpWorkerUnavailable) and isinstance(error, ephost.EpError)
     finally:
         env.close()

@@ -1,0 +1,221 @@
+"""Fault isolation: a crashing, hanging, raising or leaking EP never takes the application down, loses no
+data, and under each failure policy gives a correct result or the typed error. Every test here is bounded."""
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ephost
+from ephost import InferenceSession, RunOptions, SessionOptions, Tensor
+from ephost.eps.chaos import FAULTS
+import models
+
+SHAPE = (512, 512)  # 1 MiB of float32: outputs are left in the worker's shared memory (so "alloc" is reached)
+X = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+EXPECTED = models.diamond_expected(X)
+CRASHED = ephost.EpWorkerCrashed  # EpWorkerFailed too, once the crash limit is reached
+ERRORS = {"segfault": CRASHED, "abort": CRASHED, "exit": CRASHED,
+          "hang": (ephost.EpDeadlineExceeded, CRASHED),  # a hang is ended by killing the worker: a crash
+          "raise": ephost.EpInternal, "leak": None}
+SUPERVISION = {"timeout_s": "1.5", "crash_window_s": "60"}
+
+
+def chaos_env(fault, site, **extra):
+    env = ephost.Environment()
+    env.register_execution_provider_library("chaos", "chaos", {
+        "fault": fault, "at": site, "after": "2", "leak_mb": "16", **SUPERVISION, **extra})
+    return env
+
+
+def session(env, policy, timeout=1.0):
+    options = SessionOptions()
+    options.ep_failure_policy = policy
+    options.compute_timeout_s = timeout
+    options.add_provider_for_devices(env.get_ep_devices())
+    return InferenceSession(models.diamond(SHAPE), options, env=env)
+
+
+def outcome(action):
+    try:
+        (y,) = action()
+    except ephost.EpError as e:
+        return e
+    np.testing.assert_allclose(y, EXPECTED, rtol=1e-6)
+    return "correct"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
+@pytest.mark.parametrize("site", ["get_capability", "compile", "compute", "alloc"])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_every_fault_at_every_site_under_every_policy(fault, site, policy):
+    env = chaos_env(fault, site)
+    try:
+        first = session(env, policy)  # set-up calls number 1
+        results = [outcome(lambda: first.run(None, {"x": X}))]
+        if site in ("get_capability", "compile"):
+            results.append(outcome(lambda: session(env, policy).run(None, {"x": X})))  # set-up calls number 2
+        else:
+            results.append(outcome(lambda: first.run(None, {"x": X})))  # compute/alloc number 2 and on
+        results.append(outcome(lambda: first.run(None, {"x": X})))
+    finally:
+        env.close()
+    expected_error = ERRORS[fault]
+    for result in results:
+        if policy == "fallback" or expected_error is None:
+            assert result == "correct", f"{fault} at {site} under {policy}: {result!r}"
+        else:
+            assert result == "correct" or isinstance(result, expected_error), \
+                f"{fault} at {site} under {policy}: {result!r}"
+    if policy == "raise" and expected_error is not None:
+        assert any(isinstance(r, expected_error) for r in results), "the fault must surface as its typed error"
+    if policy == "retry" and site == "compute" and fault != "hang":
+        # the second Compute fails; the retry is the first Compute of the restarted worker (or the third of a
+        # worker that raised and lives on), which succeeds
+        assert results[1] == "correct", "a failed partition is re-run once on the restarted worker"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_faults_in_copy_tensors(fault):
+    env = chaos_env(fault, "copy", after="3")
+    try:
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+        data = np.arange(1000, dtype=np.float32)
+
+        def round_trip():
+            on_worker = Tensor.empty(data.shape, data.dtype, allocator)
+            back = Tensor.from_numpy(np.zeros_like(data))
+            env.copy_tensors([Tensor.from_numpy(data)], [on_worker])
+            env.copy_tensors([on_worker], [back])
+            return back.numpy()
+
+        np.testing.assert_array_equal(round_trip(), data)  # copies number 1 and 2; number 3 faults
+        failures = []
+        for _ in range(2):
+            try:
+                np.testing.assert_array_equal(round_trip(), data)
+            except ephost.EpError as e:
+                failures.append(e)
+    finally:
+        env.close()
+    if ERRORS[fault] is None:
+        assert failures == []
+    else:
+        assert failures and all(isinstance(f, (ERRORS[fault], ephost.EpWorkerUnavailable)) for f in failures)
+
+
+@pytest.mark.timeout(60)
+def test_crash_limit_marks_the_ep_failed_and_fallback_takes_over():
+    env = ephost.Environment()
+    env.register_execution_provider_library("chaos", "chaos", {"fault": "segfault", "every": "1", "crash_limit": "2"})
+    try:
+        with session(env, "fallback") as s:
+            for _ in range(4):
+                np.testing.assert_allclose(s.run(None, {"x": X})[0], EXPECTED, rtol=1e-6)
+            assert {sub.registration for sub in s.get_provider_graph_assignment_info()} == {"fallback"}
+            assert s.failure_counters["crashed"] == 2 and s.failure_counters["moved to the fallback"] == 1
+            assert [e["event"] for e in s.run_log][-2:] == ["crashed", "moved to the fallback"]
+        with pytest.raises(ephost.EpWorkerFailed, match="crashed 2 times"):
+            env.get_ep_devices()[0].create_sync_stream()
+    finally:
+        env.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hang_past_the_run_deadline_kills_the_worker_and_the_next_run_works():
+    env = chaos_env("hang", "compute")
+    try:
+        with session(env, "raise", timeout=30) as s:
+            process = env._registrations["chaos"].process
+            s.run(None, {"x": X})
+            start = time.monotonic()
+            with pytest.raises(ephost.EpDeadlineExceeded):
+                s.run(None, {"x": X}, RunOptions(compute_timeout_s=1.0))  # overrides the session's 30 s
+            assert time.monotonic() - start < 5
+            assert process.exited.wait(5) and process.proc.returncode == -signal.SIGKILL
+            np.testing.assert_allclose(s.run(None, {"x": X})[0], EXPECTED, rtol=1e-6)
+    finally:
+        env.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_leaking_worker_is_restarted_between_calls():
+    env = ephost.Environment()
+    env.register_execution_provider_library("chaos", "chaos", {"fault": "leak", "every": "1", "leak_mb": "64",
+                                                               "memory_limit_mb": "400"})
+    try:
+        with session(env, "raise") as s:
+            pids = set()
+            for _ in range(12):
+                process = env._registrations["chaos"].process
+                pids.add(process.pid)
+                np.testing.assert_allclose(s.run(None, {"x": X})[0], EXPECTED, rtol=1e-6)
+                assert process.resident_bytes() < (400 + 64 + 64) << 20 or process.returncode is not None
+            assert len(pids) >= 2, "the worker was replaced once it held more than its limit"
+            assert s.failure_counters["crashed"] == 0, "a restart for memory is not a crash"
+    finally:
+        env.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["retry", "fallback"])
+def test_eight_threads_while_the_worker_is_killed_from_outside(policy):
+    env = ephost.Environment()
+    env.register_execution_provider_library("victim", "reference", {"crash_limit": "10"})
+    results, stop = [], threading.Event()
+    try:
+        with session(env, policy, timeout=10) as s:
+            def work(seed):
+                rng = np.random.default_rng(seed)
+                while not stop.is_set():
+                    x = rng.standard_normal(SHAPE).astype(np.float32)
+                    try:
+                        (y,) = s.run(None, {"x": x})
+                        results.append(bool(np.allclose(y, models.diamond_expected(x), rtol=1e-6)))
+                    except ephost.EpError as e:
+                        results.append(e)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for _ in range(3):
+                time.sleep(0.7)
+                os.kill(env._registrations["victim"].process.pid, signal.SIGKILL)
+            time.sleep(1.0)
+            stop.set()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads), "a run hung"
+    finally:
+        env.close()
+    assert results.count(True) > 8, "runs kept succeeding"
+    wrong = [r for r in results if r is False]
+    assert wrong == [], "every result that came back is correct"
+    errors = [r for r in results if not isinstance(r, bool)]
+    assert all(isinstance(e, (ephost.EpWorkerCrashed, ephost.EpWorkerUnavailable)) for e in errors), errors[:3]
+    if policy == "fallback":
+        assert errors == [], "with the fallback every run returns a correct result"
+
+
+@pytest.mark.timeout(60)
+def test_tensors_keep_their_data_across_a_crash_and_restart():
+    env = chaos_env("segfault", "compute")
+    try:
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, ephost.DeviceMemoryType.HOST_ACCESSIBLE)
+        held = Tensor.from_numpy(X, allocator)
+        with session(env, "retry") as s:
+            for _ in range(3):
+                np.testing.assert_allclose(s.run(None, {"x": held})[0], EXPECTED, rtol=1e-6)
+            assert s.failure_counters["crashed"] == 2  # each new worker crashes on its second Compute
+        np.testing.assert_array_equal(held.numpy(), X)  # still the application's, after the worker died
+        fresh = Tensor.from_numpy(X, allocator)         # the shared allocator was made again on the new worker
+        np.testing.assert_array_equal(fresh.numpy(), X)
+        assert allocator.get_stats()["InUse"] > 0
+    finally:
+        env.close()
