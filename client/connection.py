@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 PROTOCOL = "ephost.v1"
 METADATA_KEY = "ephost-client"
 MAX_MESSAGE = 1 << 30
-SHM_MODEL_BYTES = 16 << 20  # models at least this large go to the worker through shared memory
+SHM_MODEL_BYTES = 16 << 20
+KEEPALIVE_MS = 20_000  # models at least this large go to the worker through shared memory
 
 
 class WorkerConnection:
@@ -35,6 +36,15 @@ class WorkerConnection:
         self.channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.max_send_message_length", MAX_MESSAGE),
+            # Keepalives notice a worker (or a network path) that is gone while no call is under way.
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # A worker that comes back is found again quickly.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2_000),
         ])
         self.factory = factory_pb2_grpc.EpFactoryStub(self.channel)
         self.ep = ep_pb2_grpc.EpStub(self.channel)

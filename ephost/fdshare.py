@@ -31,6 +31,7 @@ class DescriptorServer:
         self.path = path
         self._tickets: dict[bytes, tuple[int, int, float]] = {}
         self._lock = threading.Lock()
+        remove_stale_socket(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
         os.chmod(path, 0o600)
@@ -85,6 +86,24 @@ class DescriptorServer:
             for fd, _, _ in self._tickets.values():
                 os.close(fd)
             self._tickets.clear()
+
+
+def remove_stale_socket(path: str) -> None:
+    """Remove a unix socket a dead process left behind (nothing answers on it); leave a live one alone."""
+    import stat
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+            return  # somebody serves here
+        except ConnectionRefusedError:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def fetch_descriptor(path: str, ticket: bytes, timeout: float = 5.0) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ephost.errors import EpError
 from ephost.eps import load_factory
-from ephost.fdshare import DescriptorServer
+from ephost.fdshare import DescriptorServer, remove_stale_socket
 from ephost.server.allocator_service import AllocatorService
 from ephost.server.ep_service import EpService
 from ephost.server.factory_service import EpFactoryService
@@ -91,7 +91,10 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ephost-rpc"),
                          options=[("grpc.max_receive_message_length", max_message),
-                                  ("grpc.max_send_message_length", max_message)])
+                                  ("grpc.max_send_message_length", max_message),
+                                  # clients ping every 20 s to notice a dead worker between calls
+                                  ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                                  ("grpc.keepalive_permit_without_calls", 1)])
     factory_pb2_grpc.add_EpFactoryServicer_to_server(EpFactoryService(state), server)
     ep_pb2_grpc.add_EpServicer_to_server(EpService(state), server)
     allocator_pb2_grpc.add_AllocatorServicer_to_server(AllocatorService(state), server)
@@ -100,6 +103,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, request_stop), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if listen.address.startswith("unix://"):
+        remove_stale_socket(listen.address[len("unix://"):])  # left by a worker that was killed
     try:
         port = server.add_insecure_port(listen.address)
     except RuntimeError as e:

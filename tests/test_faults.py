@@ -219,3 +219,41 @@ def test_tensors_keep_their_data_across_a_crash_and_restart():
         assert allocator.get_stats()["InUse"] > 0
     finally:
         env.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_remote_worker_that_goes_away_and_comes_back(worker):
+    """Not launched by this process: its loss is EpWorkerUnavailable within the deadline, and the connection
+    recovers (handles made again) when a worker answers at the address again."""
+    first = worker("--ep", "reference")
+    address = first.address
+    env = ephost.Environment()
+    try:
+        env.register_execution_provider_library("remote", address, {"timeout_s": "2", "connect_timeout_s": "2"})
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+        assert allocator.get_stats()["InUse"] == 0
+        first.proc.kill()
+        first.proc.wait()
+        start = time.monotonic()
+        with pytest.raises(ephost.EpWorkerUnavailable):
+            allocator.get_stats()
+        assert time.monotonic() - start < 5
+        socket_path = address[len("unix://"):]
+        second = worker("--ep", "reference", "--listen", f"unix://{socket_path}")
+        assert second.address == address
+        recovered, errors = None, []
+        for _ in range(20):
+            try:
+                recovered = allocator.get_stats()
+                break
+            except ephost.EpWorkerUnavailable as e:
+                errors.append(str(e))
+                time.sleep(0.2)
+        assert recovered is not None and recovered["InUse"] == 0, errors
+        t = Tensor.from_numpy(np.arange(8, dtype=np.float32), allocator)
+        back = Tensor.from_numpy(np.zeros(8, np.float32))
+        env.copy_tensors([t], [back])
+        np.testing.assert_array_equal(back.numpy(), np.arange(8))
+    finally:
+        env.close()
