@@ -15,7 +15,7 @@ import onnx
 
 from ephost import values
 from ephost.eps.base import FusedGraph, NodeGroup
-from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.errors import EpNotFound
 from ephost.memory import Buffer
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, desc_to_proto, nbytes_of

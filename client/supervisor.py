@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpInvalidArgument, EpWorkerCrashed, EpWorkerFailed,
+from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpInvalidArgument, EpWorkerFailed,
                            EpWorkerUnavailable)
 from ephost.client.connection import WorkerConnection
 from ephost.client.launcher import WorkerProcess, describe_exit

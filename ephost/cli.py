@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from ephost.errors import EpError
+from ephost.run_command import format_table
 
 
 def _options(pairs: list[str]) -> dict[str, str]:
@@ -20,13 +21,6 @@ def _options(pairs: list[str]) -> dict[str, str]:
             raise SystemExit(f"ephost: --option takes KEY=VALUE, got {pair!r}")
         out[key] = value
     return out
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def cmd_worker(args) -> int:
@@ -57,7 +51,7 @@ def cmd_devices(args) -> int:
             metadata = ", ".join(f"{k}={v}" for k, v in sorted({**d.ep_metadata, **d.device.metadata}.items()))
             rows.append([d.ep_name, d.ep_vendor, d.device.type.name, d.device.vendor, f"0x{d.device.vendor_id:04x}",
                          str(d.device.device_id), memory, metadata])
-        print(_table(rows))
+        print(format_table(rows))
     return 0
 
 
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=func)
 
     from ephost import run_command
-    run_command.add_parser(sub)
+    run_command.add_parser(sub)  # `ephost run` lives with its helpers
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

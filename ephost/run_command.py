@@ -93,7 +93,8 @@ def random_input(arg, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, 10, size=shape).astype(dtype)
 
 
-def _table(rows: list[list[str]]) -> str:
+def format_table(rows: list[list[str]]) -> str:
+    """Rows of cells as aligned columns, the first row a header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -143,7 +144,7 @@ def main(args) -> int:
             assigned = session.get_provider_graph_assignment_info()
             for i, sub in enumerate(assigned[:MAX_ROWS]):
                 rows.append([str(i), sub.registration, sub.ep_name, str(len(sub.nodes)), _ops(sub.nodes)])
-            print(_table(rows))
+            print(format_table(rows))
             if len(assigned) > MAX_ROWS:
                 print(f"... and {len(assigned) - MAX_ROWS} more partitions")
             start = time.perf_counter()

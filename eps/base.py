@@ -104,6 +104,28 @@ class Ep(Protocol):
     def on_run_end(self, sync_stream: bool) -> None: ...
 
 
+class EpDefaults:
+    """What an OrtEp does where the plugin leaves a function out: NCHW layout, dynamic options kept, no
+    per-run hooks. EPs inherit it and override what they do differently."""
+
+    dynamic_options: dict[str, str]
+
+    def release_node_compute_infos(self, infos: Sequence[NodeComputeInfo]) -> None:
+        pass  # a compute info holds what it uses, and goes with it
+
+    def get_preferred_data_layout(self) -> str:
+        return "NCHW"
+
+    def set_dynamic_options(self, options: Mapping[str, str]) -> None:
+        self.dynamic_options = {**getattr(self, "dynamic_options", {}), **options}
+
+    def on_run_start(self, run_options: Mapping[str, str]) -> None:
+        pass
+
+    def on_run_end(self, sync_stream: bool) -> None:
+        pass
+
+
 @runtime_checkable
 class EpFactory(Protocol):
     def get_name(self) -> str: ...

@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from ephost.eps import check_options
-from ephost.eps.base import FusedGraph, NodeGroup
+from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory
 from ephost.eps.reference import cpu_device
 from ephost.errors import EpError, EpInvalidArgument, EpNotFound
@@ -159,12 +159,11 @@ def _static(arg) -> tuple[tuple[int, ...], np.dtype] | None:
     return tuple(arg.shape), dtype
 
 
-class OrtEp:
+class OrtEp(EpDefaults):
     def __init__(self, factory: "OrtEpFactory", devices: list, provider_options: dict[str, str]):
         self._factory = factory
         self._devices = devices
         self._provider_options = provider_options
-        self.dynamic_options: dict[str, str] = {}
 
     def get_name(self) -> str:
         return self._factory.get_name()
@@ -248,21 +247,6 @@ class OrtEp:
                 raise EpInvalidArgument(f"ONNX Runtime cannot compile {graph.name!r}: {e}") from None
             infos.append(OrtComputeInfo(graph, session))
         return infos
-
-    def release_node_compute_infos(self, infos) -> None:
-        pass  # each session goes with its compute info
-
-    def get_preferred_data_layout(self) -> str:
-        return "NCHW"
-
-    def set_dynamic_options(self, options: Mapping[str, str]) -> None:
-        self.dynamic_options.update(options)
-
-    def on_run_start(self, run_options: Mapping[str, str]) -> None:
-        pass
-
-    def on_run_end(self, sync_stream: bool) -> None:
-        pass
 
 
 class OrtEpFactory(HostMemoryFactory):

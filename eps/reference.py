@@ -16,7 +16,7 @@ import onnx.defs
 from onnx.reference import ReferenceEvaluator
 
 from ephost.eps import check_options
-from ephost.eps.base import FusedGraph, NodeGroup
+from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory
 from ephost.errors import EpError, EpInvalidArgument
 from ephost.tensor import Tensor
@@ -92,11 +92,10 @@ class ReferenceComputeInfo:
         return [as_value(r) for r in results]
 
 
-class ReferenceEp:
+class ReferenceEp(EpDefaults):
     def __init__(self, ops: frozenset[str], session_options: Mapping[str, str]):
         self._ops = ops
         self.session_options = dict(session_options)
-        self.dynamic_options: dict[str, str] = {}
 
     def get_name(self) -> str:
         return EP_NAME
@@ -109,21 +108,6 @@ class ReferenceEp:
 
     def compile(self, graphs: Sequence[FusedGraph]) -> list[ReferenceComputeInfo]:
         return [ReferenceComputeInfo(g) for g in graphs]
-
-    def release_node_compute_infos(self, infos) -> None:
-        pass  # nothing is held outside the compute infos themselves
-
-    def get_preferred_data_layout(self) -> str:
-        return "NCHW"
-
-    def set_dynamic_options(self, options: Mapping[str, str]) -> None:
-        self.dynamic_options.update(options)
-
-    def on_run_start(self, run_options: Mapping[str, str]) -> None:
-        pass
-
-    def on_run_end(self, sync_stream: bool) -> None:
-        pass
 
 
 class ReferenceEpFactory(HostMemoryFactory):

@@ -57,6 +57,21 @@ def env():
         yield environment
 
 
+def options_for(environment, *registrations):
+    """SessionOptions with the devices of these registrations, in this order."""
+    from ephost import SessionOptions
+    options = SessionOptions()
+    for r in registrations:
+        options.add_provider_for_devices([d for d in environment.get_ep_devices() if d.registration_name == r])
+    return options
+
+
+def worker_stats(environment, registration: str):
+    from ephost.v1 import common_pb2
+    conn = environment._registrations[registration].factory.conn
+    return conn.call(conn.worker.GetStats, common_pb2.Empty())
+
+
 def device_of(environment, registration: str):
     return next(d for d in environment.get_ep_devices() if d.registration_name == registration)
 

@@ -6,10 +6,11 @@ import pytest
 from onnx import helper, numpy_helper
 
 import ephost
-from ephost import InferenceSession, SessionOptions
+from ephost import InferenceSession
 from ephost.eps.onnxruntime import max_ir_version, readable_model
 from ephost.run_command import bundled_input, bundled_model
 import models
+from conftest import options_for, worker_stats
 
 OPENVINO = pytest.importorskip("onnxruntime_ep_openvino", reason="installed by the openvino extra")
 
@@ -19,19 +20,6 @@ def ort_env():
     with ephost.Environment() as env:
         env.register_execution_provider_library("ort", "onnxruntime")
         yield env
-
-
-def options_for(env, *names):
-    options = SessionOptions()
-    for name in names:
-        options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == name])
-    return options
-
-
-def stats(env, registration):
-    from ephost.v1 import common_pb2
-    conn = env._registrations[registration].factory.conn
-    return conn.call(conn.worker.GetStats, common_pb2.Empty())
 
 
 def test_devices_are_what_onnx_runtime_reports(ort_env):
@@ -62,9 +50,9 @@ def test_outputs_are_written_in_place_into_shared_memory(ort_env):
     model = models.chain(["Relu", "Neg"], shape=(512, 512))  # 1 MiB out: through shared memory
     x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
     with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as session:
-        before = stats(ort_env, "ort")
+        before = worker_stats(ort_env, "ort")
         (y,) = session.run(None, {"x": x})
-        after = stats(ort_env, "ort")
+        after = worker_stats(ort_env, "ort")
     np.testing.assert_array_equal(y, -np.maximum(x, 0))
     assert after.compute_outputs_in_place - before.compute_outputs_in_place == 1
     assert after.compute_outputs_copied == before.compute_outputs_copied
@@ -72,7 +60,7 @@ def test_outputs_are_written_in_place_into_shared_memory(ort_env):
         env.register_execution_provider_library("ref", "reference")
         with InferenceSession(model, options_for(env, "ref"), env=env) as session:
             session.run(None, {"x": x})
-            assert stats(env, "ref").compute_outputs_copied == 1
+            assert worker_stats(env, "ref").compute_outputs_copied == 1
 
 
 def test_nodes_onnx_runtime_lacks_fall_back(ort_env):

@@ -8,8 +8,9 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 import ephost
-from ephost import InferenceSession, SessionOptions
+from ephost import InferenceSession
 import models
+from conftest import options_for, worker_stats
 
 
 @pytest.fixture(scope="module")
@@ -19,19 +20,6 @@ def split_env():
         env.register_execution_provider_library("a", "reference", {"ops": "Add,Mul,If,Loop"})
         env.register_execution_provider_library("b", "reference", {"ops": "Relu,Neg"})
         yield env
-
-
-def options_for(env, *registrations):
-    options = SessionOptions()
-    for r in registrations:
-        options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == r])
-    return options
-
-
-def stats(env, registration):
-    from ephost.v1 import common_pb2
-    conn = env._registrations[registration].factory.conn
-    return conn.call(conn.worker.GetStats, common_pb2.Empty())
 
 
 def assignment(session):
@@ -90,12 +78,12 @@ def test_values_stay_on_the_worker_that_made_them(split_env, shape):
     only values whose consumer lives elsewhere are transferred."""
     x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
     with InferenceSession(models.diamond(shape), options_for(split_env, "a", "b"), env=split_env) as session:
-        a0, b0 = stats(split_env, "a"), stats(split_env, "b")
+        a0, b0 = worker_stats(split_env, "a"), worker_stats(split_env, "b")
         runs = 3
         for _ in range(runs):
             (y,) = session.run(None, {"x": x})
             np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
-        a1, b1 = stats(split_env, "a"), stats(split_env, "b")
+        a1, b1 = worker_stats(split_env, "a"), worker_stats(split_env, "b")
     assert a1.compute_inputs_resident - a0.compute_inputs_resident == runs          # s into Mul
     assert a1.compute_inputs_transferred - a0.compute_inputs_transferred == 2 * runs  # x into Add, r into Mul
     assert b1.compute_inputs_transferred - b0.compute_inputs_transferred == runs    # s into Relu
@@ -152,7 +140,7 @@ def test_a_model_with_300_mb_of_initializers(worker):
         with InferenceSession(model, options_for(env, "w"), env=env) as session:
             assert assignment(session) == [("w", ["matmul", "relu"])]
             (y,) = session.run(None, {"x": x})
-        before = stats(env, "w")
+        before = worker_stats(env, "w")
     np.testing.assert_allclose(y, np.maximum(x @ weights, 0), rtol=1e-4, atol=1e-3)
     assert before.methods["Allocator/Reserve"].calls == 1, "the model went through one shared-memory buffer"
 
