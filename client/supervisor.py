@@ -21,6 +21,9 @@ from ephost.client.launcher import WorkerProcess, describe_exit
 
 log = logging.getLogger(__name__)
 
+HEALTH_INTERVAL_S = 1.0  # how often a worker not launched here is asked whether it serves
+HEALTH_TIMEOUT_S = 2.0
+
 
 @dataclass(frozen=True)
 class SupervisionPolicy:
@@ -73,7 +76,10 @@ class WorkerLink:
         self._closing = False
         self._ready = threading.Condition()
         self._restarting = False
+        self.serving = True  # what the last grpc.health.v1 check of a worker not launched here said
         self._start()
+        if self.process is None:
+            threading.Thread(target=self._watch_health, name=f"ephost-health-{name}", daemon=True).start()
 
     # --- the current connection -------------------------------------------------------------------
 
@@ -116,6 +122,9 @@ class WorkerLink:
         client (they restarted) get a new Hello; launched ones are recycled between calls past their memory
         limit."""
         conn = conn or self.conn
+        if not self.serving:
+            raise EpWorkerUnavailable(f"worker for {self.name!r} at {self.address} is not serving (its health "
+                                      "checks fail); calls resume when it answers again")
         try:
             reply = conn.call(method_of(conn), request, **kw)
         except EpDeadlineExceeded:
@@ -198,6 +207,23 @@ class WorkerLink:
                 if remaining <= 0:
                     return False
                 self._ready.wait(min(remaining, 0.05))
+
+    def _watch_health(self) -> None:
+        """A worker this process did not launch cannot be watched as a process: ask grpc.health.v1."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        while not self._closing:
+            conn = self._conn
+            try:
+                reply = health_pb2_grpc.HealthStub(conn.channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except Exception:  # unreachable, or the channel was closed under us
+                serving = False
+            if serving != self.serving and not self._closing:
+                log.warning("worker for %r at %s is %s", self.name, self.address,
+                            "serving again" if serving else "not serving")
+            self.serving = serving
+            time.sleep(HEALTH_INTERVAL_S)
 
     def kill(self, why: str) -> None:
         """End a launched worker now (a call past its deadline); supervision restarts it."""

@@ -239,6 +239,15 @@ def test_a_remote_worker_that_goes_away_and_comes_back(worker):
         with pytest.raises(ephost.EpWorkerUnavailable):
             allocator.get_stats()
         assert time.monotonic() - start < 5
+        link = env._registrations["remote"].link
+        deadline = time.monotonic() + 10
+        while link.serving and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not link.serving, "grpc.health.v1 checks notice the loss"
+        start = time.monotonic()
+        with pytest.raises(ephost.EpWorkerUnavailable, match="not serving"):
+            allocator.get_stats()
+        assert time.monotonic() - start < 0.5, "while it is down, calls fail at once"
         socket_path = address[len("unix://"):]
         second = worker("--ep", "reference", "--listen", f"unix://{socket_path}")
         assert second.address == address
