@@ -3,15 +3,18 @@ typed errors for every failed call, and the worker's regions mapped into this pr
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
+import os
 import threading
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import onnx
 
-from ephost.errors import EpDeadlineExceeded, EpError, EpWorkerUnavailable, error_for_status
+from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument, EpWorkerUnavailable, error_for_status
 from ephost.fdshare import fetch_descriptor
 from ephost.memory import Region
 from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2, ep_pb2_grpc,
@@ -26,14 +29,52 @@ SHM_MODEL_BYTES = 16 << 20
 KEEPALIVE_MS = 20_000  # models at least this large go to the worker through shared memory
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """How to reach a worker that is not on a private unix socket: TLS (grpcs://, with a CA to trust and a
+    client certificate for mutual TLS) and a bearer token (also read from EPHOST_TOKEN)."""
+
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = None
+
+    OPTIONS = {"token": "bearer token (default: $EPHOST_TOKEN)", "tls_ca": "PEM CA to trust (grpcs://)",
+               "tls_cert": "PEM client certificate (mutual TLS)", "tls_key": "PEM client key (mutual TLS)"}
+
+    @classmethod
+    def take(cls, options: dict[str, str], tls: bool) -> "Credentials":
+        mine = {k: options.pop(k) for k in list(options) if k in cls.OPTIONS}
+        mine.setdefault("token", os.environ.get("EPHOST_TOKEN") or None)
+        return cls(tls=tls, **mine)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        def read(path):
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise EpInvalidArgument(f"cannot read {path}: {e.strerror}") from None
+        return grpc.ssl_channel_credentials(read(self.tls_ca), read(self.tls_key), read(self.tls_cert))
+
+    def metadata(self) -> tuple:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 process=None):
+                 process=None, credentials: Credentials = Credentials()):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
         self.process = process  # a WorkerProcess when this client launched the worker
-        self.channel = grpc.insecure_channel(address, options=[
+        self.credentials = credentials
+        make_channel = (functools.partial(grpc.secure_channel, credentials=credentials.channel_credentials())
+                        if credentials.tls else grpc.insecure_channel)
+        self.channel = make_channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.max_send_message_length", MAX_MESSAGE),
             # Keepalives notice a worker (or a network path) that is gone while no call is under way.
@@ -52,7 +93,7 @@ class WorkerConnection:
         self.stream = stream_pb2_grpc.StreamStub(self.channel)
         self.data_transfer = data_transfer_pb2_grpc.DataTransferStub(self.channel)
         self.worker = worker_pb2_grpc.WorkerStub(self.channel)
-        self._metadata: tuple = ()
+        self._metadata: tuple = credentials.metadata()
         self._closed = False
         self._regions: dict[int, Region | None] = {}
         self._regions_lock = threading.Lock()
@@ -70,7 +111,7 @@ class WorkerConnection:
             raise
         self.info = hello.info
         self.fd_socket = hello.fd_socket
-        self._metadata = ((METADATA_KEY, hello.client_id),)
+        self._metadata = ((METADATA_KEY, hello.client_id), *credentials.metadata())
 
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
         """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""

@@ -13,6 +13,7 @@ from ephost.eps import load_factory
 from ephost.errors import EpAlreadyExists, EpError, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import HOST_MEMORY, DeviceMemoryType, MemoryInfo
+from ephost.client.connection import Credentials
 from ephost.client.devices import EpDevice, SharedAllocator, SyncStream
 from ephost.client.launcher import WorkerProcess
 from ephost.client.remote import RemoteEpFactory
@@ -84,10 +85,11 @@ class Environment:
                     ep_options = dict(options, library=spec.library) if spec.library else options
                     link = WorkerLink(name, ep=spec.ep, ep_options=ep_options, policy=policy)
                 else:
+                    credentials = Credentials.take(options, spec.tls)
                     if options:
                         raise EpInvalidArgument(f"unknown option(s) {sorted(options)} for a running worker; it takes "
-                                                f"{sorted(SupervisionPolicy.OPTIONS)}")
-                    link = WorkerLink(name, address=spec.address, policy=policy)
+                                                f"{sorted({**SupervisionPolicy.OPTIONS, **Credentials.OPTIONS})}")
+                    link = WorkerLink(name, address=spec.address, policy=policy, credentials=credentials)
                 try:
                     factory = RemoteEpFactory(link)
                 except BaseException:

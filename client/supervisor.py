@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 
 from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpInvalidArgument, EpWorkerFailed,
                            EpWorkerUnavailable)
-from ephost.client.connection import WorkerConnection
+from ephost.client.connection import Credentials, WorkerConnection
 from ephost.client.launcher import WorkerProcess, describe_exit
 
 log = logging.getLogger(__name__)
@@ -62,12 +62,14 @@ class WorkerLink:
     """The connection to one worker, launched (`ep` set) or connected to (`address` set)."""
 
     def __init__(self, name: str, *, ep: str | None = None, ep_options: Mapping[str, str] | None = None,
-                 address: str | None = None, policy: SupervisionPolicy = SupervisionPolicy()):
+                 address: str | None = None, policy: SupervisionPolicy = SupervisionPolicy(),
+                 credentials: Credentials = Credentials()):
         self.name = name
         self.ep = ep
         self.ep_options = dict(ep_options or {})
         self.address = address
         self.policy = policy
+        self.credentials = credentials
         self.generation = 0
         self.process: WorkerProcess | None = None
         self._conn: WorkerConnection | None = None
@@ -91,7 +93,8 @@ class WorkerLink:
             address = self.address
         try:
             conn = WorkerConnection(address, name=self.name, timeout_s=self.policy.timeout_s,
-                                    connect_timeout_s=self.policy.connect_timeout_s, process=self.process)
+                                    connect_timeout_s=self.policy.connect_timeout_s, process=self.process,
+                                    credentials=self.credentials)
         except BaseException:
             if self.process is not None:
                 self.process.stop()

@@ -18,6 +18,7 @@ class Target:
     ep: str | None = None          # launch / inproc: the EP name
     address: str | None = None     # connect: a gRPC target string
     library: str | None = None     # launch: an ONNX Runtime plugin EP library
+    tls: bool = False              # connect: over TLS (grpcs://)
 
 
 def parse_target(target: str) -> Target:
@@ -30,7 +31,7 @@ def parse_target(target: str) -> Target:
     if target.startswith("grpc://"):
         return Target("connect", address=target[len("grpc://"):])
     if target.startswith("grpcs://"):
-        raise EpInvalidArgument("grpcs:// targets need TLS, which this version of ephost does not support yet")
+        return Target("connect", address=target[len("grpcs://"):], tls=True)
     if _HOST_PORT.match(target):
         return Target("connect", address=target)
     if target.endswith(_LIBRARY_SUFFIXES) or os.sep in target:

@@ -25,9 +25,11 @@ def _options(pairs: list[str]) -> dict[str, str]:
 
 def cmd_worker(args) -> int:
     from ephost.server.main import parse_listen, serve
+    from ephost.server.security import Security
 
-    return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure),
-                 exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20)
+    security = Security(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file)
+    return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure, security.tls),
+                 exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security)
 
 
 def _registered(args):
@@ -87,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--ep", required=True, help="EP name from the ephost.eps entry points (e.g. reference)")
     w.add_argument("--option", action="append", metavar="KEY=VALUE", help="EP option, repeatable")
     w.add_argument("--listen", help="unix:///path.sock or host:port (default: a private unix socket)")
-    w.add_argument("--insecure", action="store_true", help="allow plain-text TCP")
+    w.add_argument("--insecure", action="store_true", help="allow plain-text TCP (logged as a warning)")
+    w.add_argument("--tls-cert", help="PEM certificate chain for TLS")
+    w.add_argument("--tls-key", help="PEM private key for TLS")
+    w.add_argument("--tls-client-ca", help="PEM CA that client certificates must chain to (mutual TLS)")
+    w.add_argument("--token-file", help="file holding the bearer token every call must carry")
     w.add_argument("--exit-with-parent", action="store_true",
                    help="exit when stdin closes (the launching process holds its other end)")
     w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")

@@ -27,6 +27,7 @@ from ephost.fdshare import DescriptorServer, remove_stale_socket
 from ephost.server.allocator_service import AllocatorService
 from ephost.server.ep_service import EpService
 from ephost.server.factory_service import EpFactoryService
+from ephost.server.security import Security
 from ephost.server.state import WorkerState
 from ephost.server.stream_service import StreamService
 from ephost.server.transfer_service import DataTransferService
@@ -48,7 +49,7 @@ class Listen:
     private_dir: str | None        # made by us, removed on exit
 
 
-def parse_listen(listen: str | None, insecure: bool) -> Listen:
+def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Listen:
     if listen is None:
         private = tempfile.mkdtemp(prefix="ephost-")  # mode 0700: only this user reaches the sockets
         path = os.path.join(private, "worker.sock")
@@ -58,23 +59,25 @@ def parse_listen(listen: str | None, insecure: bool) -> Listen:
         if not os.path.isabs(path):
             raise SystemExit(f"ephost worker: unix socket path must be absolute: {listen}")
         return Listen(f"unix://{path}", path + ".fds", None)
+    if tls:
+        return Listen(listen, None, None)
     if not insecure:
-        raise SystemExit("ephost worker: listening on TCP needs --insecure (plain-text gRPC; TLS is not "
-                         "available yet). Without --listen the worker uses a private unix socket.")
-    log.warning("listening on %s without TLS or authentication (--insecure)", listen)
+        raise SystemExit("ephost worker: listening on TCP needs TLS (--tls-cert and --tls-key) or an explicit "
+                         "--insecure (plain text). Without --listen the worker uses a private unix socket.")
+    log.warning("listening on %s without TLS (--insecure)", listen)
     return Listen(listen, None, None)
 
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
-          max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16) -> int:
+          max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security()) -> int:
     try:
-        return _serve(ep, options, listen, exit_with_parent, max_message, threads)
+        return _serve(ep, options, listen, exit_with_parent, max_message, threads, security)
     finally:
         _remove_sockets(listen)
 
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, max_message: int,
-           threads: int) -> int:
+           threads: int, security: Security) -> int:
     try:
         factory = load_factory(ep, options)
     except EpError as e:
@@ -90,6 +93,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         stop.set()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ephost-rpc"),
+                         interceptors=security.interceptors(),
                          options=[("grpc.max_receive_message_length", max_message),
                                   ("grpc.max_send_message_length", max_message),
                                   # clients ping every 20 s to notice a dead worker between calls
@@ -106,7 +110,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     if listen.address.startswith("unix://"):
         remove_stale_socket(listen.address[len("unix://"):])  # left by a worker that was killed
     try:
-        port = server.add_insecure_port(listen.address)
+        port = (server.add_secure_port(listen.address, security.server_credentials()) if security.tls
+                else server.add_insecure_port(listen.address))
     except RuntimeError as e:
         print(f"ephost worker: cannot listen on {listen.address}: {e}", file=sys.stderr)
         return 2
