@@ -80,6 +80,31 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_health(args) -> int:
+    """Exit 0 when the worker at ADDRESS reports SERVING on grpc.health.v1 (a container health check)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ephost.client.connection import Credentials
+    from ephost.client.targets import parse_target
+
+    spec = parse_target(args.address)
+    if spec.kind != "connect":
+        raise SystemExit(f"ephost health: {args.address} is not a worker address")
+    credentials = Credentials(tls=spec.tls, tls_ca=args.tls_ca)
+    channel = (grpc.secure_channel(spec.address, credentials.channel_credentials()) if spec.tls
+               else grpc.insecure_channel(spec.address))
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"NOT_SERVING ({e.code().name})")
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -107,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "check":
             p.add_argument("--mib", type=int, default=64, help="tensor size in MiB (default 64)")
         p.set_defaults(func=func)
+
+    h = sub.add_parser("health", help="check a worker's grpc.health.v1 status (exit 0 when SERVING)")
+    h.add_argument("address", help="unix:///path.sock, host:port, grpc://host:port or grpcs://host:port")
+    h.add_argument("--tls-ca", help="PEM CA to trust for grpcs://")
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    h.set_defaults(func=cmd_health)
 
     from ephost import run_command
     run_command.add_parser(sub)  # `ephost run` lives with its helpers

@@ -20,6 +20,7 @@ from typing import Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from ephost.errors import EpError
 from ephost.eps import load_factory
@@ -107,6 +108,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, request_stop), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # Server reflection, so that standard gRPC tools (grpcurl, grpc_cli) can list and call the services.
+    reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if listen.address.startswith("unix://"):
         remove_stale_socket(listen.address[len("unix://"):])  # left by a worker that was killed
     try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 AUTH_KEY = "authorization"
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes need no secret
 
 
 @dataclass(frozen=True)
