@@ -17,10 +17,12 @@ from typing import Callable, Mapping
 from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpInvalidArgument, EpWorkerFailed,
                            EpWorkerUnavailable)
 from ephost.client.connection import Credentials, WorkerConnection
+from ephost.v1 import common_pb2
 from ephost.client.launcher import WorkerProcess, describe_exit
 
 log = logging.getLogger(__name__)
 
+_EMPTY = common_pb2.Empty()
 HEALTH_INTERVAL_S = 1.0  # how often a worker not launched here is asked whether it serves
 HEALTH_TIMEOUT_S = 2.0
 
@@ -222,6 +224,11 @@ class WorkerLink:
                 serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             except Exception:  # unreachable, or the channel was closed under us
                 serving = False
+            if serving:
+                try:  # keep this client's lease, so that the worker keeps its handles while it is idle
+                    conn.call(conn.worker.Renew, _EMPTY, timeout=HEALTH_TIMEOUT_S)
+                except EpError as e:
+                    log.debug("renewing the lease at %s failed: %s", self.address, e)
             if serving != self.serving and not self._closing:
                 log.warning("worker for %r at %s is %s", self.name, self.address,
                             "serving again" if serving else "not serving")

@@ -3,6 +3,7 @@ target end to end (devices, a shared allocator, a tensor copied in and back)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -23,13 +24,28 @@ def _options(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+class JsonFormatter(logging.Formatter):
+    """Structured logs: one JSON object per record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"), "level": record.levelname,
+                 "logger": record.name, "pid": record.process, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
 def cmd_worker(args) -> int:
     from ephost.server.main import parse_listen, serve
     from ephost.server.security import Security
 
     security = Security(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file)
+    # A worker its launcher supervises lives and dies with that one client; one that serves others releases
+    # the handles of clients that go silent.
+    lease = args.client_lease_s if args.client_lease_s is not None else (0.0 if args.exit_with_parent else 60.0)
     return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure, security.tls),
-                 exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security)
+                 exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security,
+                 client_lease_s=lease)
 
 
 def _registered(args):
@@ -108,6 +124,8 @@ def cmd_health(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="json: one JSON object per line (time, level, logger, pid, message), for log collectors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="serve one EP over gRPC")
@@ -119,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--tls-key", help="PEM private key for TLS")
     w.add_argument("--tls-client-ca", help="PEM CA that client certificates must chain to (mutual TLS)")
     w.add_argument("--token-file", help="file holding the bearer token every call must carry")
+    w.add_argument("--client-lease-s", type=float,
+                   help="release the handles of a client not heard from for this long (default 60; 0: never; "
+                        "off for a worker launched with --exit-with-parent)")
     w.add_argument("--exit-with-parent", action="store_true",
                    help="exit when stdin closes (the launching process holds its other end)")
     w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")
@@ -143,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     run_command.add_parser(sub)  # `ephost run` lives with its helpers
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if args.log_format == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     try:
         return args.func(args)
     except EpError as e:

@@ -6,6 +6,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,6 +32,7 @@ class ClientState:
     client_id: str
     name: str
     models: dict[str, Any] = field(default_factory=dict)  # content hash -> GraphIndex of a model it sent
+    last_seen: float = field(default_factory=time.monotonic)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _tables: dict[str, dict[int, Any]] = field(default_factory=lambda: {k: {} for k in KINDS})
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -95,8 +97,20 @@ class ClientRegistry:
         with self._lock:
             client = self._clients.get(client_id)
         if client is None:
-            raise EpFailedPrecondition("unknown client (the worker may have restarted); call Worker.Hello again")
+            raise EpFailedPrecondition("unknown client (the worker may have restarted, or released this client "
+                                       "after its lease ran out); call Worker.Hello again")
+        client.last_seen = time.monotonic()
         return client
+
+    def release_silent(self, lease_s: float) -> int:
+        """Release the clients not heard from for `lease_s` seconds; returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            silent = [c for c in self._clients.values() if now - c.last_seen > lease_s]
+        for client in silent:
+            log.info("client %r silent for %.0f s: releasing its handles", client.name, now - client.last_seen)
+            self.goodbye(client)
+        return len(silent)
 
     def goodbye(self, client: ClientState) -> None:
         with self._lock:

@@ -70,15 +70,16 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
-          max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security()) -> int:
+          max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
+          client_lease_s: float = 0.0) -> int:
     try:
-        return _serve(ep, options, listen, exit_with_parent, max_message, threads, security)
+        return _serve(ep, options, listen, exit_with_parent, max_message, threads, security, client_lease_s)
     finally:
         _remove_sockets(listen)
 
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, max_message: int,
-           threads: int, security: Security) -> int:
+           threads: int, security: Security, client_lease_s: float) -> int:
     try:
         factory = load_factory(ep, options)
     except EpError as e:
@@ -131,8 +132,10 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
 
     print(json.dumps({"ephost": "ready", "address": address, "pid": os.getpid(), "ep": ep}), flush=True)
     log.info("serving EP %r at %s", ep, address)
-    while not stop.wait(0.5):
-        pass
+    tick = min(0.5, client_lease_s / 4) if client_lease_s > 0 else 0.5
+    while not stop.wait(tick):
+        if client_lease_s > 0:
+            state.clients.release_silent(client_lease_s)
 
     log.info("draining (grace %.1f s)", grace[0])
     state.draining.set()

@@ -36,6 +36,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return common_pb2.Empty()
 
     @rpc
+    def Renew(self, request, context):
+        self.state.clients.lookup(context.invocation_metadata())
+        return common_pb2.Empty()
+
+    @rpc
     def GetInfo(self, request, context):
         return self.state.info()
 

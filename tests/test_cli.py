@@ -76,3 +76,12 @@ def test_run_shows_a_crash_and_the_fallback(tmp_path):
     failed = ephost("run", str(tmp_path / "diamond.onnx"), "--ep", "chaos", "--option", "fault=segfault",
                     "--option", "after=2", "--runs", "2")
     assert failed.returncode == 1 and "EpWorkerCrashed" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_structured_logs():
+    import json
+    result = ephost("--log-format", "json", "--log-level", "INFO", "devices", "reference")
+    assert result.returncode == 0, result.stderr
+    entries = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert any(e["logger"] == "ephost.client.environment" and "registered" in e["message"] for e in entries)
+    assert all({"time", "level", "logger", "pid", "message"} <= set(e) for e in entries)

@@ -48,3 +48,37 @@ def test_goodbye_releases_everything_a_client_made(served):
     finally:
         client.close()
         observer.close()
+
+
+def test_a_client_that_goes_silent_is_released_after_its_lease(worker):
+    """A client that vanished without Goodbye (killed, or cut off) does not hold the worker's memory for ever;
+    one that keeps renewing (every Environment connected by address does) keeps its handles while idle."""
+    import time
+
+    import ephost
+    w = worker("--ep", "reference", "--client-lease-s", "1")
+    silent, observer = RawClient(w.address, "silent"), RawClient(w.address, "observer")
+    try:
+        allocator = silent(silent.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest()).allocator
+        for _ in range(3):
+            silent(silent.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=1000))
+        with ephost.Environment() as env:
+            env.register_execution_provider_library("kept", w.address)
+            (device,) = env.get_ep_devices()
+            kept = env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+            kept.alloc(64)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                observer(observer.worker.Renew, common_pb2.Empty())
+                if observer(observer.worker.GetStats, common_pb2.Empty()).buffers_live == 1:
+                    break
+                time.sleep(0.2)
+            stats = observer(observer.worker.GetStats, common_pb2.Empty())
+            assert stats.buffers_live == 1, "the silent client's three buffers are gone, the renewing one's stays"
+            assert kept.get_stats()["NumAllocs"] == 1
+        with pytest.raises(grpc.RpcError) as info:
+            silent(silent.allocator.GetStats, common_pb2.Handle(id=allocator))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "lease" in info.value.details()
+    finally:
+        silent.close()
+        observer.close()

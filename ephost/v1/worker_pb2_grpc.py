@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/ephost.v1.Worker/Renew',
+                request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/ephost.v1.Worker/GetInfo',
                 request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
@@ -80,6 +85,14 @@ class WorkerServicer:
 
     def Goodbye(self, request, context):
         """Releases every handle the calling client made.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Keeps the calling client's lease: a worker with a client lease releases the handles of a client it has
+        not heard from for that long (a client that went away without Goodbye).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +134,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Goodbye': grpc.unary_unary_rpc_method_handler(
                     servicer.Goodbye,
+                    request_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
+                    response_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
                     request_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ),
@@ -197,6 +215,33 @@ class Worker:
             request,
             target,
             '/ephost.v1.Worker/Goodbye',
+            ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ephost_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/Renew',
             ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ephost_dot_v1_dot_common__pb2.Empty.FromString,
             options,
