@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 
 from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument, EpWorkerUnavailable, error_for_status
-from ephost.fdshare import fetch_descriptor
+from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
 from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2, ep_pb2_grpc,
                        factory_pb2, factory_pb2_grpc, stream_pb2_grpc, worker_pb2, worker_pb2_grpc)
@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 PROTOCOL = "ephost.v1"
 METADATA_KEY = "ephost-client"
 MAX_MESSAGE = 1 << 30
-SHM_MODEL_BYTES = 16 << 20
-KEEPALIVE_MS = 20_000  # models at least this large go to the worker through shared memory
+SHM_MODEL_BYTES = 16 << 20  # models at least this large go to the worker in a buffer (shared memory or chunks)
+CHUNK_BYTES = 16 << 20      # one message of a chunked transfer
+KEEPALIVE_MS = 20_000
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Credentials:
 
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 process=None, credentials: Credentials = Credentials()):
+                 process=None, credentials: Credentials = Credentials(), shared_memory: bool = True):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -110,8 +111,11 @@ class WorkerConnection:
             self.channel.close()
             raise
         self.info = hello.info
-        self.fd_socket = hello.fd_socket
         self._metadata = ((METADATA_KEY, hello.client_id), *credentials.metadata())
+        # Shared memory only where the worker proves it can map a segment made here (same host, same user).
+        self.fd_socket = hello.fd_socket if shared_memory and self._prove_sharing(hello.fd_socket) else ""
+        if not self.fd_socket:
+            log.info("no shared memory with the worker at %s: tensors and models travel inline, in chunks", address)
 
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
         """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""
@@ -136,6 +140,19 @@ class WorkerConnection:
         return error_for_status(code, details)
 
     # --- shared memory ----------------------------------------------------------------------------
+
+    @property
+    def shares_memory(self) -> bool:
+        return bool(self.fd_socket)
+
+    def _prove_sharing(self, fd_socket: str) -> bool:
+        if not fd_socket:
+            return False
+        try:
+            ticket = self.call(self.worker.ProbeSharing, common_pb2.Empty()).ticket
+        except EpError:
+            return False
+        return prove_sharing(fd_socket, ticket)
 
     def map_region(self, region_id: int) -> Region | None:
         """Map one of the worker's regions into this process, once; None where memory cannot be shared."""
@@ -185,7 +202,7 @@ class WorkerConnection:
             return
         if data is None:
             data = model.SerializeToString()
-        staging = self._stage(data) if len(data) >= SHM_MODEL_BYTES and self.fd_socket else None
+        staging = self._stage(data) if len(data) >= SHM_MODEL_BYTES else None
         try:
             if staging is None:
                 yield ep_pb2.ModelRef(model=data)
@@ -196,19 +213,41 @@ class WorkerConnection:
         finally:
             if staging is not None:
                 self.call(self.factory.ReleaseAllocator, common_pb2.Handle(id=staging[0]))
-                self.forget_region(staging[2])
+                if staging[2]:
+                    self.forget_region(staging[2])
 
-    def _stage(self, data: bytes) -> tuple[int, int, int] | None:
-        """Write `data` into a buffer of the worker's shared memory: (allocator, buffer, region) handles."""
-        allocator = self.call(self.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
-            device_mem_type=common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE)).allocator
+    def _stage(self, data: bytes) -> tuple[int, int, int]:
+        """Put `data` in a buffer of the worker's: written into its shared memory where both map it, else sent
+        in chunks. Returns (allocator, buffer, region) handles (region 0 without shared memory)."""
+        mem_type = (common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE if self.shares_memory
+                    else common_pb2.DEVICE_MEMORY_TYPE_DEFAULT)
+        allocator = self.call(self.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(device_mem_type=mem_type))
+        allocator = allocator.allocator
         reply = self.call(self.allocator.Reserve, allocator_pb2.AllocRequest(allocator=allocator, nbytes=len(data)))
         region = self.map_region(reply.shm.region) if reply.HasField("shm") else None
-        if region is None:
-            self.call(self.factory.ReleaseAllocator, common_pb2.Handle(id=allocator))
-            return None
-        region.view(reply.shm.offset, len(data))[:] = np.frombuffer(data, np.uint8)
-        return allocator, reply.buffer, reply.shm.region
+        if region is not None:
+            region.view(reply.shm.offset, len(data))[:] = np.frombuffer(data, np.uint8)
+        else:
+            self.write(allocator, reply.buffer, memoryview(data))
+        return allocator, reply.buffer, reply.shm.region if region is not None else 0
+
+    def write(self, allocator: int, buffer: int, data) -> None:
+        """Send bytes into a worker buffer in chunks (for memory this process cannot map)."""
+        view = memoryview(data).cast("B")
+        chunks = (allocator_pb2.BufferChunk(allocator=allocator, buffer=buffer, offset=start,
+                                            data=bytes(view[start:start + CHUNK_BYTES]))
+                  for start in range(0, len(view), CHUNK_BYTES))
+        self.call(self.allocator.Write, chunks)
+
+    def read(self, allocator: int, buffer: int, out: np.ndarray) -> None:
+        """Fetch a worker buffer's bytes into `out` (a flat uint8 array) in chunks."""
+        try:
+            for chunk in self.allocator.Read(allocator_pb2.ReadRequest(
+                    allocator=allocator, buffer=buffer, nbytes=len(out), chunk_bytes=CHUNK_BYTES),
+                    timeout=self.timeout_s, metadata=self._metadata):
+                out[chunk.offset:chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+        except grpc.RpcError as e:
+            raise self._error(e, self.allocator.Read) from None
 
     def close(self) -> None:
         try:

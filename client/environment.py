@@ -36,13 +36,12 @@ class Registration:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def session_allocator(self):
-        """The EP's own HOST_ACCESSIBLE allocator (made on first use) that sessions leave outputs in, or
-        None where the EP has no such memory."""
+        """The allocator (made on first use) that sessions leave outputs in: the EP's HOST_ACCESSIBLE memory,
+        which the application maps, or its DEFAULT memory where there is none."""
         with self._lock:
-            if self._session_allocator is None:
-                infos = [m for m in self.memory.values() if m.host_accessible]
-                if infos:
-                    self._session_allocator = self.factory.create_allocator(infos[0], {})
+            if self._session_allocator is None and self.memory:
+                info = sorted(self.memory.values(), key=lambda m: not m.host_accessible)[0]
+                self._session_allocator = self.factory.create_allocator(info, {})
             return self._session_allocator
 
     @property

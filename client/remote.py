@@ -8,6 +8,7 @@ dead worker that this process mapped keeps its data and is then treated as host 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -109,6 +110,21 @@ class RemoteAllocator(_Handle):
     def get_stats(self) -> dict[str, int]:
         return dict(self._call(lambda c: c.allocator.GetStats, lambda h: common_pb2.Handle(id=h)).stats)
 
+    def write(self, buffer: Buffer, data: np.ndarray) -> None:
+        """Put bytes into a buffer: one memcpy where it is mapped here, else sent in chunks."""
+        view = buffer.host_view()
+        if view is not None:
+            view[: len(data)] = data
+        else:
+            buffer.owner.write(self.handle, buffer.handle, data)
+
+    def read(self, buffer: Buffer, out: np.ndarray) -> None:
+        view = buffer.host_view()
+        if view is not None:
+            out[:] = view[: len(out)]
+        else:
+            buffer.owner.read(self.handle, buffer.handle, out)
+
     def forget_regions(self) -> None:
         for conn, region_id in self._regions:
             conn.forget_region(region_id)
@@ -166,8 +182,8 @@ class RemoteNotification(_Handle):
 
 
 class _Staging:
-    """A HOST_ACCESSIBLE allocator of the worker's, made on first use, through which host memory the worker
-    cannot map reaches it: written once into shared memory instead of sent inline."""
+    """An allocator of the worker's, made on first use, through which host memory the worker cannot reach gets
+    to it: written once into its shared memory where both map it, else sent in chunks (never one message)."""
 
     def __init__(self, link: WorkerLink, memory: MemoryInfo | None, create):
         self._link, self._memory, self._create = link, memory, create
@@ -175,16 +191,18 @@ class _Staging:
         self._lock = threading.Lock()
 
     def buffer(self, nbytes: int) -> Buffer | None:
-        if self._memory is None or not self._link.conn.fd_socket or nbytes < INLINE_LIMIT:
+        if self._memory is None or nbytes < INLINE_LIMIT:
             return None
         with self._lock:
             if self._allocator is None:
                 self._allocator = self._create(self._memory, {})
-        buffer = self._allocator.alloc(nbytes)
-        if buffer.region is None:
-            self._allocator.free(buffer)
-            return None
-        return buffer
+        return self._allocator.alloc(nbytes)
+
+    def write(self, buffer: Buffer, data: np.ndarray) -> None:
+        self._allocator.write(buffer, data)
+
+    def read(self, buffer: Buffer, out: np.ndarray) -> None:
+        self._allocator.read(buffer, out)
 
     def free(self, buffer: Buffer) -> None:
         self._allocator.free(buffer)
@@ -232,7 +250,7 @@ class RemoteDataTransfer(_Handle):
                 # goes through a staging buffer, which must outlive the queued copy.
                 stream.flush()
             for buffer, tensor in copy_back:
-                np.copyto(tensor.local_bytes(), buffer.host_view())
+                self._staging.read(buffer, tensor.local_bytes())
         finally:
             for buffer in staged:
                 self._staging.free(buffer)
@@ -253,7 +271,7 @@ class RemoteDataTransfer(_Handle):
         if buffer is not None:
             staged.append(buffer)
             if role == "source":
-                buffer.host_view()[:] = data
+                self._staging.write(buffer, data)
             else:
                 copy_back.append((buffer, tensor))
             return common_pb2.TensorRef(desc=desc, buffer=buffer.handle)
@@ -326,10 +344,8 @@ class RemoteComputeInfo(_Handle):
         if allocator is not None and value.nbytes >= INLINE_LIMIT:
             target = self._staging_buffer(allocator, value.nbytes)
             staged.append(target)
-            view = target.host_view()
-            if view is not None:  # written once, straight into the worker's memory
-                view[:] = data
-                return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, buffer=target.handle))
+            allocator.write(target, data)  # straight into the worker's memory where mapped, else in chunks
+            return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, buffer=target.handle))
         return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, inline=data.tobytes()))
 
     def _output(self, message: common_pb2.Value, allocator: RemoteAllocator | None, conn) -> Any:
@@ -341,7 +357,13 @@ class RemoteComputeInfo(_Handle):
             return Tensor.from_numpy(np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy())
         buffer = allocator._buffer(ref.buffer, nbytes_of(shape, dtype), ref.mapped if ref.HasField("mapped") else None,
                                    conn)
-        return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, allocator=allocator)
+        host = None
+        if buffer.region is None:
+            # Memory this process cannot map: fetch a copy (in chunks) for whoever reads it here or elsewhere;
+            # the worker keeps its own, which a later partition there reads by handle.
+            host = np.empty(shape, dtype)
+            allocator.read(buffer, host.reshape(-1).view(np.uint8))
+        return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, host=host, allocator=allocator)
 
 
 class RemoteEp(_Handle):
@@ -410,6 +432,10 @@ class RemoteEpFactory:
         self._info = (info.name, info.vendor, info.vendor_id, info.version)
         self._devices = [EpDeviceInfo.from_proto(d)
                          for d in link.call(lambda c: c.factory.GetSupportedDevices, _EMPTY).devices]
+        if not link.conn.shares_memory:
+            # Memory this process cannot map is worker-local to it: only DEFAULT memory is offered.
+            self._devices = [replace(d, memory_infos=tuple(m for m in d.memory_infos if not m.host_accessible))
+                             for d in self._devices]
 
     @property
     def conn(self):
@@ -449,8 +475,8 @@ class RemoteEpFactory:
         allocator.forget_regions()
 
     def create_data_transfer(self) -> RemoteDataTransfer | None:
-        shared = [m for d in self._devices for m in d.memory_infos if m.host_accessible]
-        transfer = RemoteDataTransfer(self.link, _Staging(self.link, shared[0] if shared else None,
+        memory = sorted((m for d in self._devices for m in d.memory_infos), key=lambda m: not m.host_accessible)
+        transfer = RemoteDataTransfer(self.link, _Staging(self.link, memory[0] if memory else None,
                                                           self.create_allocator))
         return transfer if transfer.handle else None
 

@@ -248,6 +248,7 @@ class InferenceSession:
             graph = FusedGraph(f"{registration}_{i}", index, tuple(c.nodes), tuple(inputs), tuple(outputs))
             partitions.append(_Partition(graph, registration, ep_name, ep))
         for p in partitions:
+            # Kept where they were made: values a later partition of the same EP reads.
             readers = {v: {q.registration for q in partitions if v in q.graph.inputs} for v in p.graph.outputs}
             p.keep = tuple(i for i, v in enumerate(p.graph.outputs) if p.registration in readers[v])
         return partitions

@@ -39,6 +39,7 @@ class SupervisionPolicy:
     memory_limit_mb: int = 0      # restart the worker between calls when its resident memory exceeds this
     timeout_s: float = 60.0       # deadline of each call
     connect_timeout_s: float = 10.0
+    shared_memory: bool = True    # use shared memory where the worker proves it shares this host
 
     OPTIONS = {
         "restart": "restart a launched worker that dies (default true)",
@@ -47,6 +48,7 @@ class SupervisionPolicy:
         "memory_limit_mb": "restart a launched worker between calls when it holds more memory (default: none)",
         "timeout_s": "deadline of each call to the worker, in seconds (default 60)",
         "connect_timeout_s": "how long to wait for the worker to answer at all (default 10)",
+        "shared_memory": "share memory with a worker on this host when it proves it can (default true)",
     }
 
     @classmethod
@@ -54,7 +56,8 @@ class SupervisionPolicy:
         """The policy from (and without) its keys in a registration's options."""
         mine = {k: options.pop(k) for k in list(options) if k in cls.OPTIONS}
         try:
-            return cls(**{k: (v.lower() not in ("0", "false", "no") if k == "restart" else type(getattr(cls, k))(v))
+            return cls(**{k: (v.lower() not in ("0", "false", "no") if isinstance(getattr(cls, k), bool)
+                              else type(getattr(cls, k))(v))
                           for k, v in mine.items()})
         except ValueError as e:
             raise EpInvalidArgument(f"bad supervision option: {e}") from None
@@ -96,7 +99,7 @@ class WorkerLink:
         try:
             conn = WorkerConnection(address, name=self.name, timeout_s=self.policy.timeout_s,
                                     connect_timeout_s=self.policy.connect_timeout_s, process=self.process,
-                                    credentials=self.credentials)
+                                    credentials=self.credentials, shared_memory=self.policy.shared_memory)
         except BaseException:
             if self.process is not None:
                 self.process.stop()

@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 TICKET_BYTES = 32
 TICKET_TTL_S = 30.0
+PROBE_BYTES = 32
 _OK, _NO = b"OK", b"NO"
+_PROBE = -1  # the descriptor slot of a ticket that asks for the client's segment instead of handing one out
 
 
 class DescriptorServer:
@@ -50,6 +52,13 @@ class DescriptorServer:
             self._tickets[ticket] = (os.dup(fd), size, now + TICKET_TTL_S)
         return ticket
 
+    def issue_probe(self) -> bytes:
+        """A ticket with which a client hands over a segment it made, to show that both share this host."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self._lock:
+            self._tickets[ticket] = (_PROBE, 0, time.monotonic() + TICKET_TTL_S)
+        return ticket
+
     def _serve(self) -> None:
         while not self._closed:
             try:
@@ -65,15 +74,18 @@ class DescriptorServer:
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(5.0)
         _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        ticket = _recv_exact(conn, TICKET_BYTES)
+        ticket, fds, _, _ = socket.recv_fds(conn, TICKET_BYTES, 1)
         with self._lock:
             entry = self._tickets.pop(ticket, None) if uid == os.getuid() else None
         if entry is None or entry[2] < time.monotonic():
             conn.sendall(_NO)
-            if entry is not None:
-                os.close(entry[0])
+            for fd in fds + ([entry[0]] if entry is not None and entry[0] != _PROBE else []):
+                os.close(fd)
             return
         fd, size, _ = entry
+        if fd == _PROBE:
+            conn.sendall(_OK + _probe_digest(fds))
+            return
         try:
             socket.send_fds(conn, [_OK + struct.pack("<q", size)], [fd])
         finally:
@@ -86,6 +98,41 @@ class DescriptorServer:
             for fd, _, _ in self._tickets.values():
                 os.close(fd)
             self._tickets.clear()
+
+
+def _probe_digest(fds: list[int]) -> bytes:
+    """The hash of the first bytes of the segment a client handed over (zeros when there was none)."""
+    import hashlib
+    import mmap
+    try:
+        if len(fds) != 1:
+            return bytes(32)
+        with mmap.mmap(fds[0], PROBE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            return hashlib.sha256(mm[:PROBE_BYTES]).digest()
+    except (OSError, ValueError):
+        return bytes(32)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def prove_sharing(path: str, ticket: bytes, timeout: float = 5.0) -> bool:
+    """Hand the worker a segment made here and check that it read what is in it."""
+    import hashlib
+    nonce = secrets.token_bytes(PROBE_BYTES)
+    fd = os.memfd_create("ephost-probe", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, nonce)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            socket.send_fds(sock, [ticket], [fd])
+            reply = _recv_exact(sock, 2 + 32)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return reply[:2] == _OK and reply[2:] == hashlib.sha256(nonce).digest()
 
 
 def remove_stale_socket(path: str) -> None:

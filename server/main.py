@@ -60,13 +60,18 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
         if not os.path.isabs(path):
             raise SystemExit(f"ephost worker: unix socket path must be absolute: {listen}")
         return Listen(f"unix://{path}", path + ".fds", None)
+    # Clients on this host may still share memory with a TCP worker: the descriptor socket lives in a private
+    # directory, and a client proves it can use it (Worker.ProbeSharing) before relying on it.
+    private = tempfile.mkdtemp(prefix="ephost-")
+    fd_socket = os.path.join(private, "worker.sock.fds")
     if tls:
-        return Listen(listen, None, None)
+        return Listen(listen, fd_socket, private)
     if not insecure:
+        shutil.rmtree(private, ignore_errors=True)
         raise SystemExit("ephost worker: listening on TCP needs TLS (--tls-cert and --tls-key) or an explicit "
                          "--insecure (plain text). Without --listen the worker uses a private unix socket.")
     log.warning("listening on %s without TLS (--insecure)", listen)
-    return Listen(listen, None, None)
+    return Listen(listen, fd_socket, private)
 
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,

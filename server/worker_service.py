@@ -56,6 +56,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return common_pb2.Empty()
 
     @rpc
+    def ProbeSharing(self, request, context):
+        self.state.clients.lookup(context.invocation_metadata())
+        if self.state.fd_server is None:
+            raise EpFailedPrecondition("this worker has no descriptor socket; it shares no memory")
+        return worker_pb2.ExportRegionResponse(ticket=self.state.fd_server.issue_probe())
+
+    @rpc
     def ExportRegion(self, request, context):
         client = self.state.clients.lookup(context.invocation_metadata())
         if self.state.fd_server is None:

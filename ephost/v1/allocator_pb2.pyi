@@ -7,6 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class BufferChunk(_message.Message):
+    __slots__ = ("allocator", "buffer", "offset", "data")
+    ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    allocator: int
+    buffer: int
+    offset: int
+    data: bytes
+    def __init__(self, allocator: _Optional[int] = ..., buffer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("allocator", "buffer", "offset", "nbytes", "chunk_bytes")
+    ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    allocator: int
+    buffer: int
+    offset: int
+    nbytes: int
+    chunk_bytes: int
+    def __init__(self, allocator: _Optional[int] = ..., buffer: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
 class AllocRequest(_message.Message):
     __slots__ = ("allocator", "nbytes")
     ALLOCATOR_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,16 @@ class AllocatorStub:
                 request_serializer=ephost_dot_v1_dot_common__pb2.Handle.SerializeToString,
                 response_deserializer=ephost_dot_v1_dot_common__pb2.MemoryInfo.FromString,
                 _registered_method=True)
+        self.Write = channel.stream_unary(
+                '/ephost.v1.Allocator/Write',
+                request_serializer=ephost_dot_v1_dot_allocator__pb2.BufferChunk.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_stream(
+                '/ephost.v1.Allocator/Read',
+                request_serializer=ephost_dot_v1_dot_allocator__pb2.ReadRequest.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_allocator__pb2.BufferChunk.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -96,6 +106,20 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Write(self, request_iterator, context):
+        """Bytes into and out of a buffer, in chunks, for a client that cannot map the worker's memory: no message
+        limit applies to what a buffer holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +147,16 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=ephost_dot_v1_dot_common__pb2.Handle.FromString,
                     response_serializer=ephost_dot_v1_dot_common__pb2.MemoryInfo.SerializeToString,
+            ),
+            'Write': grpc.stream_unary_rpc_method_handler(
+                    servicer.Write,
+                    request_deserializer=ephost_dot_v1_dot_allocator__pb2.BufferChunk.FromString,
+                    response_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=ephost_dot_v1_dot_allocator__pb2.ReadRequest.FromString,
+                    response_serializer=ephost_dot_v1_dot_allocator__pb2.BufferChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +294,60 @@ class Allocator:
             '/ephost.v1.Allocator/GetInfo',
             ephost_dot_v1_dot_common__pb2.Handle.SerializeToString,
             ephost_dot_v1_dot_common__pb2.MemoryInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Write(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ephost.v1.Allocator/Write',
+            ephost_dot_v1_dot_allocator__pb2.BufferChunk.SerializeToString,
+            ephost_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ephost.v1.Allocator/Read',
+            ephost_dot_v1_dot_allocator__pb2.ReadRequest.SerializeToString,
+            ephost_dot_v1_dot_allocator__pb2.BufferChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,11 @@ class WorkerStub:
                 request_serializer=ephost_dot_v1_dot_worker__pb2.ExportRegionRequest.SerializeToString,
                 response_deserializer=ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.FromString,
                 _registered_method=True)
+        self.ProbeSharing = channel.unary_unary(
+                '/ephost.v1.Worker/ProbeSharing',
+                request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -124,6 +129,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeSharing(self, request, context):
+        """A single-use ticket with which a client hands the worker a segment it made, on the descriptor socket;
+        the worker answers with the hash of the segment's first bytes. This is how both sides know they share a
+        host (and its memory) rather than assume it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +174,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'ExportRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.ExportRegion,
                     request_deserializer=ephost_dot_v1_dot_worker__pb2.ExportRegionRequest.FromString,
+                    response_serializer=ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.SerializeToString,
+            ),
+            'ProbeSharing': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeSharing,
+                    request_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.SerializeToString,
             ),
     }
@@ -351,6 +370,33 @@ class Worker:
             target,
             '/ephost.v1.Worker/ExportRegion',
             ephost_dot_v1_dot_worker__pb2.ExportRegionRequest.SerializeToString,
+            ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeSharing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/ProbeSharing',
+            ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.FromString,
             options,
             channel_credentials,

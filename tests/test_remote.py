@@ -1,0 +1,79 @@
+"""Workers on another host (simulated: shared memory turned off) and on this host over TCP: whether memory is
+shared is proven at connect time, and without it tensors and models travel in chunks, with no size limit."""
+import socket
+
+import numpy as np
+import pytest
+
+import ephost
+from ephost import DeviceMemoryType, InferenceSession, Tensor
+from conftest import options_for
+import models
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tcp_worker():
+    from conftest import Worker
+    w = Worker("--ep", "reference", "--listen", f"127.0.0.1:{free_port()}", "--insecure", "--max-message-mb", "64")
+    yield w
+    w.stop()
+
+
+def test_a_tcp_worker_on_this_host_proves_it_shares_memory(tcp_worker):
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("tcp", tcp_worker.address)
+        (device,) = env.get_ep_devices()
+        assert env._registrations["tcp"].link.conn.shares_memory
+        shared = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
+        t = Tensor.from_numpy(np.arange(10, dtype=np.int64), shared)
+        np.testing.assert_array_equal(t.numpy(), np.arange(10))  # mapped here: read in place
+
+
+@pytest.mark.timeout(240)
+def test_without_shared_memory_a_1_gib_tensor_travels_in_chunks(tcp_worker):
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("far", tcp_worker.address, {"shared_memory": "false"})
+        (device,) = env.get_ep_devices()
+        assert not env._registrations["far"].link.conn.shares_memory
+        assert device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE) is None, "worker-local memory only"
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
+        data = np.random.default_rng(0).integers(0, 255, 1 << 30, dtype=np.uint8)  # 1 GiB, past any message
+        on_worker = Tensor.from_numpy(data, allocator)
+        back = Tensor.from_numpy(np.zeros_like(data))
+        env.copy_tensors([on_worker], [back])
+        assert np.array_equal(back.numpy(), data)
+        del data, back, on_worker
+
+
+@pytest.mark.timeout(240)
+def test_without_shared_memory_a_300_mb_model_and_a_session_match_the_shared_path(tcp_worker):
+    model, weights = models.matmul_with_weights(1000, 75_000)
+    x = np.random.default_rng(5).standard_normal((1, 1000)).astype(np.float32)
+    results = {}
+    for name, options in (("far", {"shared_memory": "false"}), ("near", {})):
+        with ephost.Environment() as env:
+            env.register_execution_provider_library(name, tcp_worker.address, options)
+            with InferenceSession(model, options_for(env, name), env=env) as session:
+                (results[name],) = session.run(None, {"x": x})
+    np.testing.assert_array_equal(results["far"], results["near"])
+    np.testing.assert_allclose(results["far"], np.maximum(x @ weights, 0), rtol=1e-4, atol=1e-3)
+
+
+def test_sessions_across_a_far_and_a_near_worker(tcp_worker):
+    """Values made by a worker that shares no memory reach the fallback and another worker."""
+    x = np.random.default_rng(6).standard_normal((512, 512)).astype(np.float32)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("far", tcp_worker.address, {"shared_memory": "false"})
+        env.register_execution_provider_library("near", "reference", {"ops": "Relu"})
+        with InferenceSession(models.diamond((512, 512)), options_for(env, "near", "far"), env=env) as session:
+            owners = [s.registration for s in session.get_provider_graph_assignment_info()]
+            assert owners == ["far", "near", "far"]
+            for _ in range(2):
+                (y,) = session.run(None, {"x": x})
+                np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
