@@ -83,6 +83,9 @@ class WorkerConnection:
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # Several replicas behind one name: one channel talks to one replica, the one that compiled this
+            # client's partitions, and moves to another only when that one is gone.
+            ("grpc.lb_policy_name", "pick_first"),
             # A worker that comes back is found again quickly.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),

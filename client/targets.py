@@ -26,8 +26,8 @@ def parse_target(target: str) -> Target:
         raise EpInvalidArgument("empty target; give an EP name, an address, or inproc:NAME")
     if target.startswith("inproc:"):
         return Target("inproc", ep=target[len("inproc:"):])
-    if target.startswith("unix:"):
-        return Target("connect", address=target)
+    if target.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return Target("connect", address=target)  # gRPC name syntax: several replicas behind one name
     if target.startswith("grpc://"):
         return Target("connect", address=target[len("grpc://"):])
     if target.startswith("grpcs://"):

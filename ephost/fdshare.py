@@ -33,10 +33,13 @@ class DescriptorServer:
         self.path = path
         self._tickets: dict[bytes, tuple[int, int, float]] = {}
         self._lock = threading.Lock()
-        remove_stale_socket(path)
+        abstract = path.startswith("\0")  # Linux's abstract namespace: no file, gone with the process
+        if not abstract:
+            remove_stale_socket(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
-        os.chmod(path, 0o600)
+        if not abstract:
+            os.chmod(path, 0o600)
         self._sock.listen(16)
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="ephost-fdshare", daemon=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -60,18 +61,17 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
         if not os.path.isabs(path):
             raise SystemExit(f"ephost worker: unix socket path must be absolute: {listen}")
         return Listen(f"unix://{path}", path + ".fds", None)
-    # Clients on this host may still share memory with a TCP worker: the descriptor socket lives in a private
-    # directory, and a client proves it can use it (Worker.ProbeSharing) before relying on it.
-    private = tempfile.mkdtemp(prefix="ephost-")
-    fd_socket = os.path.join(private, "worker.sock.fds")
+    # Clients on this host may still share memory with a TCP worker, through a descriptor socket in the abstract
+    # namespace (nothing on disk to leave behind if the worker is killed; peers are checked by uid, tickets
+    # are secrets), once a client proved it can use it (Worker.ProbeSharing).
+    fd_socket = f"\0ephost-{secrets.token_hex(16)}"
     if tls:
-        return Listen(listen, fd_socket, private)
+        return Listen(listen, fd_socket, None)
     if not insecure:
-        shutil.rmtree(private, ignore_errors=True)
         raise SystemExit("ephost worker: listening on TCP needs TLS (--tls-cert and --tls-key) or an explicit "
                          "--insecure (plain text). Without --listen the worker uses a private unix socket.")
     log.warning("listening on %s without TLS (--insecure)", listen)
-    return Listen(listen, fd_socket, private)
+    return Listen(listen, fd_socket, None)
 
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
@@ -174,7 +174,7 @@ def _remove_sockets(listen: Listen) -> None:
         return
     for path in (listen.address[len("unix://"):] if listen.address.startswith("unix://") else None,
                  listen.fd_socket):
-        if path:
+        if path and not path.startswith("\0"):
             try:
                 os.unlink(path)
             except FileNotFoundError:

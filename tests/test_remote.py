@@ -77,3 +77,39 @@ def test_sessions_across_a_far_and_a_near_worker(tcp_worker):
             for _ in range(2):
                 (y,) = session.run(None, {"x": x})
                 np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_replicas_behind_one_name_pin_partitions_and_move_on_when_one_goes(worker):
+    """gRPC's name syntax lists two replicas; the session's partitions live on the one its channel picked,
+    and when that replica dies, the client moves to the other and compiles there again."""
+    from conftest import worker_stats
+    replicas = [worker("--ep", "reference", "--listen", f"127.0.0.1:{free_port()}", "--insecure") for _ in range(2)]
+    name = "ipv4:" + ",".join(r.address for r in replicas)
+    x = np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("pool", name, {"timeout_s": "5"})
+        options = options_for(env, "pool")
+        options.ep_failure_policy = "retry"
+        with InferenceSession(models.diamond(), options, env=env) as session:
+            for _ in range(3):
+                np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+            pid = worker_stats(env, "pool")  # the replica this channel talks to
+            serving = env._registrations["pool"].link.conn.info.pid
+            first = next(r for r in replicas if r.proc.pid == serving)
+            other = next(r for r in replicas if r is not first)
+            assert pid.methods["Ep/Compute"].calls == 3, "every run went to the one replica"
+            first.proc.kill()
+            first.proc.wait()
+            results = []
+            for _ in range(10):
+                try:
+                    results.append(session.run(None, {"x": x})[0])
+                    if len(results) == 2:
+                        break
+                except ephost.EpWorkerUnavailable:
+                    pass
+            assert len(results) == 2
+            for y in results:
+                np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
+            assert env._registrations["pool"].link.conn.info.pid == other.proc.pid
