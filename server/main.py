@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Mapping
@@ -142,10 +143,15 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         if client_lease_s > 0:
             state.clients.release_silent(client_lease_s)
 
+    # Drain: health says NOT_SERVING and new calls are turned away while the calls under way finish (up to
+    # the grace period); then the server stops.
     log.info("draining (grace %.1f s)", grace[0])
     state.draining.set()
     health_servicer.enter_graceful_shutdown()
-    server.stop(grace[0]).wait()
+    deadline = time.monotonic() + grace[0]
+    while state.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.stop(max(0.0, deadline - time.monotonic())).wait()
     for client in state.clients.all():
         state.clients.goodbye(client)
     factory.close()

@@ -19,8 +19,13 @@ def rpc(method):
 
     @functools.wraps(method)
     def call(self, request, context):
+        state = self.state
+        if state.draining.is_set():  # calls under way finish; new ones are turned away
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down); try another")
         start = time.perf_counter()
         ok = False
+        with state.in_flight_lock:
+            state.in_flight += 1
         try:
             reply = method(self, request, context)
             ok = True
@@ -31,7 +36,9 @@ def rpc(method):
             log.exception("%s.%s failed", type(self).__name__, name)
             error = (grpc.StatusCode.INTERNAL, f"{name} failed inside the worker: {type(e).__name__}: {e}")
         finally:
-            self.state.stats.record_call(f"{self.SERVICE}/{name}", time.perf_counter() - start, ok)
+            with state.in_flight_lock:
+                state.in_flight -= 1
+            state.stats.record_call(f"{self.SERVICE}/{name}", time.perf_counter() - start, ok)
         context.abort(*error)
 
     return call

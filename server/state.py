@@ -32,6 +32,8 @@ class WorkerState:
         self.clients = ClientRegistry(self._release)
         self.started_at = time.time()
         self.draining = threading.Event()
+        self.in_flight = 0  # calls under way, so that a drain knows when they are done
+        self.in_flight_lock = threading.Lock()
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),

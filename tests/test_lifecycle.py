@@ -41,15 +41,28 @@ def test_sigterm_drains_in_flight_calls_then_exits(worker):
         allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
         a, b = (Tensor.empty((128 << 20,), np.uint8, allocator) for _ in range(2))
         stream = device.create_sync_stream()
-        for _ in range(16):  # a second or so of copies queued inside the worker
+        for _ in range(64):  # seconds of copies queued inside the worker
             env.copy_tensors([a, b], [b, a], stream=stream)
         results = []
         thread = threading.Thread(target=lambda: results.append(stream.flush()))
         thread.start()
         time.sleep(0.3)  # the Flush call is now waiting inside the worker
         w.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        if thread.is_alive():  # while it drains: NOT_SERVING, and new calls are turned away
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            with grpc.insecure_channel(w.address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(ephost.EpWorkerUnavailable, match="draining"):
+                device.create_sync_stream()
+            drained_while_running = True
+        else:
+            drained_while_running = False
         thread.join(60)
         assert results == [None], "a call in flight when SIGTERM came must finish"
+        assert drained_while_running, "the queued copies outlasted the checks"
         assert w.proc.wait(30) == 0
     assert not os.path.exists(w.socket) and not os.path.exists(w.socket + ".fds")
 
