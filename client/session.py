@@ -119,6 +119,7 @@ class _Partition:
     compute_info: Any = None
     allocator: Any = None
     keep: tuple[int, ...] = ()  # outputs a later partition of the same EP reads
+    last_reads: tuple[str, ...] = ()  # values no later partition reads: let go of once this one ran
     fallback_info: Any = None   # the same partition compiled on the CPU fallback, once it was needed
 
 
@@ -247,7 +248,9 @@ class InferenceSession:
             inputs, outputs = index.partition_io(c.nodes)
             graph = FusedGraph(f"{registration}_{i}", index, tuple(c.nodes), tuple(inputs), tuple(outputs))
             partitions.append(_Partition(graph, registration, ep_name, ep))
+        last_reader = {v: p for p in partitions for v in p.graph.inputs}  # the later partition wins
         for p in partitions:
+            p.last_reads = tuple(v for v in dict.fromkeys(p.graph.inputs) if last_reader[v] is p)
             # Kept where they were made: values a later partition of the same EP reads.
             readers = {v: {q.registration for q in partitions if v in q.graph.inputs} for v in p.graph.outputs}
             p.keep = tuple(i for i, v in enumerate(p.graph.outputs) if p.registration in readers[v])
@@ -355,7 +358,6 @@ class InferenceSession:
         if unknown:
             raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")
         values = self._feeds(input_feed)
-        remaining = Counter(v for p in self._partitions for v in p.graph.inputs)
         keep = set(names)
         run = next(self._runs)
         timeout = (run_options.compute_timeout_s if run_options is not None and run_options.compute_timeout_s
@@ -370,9 +372,8 @@ class InferenceSession:
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values.update(zip(p.graph.outputs, outputs))
-            for v in p.graph.inputs:  # let go of values no later partition reads
-                remaining[v] -= 1
-                if remaining[v] == 0 and v not in keep:
+            for v in p.last_reads:  # let go of values no later partition reads
+                if v not in keep:
                     values.pop(v, None)
         for n in names:
             if n not in values and n in self._constants:

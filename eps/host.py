@@ -3,14 +3,30 @@ EPs that run on the CPU): HOST_ACCESSIBLE arenas of shared memory the applicatio
 private memory, a data transfer that copies bytes, and queue streams."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ephost.eps.arena import ArenaAllocator
 from ephost.eps.streams import QueueStream
 from ephost.eps.transfer import HostDataTransfer
-from ephost.errors import EpNotFound
+from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.memory import Region
+from ephost.tensor import Tensor
 from ephost.types import AllocatorType, DeviceMemoryType, HardwareDeviceType, MemoryInfo
+
+
+def local_inputs(partition: str, names: Sequence[str], inputs: Sequence[Any]) -> dict[str, Any]:
+    """A compiled partition's inputs by name, tensors as arrays over their memory in this process (no copy)."""
+    if len(inputs) != len(names):
+        raise EpInvalidArgument(f"{partition} takes {len(names)} inputs, got {len(inputs)}")
+    feeds = {}
+    for name, value in zip(names, inputs):
+        if isinstance(value, Tensor):
+            array = value.local_array()
+            if array is None:
+                raise EpInvalidArgument(f"input {name!r} of {partition} is in memory this EP cannot read")
+            value = array
+        feeds[name] = value
+    return feeds
 
 
 class HostMemoryFactory:

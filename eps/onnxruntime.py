@@ -19,7 +19,7 @@ from onnx import helper
 
 from ephost.eps import check_options
 from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
-from ephost.eps.host import HostMemoryFactory
+from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.reference import cpu_device
 from ephost.errors import EpError, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
@@ -106,15 +106,7 @@ class OrtComputeInfo:
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None) -> list[Any]:
-        if len(inputs) != len(self._inputs):
-            raise EpInvalidArgument(f"{self.name} takes {len(self._inputs)} inputs, got {len(inputs)}")
-        arrays = {}
-        for name, value in zip(self._inputs, inputs):
-            if isinstance(value, Tensor):
-                value = value.local_array()
-                if value is None:
-                    raise EpInvalidArgument(f"input {name!r} is in memory this EP cannot read")
-            arrays[name] = value
+        arrays = local_inputs(self.name, self._inputs, inputs)
         if not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype) for v in arrays.values()):
             return self._run(arrays)  # sequences, strings...: what IOBinding cannot bind
         binding = self._session.io_binding()

@@ -17,9 +17,8 @@ from onnx.reference import ReferenceEvaluator
 
 from ephost.eps import check_options
 from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
-from ephost.eps.host import HostMemoryFactory
+from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.errors import EpError, EpInvalidArgument
-from ephost.tensor import Tensor
 from ephost.values import as_value
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType
 
@@ -72,16 +71,7 @@ class ReferenceComputeInfo:
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None) -> list[Any]:
-        if len(inputs) != len(self._input_names):
-            raise EpInvalidArgument(f"{self.name} takes {len(self._input_names)} inputs, got {len(inputs)}")
-        feeds = {}
-        for name, value in zip(self._input_names, inputs):
-            if isinstance(value, Tensor):
-                array = value.local_array()
-                if array is None:
-                    raise EpInvalidArgument(f"input {name!r} is in memory the reference EP cannot read")
-                value = array
-            feeds[name] = value
+        feeds = local_inputs(self.name, self._input_names, inputs)
         with self._lock:
             try:
                 results = self._evaluator.run(None, feeds)

@@ -51,12 +51,12 @@ class WorkerState:
                 return info
         raise EpNotFound(f"device {device_index} has no {DeviceMemoryType(mem_type).name} memory")
 
-    def region(self, client: ClientState, region_id: int) -> Region:
-        """A region of one of this client's allocators; another client's regions are NOT_FOUND."""
+    def region(self, client: ClientState, region_id: int) -> tuple[Any, Region]:
+        """(allocator, region) for a region of one of this client's allocators; another client's are NOT_FOUND."""
         for _, allocator in client.items("allocator"):
             region = allocator.region(region_id)
             if region is not None:
-                return region
+                return allocator, region
         raise EpNotFound(f"unknown shared-memory region {region_id} for this client")
 
     def model(self, client: ClientState, ref) -> GraphIndex:

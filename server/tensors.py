@@ -9,7 +9,7 @@ import numpy as np
 
 from ephost import values
 from ephost.errors import EpInvalidArgument
-from ephost.memory import Buffer
+from ephost.memory import Buffer, check_slice
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, desc_from_proto, describe, nbytes_of
 from ephost.server.clients import BufferEntry, ClientState
@@ -37,14 +37,13 @@ def resolve(state: WorkerState, client: ClientState, refs, role: str, *, writabl
                 raise EpInvalidArgument(f"{label} does not fit its buffer of {buffer.nbytes} bytes")
             out.tensors.append(Tensor(shape, dtype, buffer.memory_info, buffer=buffer))
         elif where == "shm":
-            region = state.region(client, ref.shm.region)
+            owner, region = state.region(client, ref.shm.region)
             if ref.shm.nbytes != nbytes:
                 raise EpInvalidArgument(f"{label} is described by a slice of {ref.shm.nbytes} bytes")
             try:
-                region.view(ref.shm.offset, ref.shm.nbytes)  # bounds check before anything is touched
+                check_slice(ref.shm.offset, ref.shm.nbytes, region.size)  # before anything is touched
             except EpInvalidArgument as e:
                 raise type(e)(f"{label}: {e}") from None
-            owner = next(a for _, a in client.items("allocator") if a.region(region.id) is region)
             buffer = Buffer(owner.memory_info, nbytes, 0, region, ref.shm.offset)
             out.tensors.append(Tensor(shape, dtype, owner.memory_info, buffer=buffer))
         elif where == "inline":

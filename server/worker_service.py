@@ -67,7 +67,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         client = self.state.clients.lookup(context.invocation_metadata())
         if self.state.fd_server is None:
             raise EpFailedPrecondition("this worker shares no memory (it listens on TCP); use inline transfers")
-        region = self.state.region(client, request.region)
+        _, region = self.state.region(client, request.region)
         if not region.shareable:
             raise EpInvalidArgument(f"region {request.region} is worker-local (DEFAULT) memory and cannot be shared")
         return worker_pb2.ExportRegionResponse(ticket=self.state.fd_server.issue(region.fd, region.size),
