@@ -71,8 +71,8 @@ def inline_copy(env, registration: str, src: np.ndarray, dst: Tensor):
     """One CopyTensors call with the source bytes inline, as a client without shared memory makes it."""
     from ephost.types import desc_to_proto
     from ephost.v1 import common_pb2, data_transfer_pb2
-    reg = env._registrations[registration]
-    conn, desc = reg.factory.conn, desc_to_proto(src.shape, src.dtype)
+    reg = env.registration(registration)
+    conn, desc = reg.link.conn, desc_to_proto(src.shape, src.dtype)
 
     def copy():
         conn.call(conn.data_transfer.CopyTensors, data_transfer_pb2.CopyTensorsRequest(

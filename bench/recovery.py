@@ -35,7 +35,7 @@ def recovery_times(policy: str, kills: int) -> list[float]:
         with InferenceSession(model(), options, env=env) as session:
             for _ in range(kills):
                 session.run(None, {"x": x})
-                process = env._registrations["w"].process
+                process = env.registration("w").process
                 start = time.perf_counter()
                 os.kill(process.pid, signal.SIGKILL)
                 while True:
@@ -46,7 +46,7 @@ def recovery_times(policy: str, kills: int) -> list[float]:
                     except ephost.EpError:
                         pass
                 times.append(time.perf_counter() - start)
-                env._registrations["w"].link.wait_healthy(10)  # the next kill hits a running worker
+                env.registration("w").link.wait_healthy(10)  # the next kill hits a running worker
                 time.sleep(0.6)  # past the crash window: the next kill is a first crash again
     return times
 

@@ -87,7 +87,7 @@ def main(quick: bool = False) -> None:
     cnn_runs = 5 if quick else 15
     with ephost.Environment() as env:
         targets = ep_targets(env)
-        conn = env._registrations["ort-cpu"].factory.conn
+        conn = env.registration("ort-cpu").link.conn
         x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
         tiny = tiny_model()
         with InferenceSession(tiny, options_for(env, "ort-cpu"), env=env) as session:

@@ -2,9 +2,7 @@
 typed errors for every failed call, and the worker's regions mapped into this process."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
 import logging
 import os
 import threading
@@ -12,20 +10,19 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-import onnx
 
-from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument, EpWorkerUnavailable, error_for_status
+from ephost.errors import (REASON_KEY, EpDeadlineExceeded, EpError, EpInvalidArgument, EpWorkerUnavailable,
+                           error_for_status)
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
-from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2, ep_pb2_grpc,
-                       factory_pb2, factory_pb2_grpc, stream_pb2_grpc, worker_pb2, worker_pb2_grpc)
+from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2_grpc,
+                       factory_pb2_grpc, stream_pb2_grpc, worker_pb2, worker_pb2_grpc)
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "ephost.v1"
 METADATA_KEY = "ephost-client"
 MAX_MESSAGE = 1 << 30
-SHM_MODEL_BYTES = 16 << 20  # models at least this large go to the worker in a buffer (shared memory or chunks)
 CHUNK_BYTES = 16 << 20      # one message of a chunked transfer
 KEEPALIVE_MS = 20_000
 
@@ -101,9 +98,6 @@ class WorkerConnection:
         self._closed = False
         self._regions: dict[int, Region | None] = {}
         self._regions_lock = threading.Lock()
-        self._models_lock = threading.Lock()
-        self._model_hashes: dict[int, tuple[onnx.ModelProto, str]] = {}
-        self._sent_models: set[str] = set()
         try:
             hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL),
                               timeout=connect_timeout_s, wait_for_ready=True)
@@ -140,7 +134,8 @@ class WorkerConnection:
                 return crashed
         if code == grpc.StatusCode.UNAVAILABLE:
             return EpWorkerUnavailable(f"worker at {self.address} is unavailable during {call}: {details}")
-        return error_for_status(code, details)
+        reason = dict(e.trailing_metadata() or ()).get(REASON_KEY, "") if hasattr(e, "trailing_metadata") else ""
+        return error_for_status(code, details, reason)
 
     # --- shared memory ----------------------------------------------------------------------------
 
@@ -179,60 +174,6 @@ class WorkerConnection:
             region = self._regions.pop(region_id, None)
         if region is not None:
             region.close(unmap=False)
-
-    # --- models: each travels to the worker once ----------------------------------------------------
-
-    @contextlib.contextmanager
-    def model_ref(self, model: onnx.ModelProto):
-        """How to name `model` in one call: by hash once the worker has it, else inline, or through shared
-        memory when it is large (so no message limit applies). Use as `with conn.model_ref(m) as ref:`."""
-        with self._models_lock:
-            cached = self._model_hashes.get(id(model))
-        data = None
-        if cached is not None and cached[0] is model:
-            digest = cached[1]
-        else:
-            data = model.SerializeToString()
-            digest = hashlib.sha256(data).hexdigest()
-            with self._models_lock:
-                self._model_hashes[id(model)] = (model, digest)
-                while len(self._model_hashes) > 8:
-                    self._model_hashes.pop(next(iter(self._model_hashes)))
-        with self._models_lock:
-            sent = digest in self._sent_models
-        if sent:
-            yield ep_pb2.ModelRef(sha256=digest)
-            return
-        if data is None:
-            data = model.SerializeToString()
-        staging = self._stage(data) if len(data) >= SHM_MODEL_BYTES else None
-        try:
-            if staging is None:
-                yield ep_pb2.ModelRef(model=data)
-            else:
-                yield ep_pb2.ModelRef(buffer=ep_pb2.BufferBlob(buffer=staging[1], nbytes=len(data)))
-            with self._models_lock:
-                self._sent_models.add(digest)
-        finally:
-            if staging is not None:
-                self.call(self.factory.ReleaseAllocator, common_pb2.Handle(id=staging[0]))
-                if staging[2]:
-                    self.forget_region(staging[2])
-
-    def _stage(self, data: bytes) -> tuple[int, int, int]:
-        """Put `data` in a buffer of the worker's: written into its shared memory where both map it, else sent
-        in chunks. Returns (allocator, buffer, region) handles (region 0 without shared memory)."""
-        mem_type = (common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE if self.shares_memory
-                    else common_pb2.DEVICE_MEMORY_TYPE_DEFAULT)
-        allocator = self.call(self.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(device_mem_type=mem_type))
-        allocator = allocator.allocator
-        reply = self.call(self.allocator.Reserve, allocator_pb2.AllocRequest(allocator=allocator, nbytes=len(data)))
-        region = self.map_region(reply.shm.region) if reply.HasField("shm") else None
-        if region is not None:
-            region.view(reply.shm.offset, len(data))[:] = np.frombuffer(data, np.uint8)
-        else:
-            self.write(allocator, reply.buffer, memoryview(data))
-        return allocator, reply.buffer, reply.shm.region if region is not None else 0
 
     def write(self, allocator: int, buffer: int, data) -> None:
         """Send bytes into a worker buffer in chunks (for memory this process cannot map)."""

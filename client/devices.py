@@ -19,7 +19,7 @@ def qualified(registration: str, info: MemoryInfo) -> MemoryInfo:
 
 class EpDevice:
     def __init__(self, registration: "Registration", info: EpDeviceInfo):
-        self._registration = registration
+        self.registration = registration
         self._info = info
         self._memory = {m.device_mem_type: qualified(registration.name, m) for m in info.memory_infos}
 
@@ -29,17 +29,17 @@ class EpDevice:
     ep_options = property(lambda self: dict(self._info.ep_options))
     device: HardwareDevice = property(lambda self: self._info.device)
     index = property(lambda self: self._info.index)
-    registration_name = property(lambda self: self._registration.name)
+    registration_name = property(lambda self: self.registration.name)  # the name it was registered under
 
     def memory_info(self, mem_type: DeviceMemoryType) -> MemoryInfo | None:
         return self._memory.get(DeviceMemoryType(mem_type))
 
     def create_sync_stream(self, options: Mapping[str, str] | None = None) -> "SyncStream":
-        inner = self._registration.factory.create_sync_stream_for_device(self._info.index, dict(options or {}))
-        return SyncStream(self._registration, inner)
+        inner = self.registration.factory.create_sync_stream_for_device(self._info.index, dict(options or {}))
+        return SyncStream(self.registration, inner)
 
     def __repr__(self) -> str:
-        return (f"EpDevice(ep_name={self.ep_name!r}, registration={self._registration.name!r}, "
+        return (f"EpDevice(ep_name={self.ep_name!r}, registration={self.registration.name!r}, "
                 f"device={self.device.type.name})")
 
 
@@ -47,7 +47,7 @@ class SharedAllocator:
     """An allocator the Environment keeps, with the data transfer that reaches its memory."""
 
     def __init__(self, registration: "Registration", inner, memory_info: MemoryInfo):
-        self._registration = registration
+        self.registration = registration
         self.inner = inner
         self.memory_info = memory_info
         self.data_transfer = registration.data_transfer
@@ -60,6 +60,15 @@ class SharedAllocator:
 
     def free(self, buffer: Buffer) -> None:
         self.inner.free(buffer)
+
+    def free_later(self, buffer: Buffer) -> None:
+        getattr(self.inner, "free_later", self.inner.free)(buffer)
+
+    def flush_frees(self, timeout: float = 5.0) -> bool:
+        """Wait until the buffers of tensors already collected are back in the allocator (a worker's allocator
+        frees them in batches, off the collecting thread)."""
+        flush = getattr(self.inner, "flush_frees", None)
+        return flush(timeout) if flush is not None else True
 
     def get_stats(self) -> dict[str, int]:
         return self.inner.get_stats()

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ephost.eps import load_factory
-from ephost.errors import EpAlreadyExists, EpError, EpInvalidArgument, EpNotFound
+from ephost.errors import EpAlreadyExists, EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import HOST_MEMORY, DeviceMemoryType, MemoryInfo
 from ephost.client.connection import Credentials
@@ -19,6 +19,7 @@ from ephost.client.launcher import WorkerProcess
 from ephost.client.remote import RemoteEpFactory
 from ephost.client.supervisor import SupervisionPolicy, WorkerLink
 from ephost.client.targets import parse_target
+from ephost.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class Environment:
             registration = self._registrations.pop(name, None)
             if registration is None:
                 raise EpNotFound(f"no EP library registered as {name!r}")
-            for info in [i for i, a in self._allocators.items() if a._registration is registration]:
+            for info in [i for i, a in self._allocators.items() if a.registration is registration]:
                 self._release(info)
         registration.close()
 
@@ -126,7 +127,7 @@ class Environment:
     def create_shared_allocator(self, ep_device: EpDevice, mem_type: DeviceMemoryType = DeviceMemoryType.DEFAULT,
                                 options: Mapping[str, str] | None = None) -> SharedAllocator:
         """Create (or replace, as ORT does) the shared allocator for one memory of a device."""
-        registration = self._registration_of(ep_device)
+        registration = self.registration_of(ep_device)
         info = ep_device.memory_info(mem_type)
         if info is None:
             raise EpNotFound(f"{ep_device.ep_name} device has no {DeviceMemoryType(mem_type).name} memory")
@@ -151,7 +152,7 @@ class Environment:
 
     def _release(self, info: MemoryInfo) -> None:
         allocator = self._allocators.pop(info)
-        allocator._registration.factory.release_allocator(allocator.inner)
+        allocator.registration.factory.release_allocator(allocator.inner)
 
     # --- copies (ORT: CopyTensors) ----------------------------------------------------------------
 
@@ -199,16 +200,43 @@ class Environment:
                     return registration
         raise EpNotFound(f"memory {info.name!r} belongs to no registered EP (was it unregistered?)")
 
-    def _registration_of(self, ep_device: EpDevice) -> Registration:
-        registration = ep_device._registration
+    # --- what sessions, the CLI and tools see of registrations -------------------------------------
+
+    def registration(self, name: str) -> Registration:
+        """The registration of an EP library by its name."""
+        with self._lock:
+            registration = self._registrations.get(name)
+        if registration is None:
+            raise EpNotFound(f"no EP library registered as {name!r}")
+        return registration
+
+    def registrations(self) -> list[Registration]:
+        with self._lock:
+            return list(self._registrations.values())
+
+    def is_registered(self, name: str) -> bool:
+        with self._lock:
+            return name in self._registrations
+
+    def registration_of(self, ep_device: EpDevice) -> Registration:
+        """The registration a device belongs to, while it is registered."""
+        registration = ep_device.registration
         with self._lock:
             if self._registrations.get(registration.name) is not registration:
                 raise EpNotFound(f"device's EP library {registration.name!r} is no longer registered")
         return registration
 
+    def get_worker_stats(self, name: str):
+        """A worker's counters (ephost.v1.WorkerStats): calls per method, resident vs transferred Compute inputs,
+        bytes each way, live buffers, clients."""
+        registration = self.registration(name)
+        if registration.link is None:
+            raise EpInvalidArgument(f"{name!r} is hosted in this process; it has no worker")
+        return registration.link.call(lambda c: c.worker.GetStats, common_pb2.Empty())
+
     def _check_open(self) -> None:
         if self._closed:
-            raise EpError("environment is closed")
+            raise EpFailedPrecondition("the environment is closed")
 
     # --- lifetime ---------------------------------------------------------------------------------
 

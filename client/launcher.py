@@ -13,7 +13,9 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from ephost.errors import EpWorkerCrashed, EpWorkerUnavailable
+import grpc
+
+from ephost.errors import EpWorkerCrashed, EpWorkerUnavailable, error_for_status
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,9 @@ class WorkerProcess:
         self.ep = ep
         self.options = dict(options or {})
         self._dir: str | None = None  # the worker's private socket directory
-        command = [sys.executable, "-m", "ephost", "worker", "--ep", ep, "--exit-with-parent"]
+        # The worker logs (ONNX Runtime's own warnings included) in detail when this process does.
+        verbose = ["--verbose"] if logging.getLogger("ephost").isEnabledFor(logging.INFO) else []
+        command = [sys.executable, "-m", "ephost", *verbose, "worker", "--ep", ep, "--exit-with-parent"]
         for key, value in self.options.items():
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit
@@ -68,9 +72,15 @@ class WorkerProcess:
                                           call="startup")
                 line += chunk
         try:
-            address = json.loads(line.splitlines()[0])["address"]
-        except (ValueError, KeyError):
+            announced = json.loads(line.splitlines()[0])
+            refused = (grpc.StatusCode[announced["code"]], announced["message"]) if announced.get("ephost") == "error" \
+                else None
+            address = None if refused else announced["address"]
+        except (ValueError, KeyError, AttributeError):
             raise EpWorkerUnavailable(f"worker for EP {self.ep!r} announced itself unreadably") from None
+        if refused:  # it would not start: bad options, or an EP it cannot load
+            self.proc.wait()
+            raise error_for_status(*refused)
         self._dir = os.path.dirname(address[len("unix://"):])
         return address
 

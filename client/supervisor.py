@@ -1,31 +1,26 @@
-"""Keeping a worker alive for the client: WorkerLink is the current connection to one worker across its
-restarts. A worker this process launched is watched; its death is noticed at once, reported as
-EpWorkerCrashed, and it is restarted with exponential backoff until it crashes more often than the crash
-limit allows within the window, when it is marked failed. A worker whose memory grows past its limit is
-restarted between calls. Each restart starts a new generation: the client's objects re-create their handles
-(EPs, allocators, streams, compiled partitions) on the new worker from what they recorded.
+"""Keeping a worker alive for the client. WorkerLink is the current connection to one worker across its
+restarts; each new connection starts a new generation, on which the client's objects re-create their handles
+(EPs, allocators, streams, compiled partitions) from what they recorded. Supervision of a worker this process
+launched is ProcessSupervisor's: its death is noticed at once, reported as EpWorkerCrashed, and it is restarted
+with backoff until its CrashBudget is spent, when the EP is marked failed; a worker past its memory limit is
+replaced between calls. A worker connected to by address is watched by a HealthWatcher.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpInvalidArgument, EpWorkerFailed,
+from ephost.errors import (EpDeadlineExceeded, EpError, EpInvalidArgument, EpUnknownClient, EpWorkerFailed,
                            EpWorkerUnavailable)
 from ephost.client.connection import Credentials, WorkerConnection
-from ephost.v1 import common_pb2
+from ephost.client.crash_budget import CrashBudget
+from ephost.client.health import HealthWatcher
 from ephost.client.launcher import WorkerProcess, describe_exit
 
 log = logging.getLogger(__name__)
-
-_EMPTY = common_pb2.Empty()
-HEALTH_INTERVAL_S = 1.0  # how often a worker not launched here is asked whether it serves
-HEALTH_TIMEOUT_S = 2.0
-
 
 @dataclass(frozen=True)
 class SupervisionPolicy:
@@ -62,52 +57,153 @@ class SupervisionPolicy:
         except ValueError as e:
             raise EpInvalidArgument(f"bad supervision option: {e}") from None
 
+    def crash_budget(self) -> CrashBudget:
+        return CrashBudget(self.crash_limit, self.crash_window_s, self.backoff_s, self.max_backoff_s)
+
+
+class ProcessSupervisor:
+    """A worker this process launched: started, watched, restarted under its crash budget, killed past a
+    deadline, replaced past its memory limit. The link it serves gets each new worker's address."""
+
+    def __init__(self, link: "WorkerLink", ep: str, ep_options: Mapping[str, str], policy: SupervisionPolicy):
+        self._link, self.ep, self._options, self._policy = link, ep, dict(ep_options), policy
+        self._budget = policy.crash_budget()
+        self.process: WorkerProcess | None = None
+
+    def launch(self) -> str:
+        """Start a worker; its address."""
+        self.process = WorkerProcess(self.ep, self._options, on_exit=self._on_exit)
+        return self.process.address
+
+    @property
+    def dead(self) -> bool:
+        return self.process is not None and self.process.returncode is not None
+
+    def _on_exit(self, process: WorkerProcess) -> None:
+        try:
+            if self._link.closing or process is not self.process or process.stopping:
+                return
+            code = process.proc.returncode
+            delay = self._budget.record(time.monotonic())
+            if delay is None or not self._policy.restart:
+                why = ("restarting is off" if not self._policy.restart else
+                       f"it crashed {self._budget.recent} times within {self._policy.crash_window_s:g} s")
+                log.error("worker for %r (EP %s) died with %s; %s: the EP is marked failed", self._link.name,
+                          self.ep, describe_exit(code), why)
+                self._link.mark_failed(EpWorkerFailed(
+                    f"EP {self._link.name!r} ({self.ep}) has failed: its worker died with {describe_exit(code)} "
+                    f"and {why}", ep=self.ep, returncode=code))
+                return
+            log.warning("worker for %r (EP %s) died with %s; restarting in %.2f s", self._link.name, self.ep,
+                        describe_exit(code), delay)
+            self._link.begin_restart()
+            threading.Thread(target=self._restart, args=(delay,), name=f"ephost-restart-{self._link.name}",
+                             daemon=True).start()
+        finally:
+            self._link.notify()
+
+    def _restart(self, delay: float) -> None:
+        time.sleep(delay)
+        try:
+            if not self._link.closing:
+                self._link.reopen()
+                log.info("worker for %r is back (generation %d)", self._link.name, self._link.generation)
+        except EpError as e:
+            log.error("restarting the worker for %r failed: %s", self._link.name, e)
+            self._link.mark_failed(EpWorkerFailed(f"EP {self._link.name!r} could not be restarted: {e}", ep=self.ep))
+        finally:
+            self._link.end_restart()
+
+    def kill(self, why: str) -> None:
+        """End the worker now (a call past its deadline); it is restarted like any crashed worker."""
+        process = self.process
+        if process is not None and process.returncode is None:
+            log.warning("killing the worker for %r: %s", self._link.name, why)
+            process.kill()
+            process.exited.wait(5)  # so that the next call waits for its replacement, not for a corpse
+
+    def over_memory_limit(self) -> bool:
+        limit = self._policy.memory_limit_mb
+        if not limit or self.process is None:
+            return False
+        rss = self.process.resident_bytes()
+        if rss > limit << 20:
+            log.warning("worker for %r holds %d MiB, over its limit of %d MiB; replacing it", self._link.name,
+                        rss >> 20, limit)
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
 
 class WorkerLink:
-    """The connection to one worker, launched (`ep` set) or connected to (`address` set)."""
+    """The connection to one worker, launched (`ep` set) or connected to (`address` set), and its generation."""
 
     def __init__(self, name: str, *, ep: str | None = None, ep_options: Mapping[str, str] | None = None,
                  address: str | None = None, policy: SupervisionPolicy = SupervisionPolicy(),
                  credentials: Credentials = Credentials()):
         self.name = name
         self.ep = ep
-        self.ep_options = dict(ep_options or {})
         self.address = address
         self.policy = policy
         self.credentials = credentials
         self.generation = 0
-        self.process: WorkerProcess | None = None
+        self.closing = False
         self._conn: WorkerConnection | None = None
-        self._crashes: deque[float] = deque()
         self._failed: EpError | None = None
-        self._closing = False
-        self._ready = threading.Condition()
         self._restarting = False
-        self.serving = True  # what the last grpc.health.v1 check of a worker not launched here said
-        self._start()
-        if self.process is None:
-            threading.Thread(target=self._watch_health, name=f"ephost-health-{name}", daemon=True).start()
+        self._cond = threading.Condition()
+        self._open_lock = threading.Lock()  # one new connection at a time
+        self.supervisor = ProcessSupervisor(self, ep, ep_options or {}, policy) if ep is not None else None
+        with self._open_lock:
+            self._open()
+        self._health = HealthWatcher(self) if self.supervisor is None else None
 
     # --- the current connection -------------------------------------------------------------------
 
-    def _start(self) -> None:
-        if self.ep is not None:
-            self.process = WorkerProcess(self.ep, self.ep_options, on_exit=self._on_exit)
-            address = self.process.address
-        else:
-            address = self.address
+    def _open(self) -> None:
+        """Connect to the worker (launching one first where this link launches its workers): a new generation.
+        Called with `_open_lock` held."""
+        address = self.supervisor.launch() if self.supervisor is not None else self.address
         try:
             conn = WorkerConnection(address, name=self.name, timeout_s=self.policy.timeout_s,
                                     connect_timeout_s=self.policy.connect_timeout_s, process=self.process,
                                     credentials=self.credentials, shared_memory=self.policy.shared_memory)
         except BaseException:
-            if self.process is not None:
-                self.process.stop()
+            if self.supervisor is not None:
+                self.supervisor.stop()
             raise
-        with self._ready:
+        with self._cond:
             self._conn = conn
             self.generation += 1
-            self._ready.notify_all()
+            self._cond.notify_all()
+
+    def reopen(self, stale: WorkerConnection | None = None) -> None:
+        """Replace the connection (and, for a launched worker, the worker) with a new generation. With `stale`
+        given, only if that is still the current one: two threads that both saw it fail make one generation."""
+        with self._open_lock:
+            old = self._conn
+            if stale is not None and old is not stale:
+                return
+            self._open()
+        if old is not None:
+            old.close()
+
+    @property
+    def process(self) -> WorkerProcess | None:
+        return self.supervisor.process if self.supervisor is not None else None
+
+    @property
+    def serving(self) -> bool:
+        """For a worker connected to by address: what its grpc.health.v1 stream last said."""
+        return self._health.serving if self._health is not None else True
+
+    @property
+    def health(self) -> str:
+        """"serving", "draining" (the worker said NOT_SERVING) or "unreachable"."""
+        return self._health.status if self._health is not None else "serving"
 
     @property
     def current(self) -> WorkerConnection | None:
@@ -127,168 +223,101 @@ class WorkerLink:
     def call(self, method_of: Callable[[WorkerConnection], object], request, *, conn: WorkerConnection | None = None,
              **kw):
         """Call `method_of(conn)` on the current connection (or the one given). Remote workers that lost this
-        client (they restarted) get a new Hello; launched ones are recycled between calls past their memory
-        limit."""
+        client (they restarted) get a new Hello."""
         conn = conn or self.conn
         if not self.serving:
-            raise EpWorkerUnavailable(f"worker for {self.name!r} at {self.address} is not serving (its health "
-                                      "checks fail); calls resume when it answers again")
+            raise EpWorkerUnavailable(f"worker for {self.name!r} at {self.address} is not serving ({self.health}, "
+                                      "says grpc.health.v1); calls resume when it answers again")
         try:
-            reply = conn.call(method_of(conn), request, **kw)
+            return conn.call(method_of(conn), request, **kw)
         except EpDeadlineExceeded:
             # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
             self.kill("a call ran past its deadline")
             raise
-        except EpFailedPrecondition as e:
-            if "unknown client" in str(e) and self.process is None:
-                self._reconnect()
-                raise EpWorkerUnavailable(f"worker for {self.name!r} restarted and forgot this client; its "
-                                          "handles are made again on the next call") from None
-            raise
-        return reply
+        except EpUnknownClient:
+            if self.supervisor is not None:
+                raise
+            self.reopen(stale=conn)
+            raise EpWorkerUnavailable(f"worker for {self.name!r} restarted and forgot this client; its "
+                                      "handles are made again on the next call") from None
 
-    # --- supervision ------------------------------------------------------------------------------
+    # --- supervision state ------------------------------------------------------------------------
 
-    def _on_exit(self, process: WorkerProcess) -> None:
-        if self._closing or process is not self.process or process.stopping:
-            return
-        code = process.proc.returncode
-        now = time.monotonic()
-        self._crashes.append(now)
-        while self._crashes and now - self._crashes[0] > self.policy.crash_window_s:
-            self._crashes.popleft()
-        if not self.policy.restart or len(self._crashes) >= self.policy.crash_limit:
-            why = ("restarting is off" if not self.policy.restart else
-                   f"it crashed {len(self._crashes)} times within {self.policy.crash_window_s:g} s")
-            log.error("worker for %r (EP %s) died with %s; %s: the EP is marked failed", self.name, self.ep,
-                      describe_exit(code), why)
-            with self._ready:
-                self._failed = EpWorkerFailed(f"EP {self.name!r} ({self.ep}) has failed: its worker died with "
-                                              f"{describe_exit(code)} and {why}", ep=self.ep or "",
-                                              returncode=code)
-                self._ready.notify_all()
-            return
-        with self._ready:
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def begin_restart(self) -> None:
+        with self._cond:
             self._restarting = True
-        delay = min(self.policy.backoff_s * 2 ** (len(self._crashes) - 1), self.policy.max_backoff_s)
-        log.warning("worker for %r (EP %s) died with %s; restarting in %.2f s", self.name, self.ep,
-                    describe_exit(code), delay)
-        threading.Thread(target=self._restart, args=(delay,), name=f"ephost-restart-{self.name}",
-                         daemon=True).start()
+            self._cond.notify_all()
 
-    def _restart(self, delay: float) -> None:
-        time.sleep(delay)
-        old = self._conn
-        try:
-            if not self._closing:
-                self._start()
-                log.info("worker for %r is back (generation %d)", self.name, self.generation)
-        except EpError as e:
-            log.error("restarting the worker for %r failed: %s", self.name, e)
-            with self._ready:
-                self._failed = EpWorkerFailed(f"EP {self.name!r} could not be restarted: {e}", ep=self.ep or "")
-        finally:
-            with self._ready:
-                self._restarting = False
-                self._ready.notify_all()
-            if old is not None:
-                old.close()
+    def end_restart(self) -> None:
+        with self._cond:
+            self._restarting = False
+            self._cond.notify_all()
+
+    def mark_failed(self, error: EpError) -> None:
+        with self._cond:
+            if self._failed is None:
+                self._failed = error
+            self._cond.notify_all()
+
+    def _dead(self) -> bool:
+        return self.supervisor is not None and self.supervisor.dead
 
     def wait_noticed(self, timeout: float) -> None:
         """Wait until the death of the current worker, if it died, has been handled (restart under way, or
         the EP marked failed)."""
-        deadline = time.monotonic() + timeout
-        with self._ready:
-            while (self.process is not None and self.process.returncode is not None and not self._restarting
-                   and self._failed is None and time.monotonic() < deadline):
-                self._ready.wait(0.02)
+        with self._cond:
+            self._cond.wait_for(lambda: not self._dead() or self._restarting or self._failed is not None, timeout)
 
     def wait_healthy(self, timeout: float) -> bool:
         """Wait until a worker that died (or was ended) has been replaced, or the EP is marked failed."""
-        deadline = time.monotonic() + timeout
-        with self._ready:
-            while True:
-                dead = self.process is not None and self.process.returncode is not None
-                if self._failed is not None or (not dead and not self._restarting):
-                    return self._failed is None
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._ready.wait(min(remaining, 0.05))
+        with self._cond:
+            self._cond.wait_for(lambda: self._failed is not None or (not self._dead() and not self._restarting),
+                                timeout)
+            return self._failed is None and not self._dead() and not self._restarting
 
-    def _watch_health(self) -> None:
-        """A worker this process did not launch cannot be watched as a process: ask grpc.health.v1."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        while not self._closing:
-            conn = self._conn
-            try:
-                reply = health_pb2_grpc.HealthStub(conn.channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
-                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            except Exception:  # unreachable, or the channel was closed under us
-                serving = False
-            if serving:
-                try:  # keep this client's lease, so that the worker keeps its handles while it is idle
-                    conn.call(conn.worker.Renew, _EMPTY, timeout=HEALTH_TIMEOUT_S)
-                except EpError as e:
-                    log.debug("renewing the lease at %s failed: %s", self.address, e)
-            if serving != self.serving and not self._closing:
-                log.warning("worker for %r at %s is %s", self.name, self.address,
-                            "serving again" if serving else "not serving")
-            self.serving = serving
-            time.sleep(HEALTH_INTERVAL_S)
+    def wait_recovered(self) -> bool:
+        """wait_healthy with the time a restart may take under this link's policy."""
+        return self.wait_healthy(self.policy.connect_timeout_s + self.policy.max_backoff_s)
 
     def kill(self, why: str) -> None:
-        """End a launched worker now (a call past its deadline); supervision restarts it."""
-        process = self.process
-        if process is not None and process.returncode is None:
-            log.warning("killing the worker for %r: %s", self.name, why)
-            process.kill()
-            process.exited.wait(5)  # so that the next call waits for its replacement, not for a corpse
+        if self.supervisor is not None:
+            self.supervisor.kill(why)
 
     def between_calls(self) -> None:
         """Called once a call's results are safely in hand: a worker past its memory limit is replaced now."""
-        if self.policy.memory_limit_mb and self.process is not None and not self._restarting:
-            self._check_memory()
-
-    def _check_memory(self) -> None:
-        rss = self.process.resident_bytes()
-        if rss > self.policy.memory_limit_mb << 20:
-            log.warning("worker for %r holds %d MiB, over its limit of %d MiB; restarting it", self.name,
-                        rss >> 20, self.policy.memory_limit_mb)
+        if self.supervisor is not None and not self._restarting and self.supervisor.over_memory_limit():
             self.recycle()
 
     def recycle(self) -> None:
         """Replace the worker with a fresh one (not a crash: no crash is counted)."""
-        with self._ready:
-            self._restarting = True
-        old_process, old_conn = self.process, self._conn
+        self.begin_restart()
         try:
-            old_process.stop()
-            self._start()
+            with self._open_lock:
+                old = self._conn
+                self.supervisor.stop()
+                self._open()
+            old.close()
         finally:
-            with self._ready:
-                self._restarting = False
-                self._ready.notify_all()
-            old_conn.close()
-
-    def _reconnect(self) -> None:
-        old = self._conn
-        self._start()
-        old.close()
+            self.end_restart()
 
     @property
     def failed(self) -> bool:
         return self._failed is not None
 
     def close(self) -> None:
-        self._closing = True
-        with self._ready:  # let a restart under way finish, so that its worker is stopped too
-            self._ready.wait_for(lambda: not self._restarting, timeout=self.policy.connect_timeout_s + 5)
+        self.closing = True
+        with self._cond:  # let a restart under way finish, so that its worker is stopped too
+            self._cond.wait_for(lambda: not self._restarting, timeout=self.policy.connect_timeout_s + 5)
             if self._failed is None:
                 self._failed = EpWorkerUnavailable(f"EP {self.name!r} was unregistered; its worker is closed")
-            self._ready.notify_all()
+            self._cond.notify_all()
+        if self._health is not None:
+            self._health.close()
         if self._conn is not None:
             self._conn.close()
-        if self.process is not None:
-            self.process.stop()
+        if self.supervisor is not None:
+            self.supervisor.stop()

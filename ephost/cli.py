@@ -124,6 +124,8 @@ def cmd_health(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="log in detail (INFO), ONNX Runtime's own warnings included")
     parser.add_argument("--log-format", choices=["text", "json"], default="text",
                         help="json: one JSON object per line (time, level, logger, pid, message), for log collectors")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if args.log_format == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logging.basicConfig(level="INFO" if args.verbose else args.log_level.upper(), handlers=[handler])
     try:
         return args.func(args)
     except EpError as e:

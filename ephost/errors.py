@@ -35,6 +35,13 @@ class EpFailedPrecondition(EpError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class EpUnknownClient(EpFailedPrecondition):
+    """The worker does not know this client (it restarted, or released the client after its lease ran out):
+    say Hello again. Travels as FAILED_PRECONDITION with the reason in the status's trailing metadata."""
+
+    reason = "unknown-client"
+
+
 class EpOutOfRange(EpInvalidArgument):
     code = grpc.StatusCode.OUT_OF_RANGE
 
@@ -99,5 +106,13 @@ _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
 }
 
 
-def error_for_status(code: grpc.StatusCode, message: str) -> EpError:
+# Errors that refine a status code, named by a reason the worker sends beside the code (REASON_KEY).
+REASON_KEY = "ephost-reason"
+_BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient,)}
+
+
+def error_for_status(code: grpc.StatusCode, message: str, reason: str = "") -> EpError:
+    cls = _BY_REASON.get(reason)
+    if cls is not None and cls.code == code:
+        return cls(message)
     return _BY_CODE.get(code, EpError)(message)

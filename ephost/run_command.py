@@ -9,6 +9,7 @@ same model in this process under ONNX Runtime's CPU EP.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import time
@@ -122,7 +123,7 @@ def main(args) -> int:
         eps = args.ep or default_eps(env)
         for i, ep in enumerate(eps):
             name = ep.target if ep.target not in [e.target for e in eps[:i]] else f"{ep.target}#{i}"
-            if name not in env._registrations:
+            if not env.is_registered(name):
                 env.register_execution_provider_library(name, ep.target, ep.options)
             devices = [d for d in env.get_ep_devices() if d.registration_name == name]
             if not devices:
@@ -213,7 +214,11 @@ def in_process_ort(path: str, feeds: dict, runs: int) -> float | None:
         from ephost.eps.onnxruntime import readable_model
     except ImportError:
         return None
-    session = ort.InferenceSession(readable_model(onnx.load(path)).SerializeToString(),
+    options = ort.SessionOptions()
+    # ORT's own warnings (unused initializers...) would land in the middle of the table: errors only, unless
+    # the user asked for detail (--verbose).
+    options.log_severity_level = 2 if logging.getLogger().isEnabledFor(logging.INFO) else 3
+    session = ort.InferenceSession(readable_model(onnx.load(path)).SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     session.run(None, feeds)
     times = []

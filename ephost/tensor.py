@@ -16,8 +16,11 @@ log = logging.getLogger(__name__)
 
 
 def _free_quietly(allocator, buffer: Buffer) -> None:
+    # A finalizer runs on whatever thread collects the tensor: allocators that would block on a call (a
+    # worker's) queue the free instead.
+    free = getattr(allocator, "free_later", allocator.free)
     try:
-        allocator.free(buffer)
+        free(buffer)
     except EpError as e:  # the worker may be gone; its memory went with it
         log.debug("freeing a tensor's buffer failed: %s", e)
 
@@ -74,10 +77,6 @@ class Tensor:
     def buffer(self) -> Buffer | None:
         return self._buffer
 
-    @property
-    def host_array(self) -> np.ndarray | None:
-        return self._host
-
     def numpy(self) -> np.ndarray:
         """The tensor as an array: a view, without copy, where the memory is host accessible."""
         if self._host is not None:
@@ -113,7 +112,9 @@ class Tensor:
     def release(self) -> None:
         """Give the buffer back to its allocator now rather than when the tensor is collected."""
         if self._finalizer is not None:
-            self._finalizer()
+            _, _, (allocator, buffer), _ = self._finalizer.detach()
+            self._finalizer = None
+            allocator.free(buffer)
 
     def __repr__(self) -> str:
         return f"Tensor({describe(self.shape, self.dtype)} in {self.memory_info.name})"

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from ephost.errors import EpInvalidArgument
 from ephost.v1 import common_pb2 as pb
@@ -118,22 +118,13 @@ class EpDeviceInfo:
 
 # --- element types ------------------------------------------------------------------------------------
 
-# ONNX element type -> numpy dtype, for every type numpy represents natively.
+# ONNX element type -> numpy dtype, for every type numpy represents natively (onnx's own table, less the types
+# it maps to ml_dtypes' extension types and to Python objects, which cannot live in tensor memory).
 _NP_BY_ELEM: dict[int, np.dtype] = {
-    TensorProto.FLOAT: np.dtype(np.float32),
-    TensorProto.UINT8: np.dtype(np.uint8),
-    TensorProto.INT8: np.dtype(np.int8),
-    TensorProto.UINT16: np.dtype(np.uint16),
-    TensorProto.INT16: np.dtype(np.int16),
-    TensorProto.INT32: np.dtype(np.int32),
-    TensorProto.INT64: np.dtype(np.int64),
-    TensorProto.BOOL: np.dtype(np.bool_),
-    TensorProto.FLOAT16: np.dtype(np.float16),
-    TensorProto.DOUBLE: np.dtype(np.float64),
-    TensorProto.UINT32: np.dtype(np.uint32),
-    TensorProto.UINT64: np.dtype(np.uint64),
-    TensorProto.COMPLEX64: np.dtype(np.complex64),
-    TensorProto.COMPLEX128: np.dtype(np.complex128),
+    elem: dtype for elem, dtype in (
+        (t, np.dtype(helper.tensor_dtype_to_np_dtype(t))) for t in TensorProto.DataType.values()
+        if t != TensorProto.UNDEFINED)
+    if dtype.isbuiltin == 1 and dtype.kind in "biufc"  # 2: a type registered by another package
 }
 _ELEM_BY_NP: dict[np.dtype, int] = {v: k for k, v in _NP_BY_ELEM.items()}
 

@@ -172,10 +172,6 @@ class ArenaAllocator:
                     return chunk.region
             return self._reserved.get(region_id)
 
-    def live_buffers(self) -> int:
-        with self._lock:
-            return len(self._live)
-
     def close(self) -> None:
         with self._lock:
             for chunk in self._chunks:

@@ -21,7 +21,7 @@ from ephost.eps import check_options
 from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.reference import cpu_device
-from ephost.errors import EpError, EpInvalidArgument, EpNotFound
+from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype
 from ephost.values import as_value
@@ -97,6 +97,19 @@ def _pairs(text: str, what: str) -> dict[str, str]:
     return out
 
 
+# ORT's status codes (the pybind exception classes of onnxruntime.capi.onnxruntime_pybind11_state) that say
+# the request itself is wrong: it would fail on any EP, and a failure policy must not retry or fall back. Every
+# other failure (FAIL, EP_FAIL, RUNTIME_EXCEPTION, ENGINE_ERROR, NOT_IMPLEMENTED...) is the vendor's.
+_BAD_REQUEST = {"InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoModel", "NoSuchFile"}
+
+
+def ort_error(what: str, error: Exception) -> EpError:
+    """The typed error for an exception ONNX Runtime raised: EpInvalidArgument for a bad request, EpInternal
+    for a failure of ORT or of the EP inside it."""
+    cls = EpInvalidArgument if type(error).__name__ in _BAD_REQUEST else EpInternal
+    return cls(f"{what}: {error}")
+
+
 class OrtComputeInfo:
     def __init__(self, graph: FusedGraph, session):
         self.name = graph.name
@@ -125,7 +138,7 @@ class OrtComputeInfo:
         try:
             self._session.run_with_iobinding(binding)
         except Exception as e:
-            raise EpInvalidArgument(f"{self.name} failed in ONNX Runtime: {e}") from None
+            raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
         produced = iter(binding.copy_outputs_to_cpu())
         out = []
         for name, static in self._outputs:
@@ -137,7 +150,7 @@ class OrtComputeInfo:
         try:
             return [as_value(v) for v in self._session.run(None, feeds)]
         except Exception as e:
-            raise EpInvalidArgument(f"{self.name} failed in ONNX Runtime: {e}") from None
+            raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
 
 
 def _static(arg) -> tuple[tuple[int, ...], np.dtype] | None:
@@ -236,7 +249,7 @@ class OrtEp(EpDefaults):
             except EpError:
                 raise
             except Exception as e:
-                raise EpInvalidArgument(f"ONNX Runtime cannot compile {graph.name!r}: {e}") from None
+                raise ort_error(f"ONNX Runtime cannot compile {graph.name!r}", e) from None
             infos.append(OrtComputeInfo(graph, session))
         return infos
 

@@ -47,14 +47,17 @@ class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
     def Free(self, request, context):
         client = self._client(context)
         allocator = client.get("allocator", request.allocator)
-        entry = client.get("buffer", request.buffer)
-        buffer = entry.buffer
-        if entry.allocator is not allocator:
-            raise EpNotFound(f"buffer {request.buffer} does not belong to allocator {request.allocator}")
-        client.pop("buffer", request.buffer)
-        allocator.free(buffer)
-        released = [buffer.region.id] if allocator.region(buffer.region.id) is None else []
-        return allocator_pb2.FreeResponse(released_regions=released)
+        handles = list(dict.fromkeys(([request.buffer] if request.buffer else []) + list(request.buffers)))
+        for handle in handles:  # all named buffers are checked before any is freed
+            if client.get("buffer", handle).allocator is not allocator:
+                raise EpNotFound(f"buffer {handle} does not belong to allocator {request.allocator}")
+        released = []
+        for handle in handles:
+            buffer = client.pop("buffer", handle).buffer
+            allocator.free(buffer)
+            if buffer.region is not None and allocator.region(buffer.region.id) is None:
+                released.append(buffer.region.id)
+        return allocator_pb2.FreeResponse(released_regions=sorted(set(released)))
 
     @rpc
     def GetStats(self, request, context):

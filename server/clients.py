@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ephost.errors import EpFailedPrecondition, EpNotFound
+from ephost.errors import EpFailedPrecondition, EpNotFound, EpUnknownClient
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ClientRegistry:
         with self._lock:
             client = self._clients.get(client_id)
         if client is None:
-            raise EpFailedPrecondition("unknown client (the worker may have restarted, or released this client "
+            raise EpUnknownClient("unknown client (the worker may have restarted, or released this client "
                                        "after its lease ran out); call Worker.Hello again")
         client.last_seen = time.monotonic()
         return client

@@ -90,6 +90,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         factory = load_factory(ep, options)
     except EpError as e:
         print(f"ephost worker: {e}", file=sys.stderr)
+        # The launcher reads this line instead of the address: the error keeps its type on the client's side.
+        print(json.dumps({"ephost": "error", "code": e.code.name, "message": str(e)}), flush=True)
         return 2
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
     state = WorkerState(ep, factory, options, fd_server)

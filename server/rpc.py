@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from ephost.errors import EpError
+from ephost.errors import REASON_KEY, EpError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ def rpc(method):
             return reply
         except EpError as e:
             error = (e.code, str(e))
+            reason = getattr(e, "reason", "")
+            if reason:
+                context.set_trailing_metadata(((REASON_KEY, reason),))
         except Exception as e:  # a bug or a vendor failure: report it, keep serving
             log.exception("%s.%s failed", type(self).__name__, name)
             error = (grpc.StatusCode.INTERNAL, f"{name} failed inside the worker: {type(e).__name__}: {e}")

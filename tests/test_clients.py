@@ -2,7 +2,7 @@
 import grpc
 import pytest
 
-from conftest import RawClient
+from helpers import RawClient
 from ephost.v1 import allocator_pb2, common_pb2, factory_pb2, worker_pb2
 
 

@@ -21,7 +21,7 @@ def small_model() -> onnx.ModelProto:
 
 @pytest.fixture(params=["ref", "local"])
 def ep(request, env):
-    registration = env._registrations[request.param]
+    registration = env.registration(request.param)
     ep = registration.factory.create_ep([0], {})
     yield ep
     registration.factory.release_ep(ep)
@@ -37,7 +37,7 @@ def test_capability_respects_claimed_nodes(ep):
 def test_ops_allow_list_limits_capability():
     with ephost.Environment() as env:
         env.register_execution_provider_library("few", "reference", {"ops": "Add,Mul"})
-        factory = env._registrations["few"].factory
+        factory = env.registration("few").factory
         ep = factory.create_ep([0], {})
         (group,) = ep.get_capability(small_model(), frozenset())
         assert set(group.node_names) == {"add", "mul"}

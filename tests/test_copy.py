@@ -107,15 +107,13 @@ def test_copy_between_two_workers_goes_through_the_host(env, ref_device, local_d
 
 
 def test_worker_counts_the_copies_it_makes(env, ref_device):
-    from ephost.v1 import common_pb2
-    conn = env._registrations["ref"].factory.conn
     allocator = env.create_shared_allocator(ref_device, DeviceMemoryType.DEFAULT)
     try:
-        before = conn.call(conn.worker.GetStats, common_pb2.Empty())
+        before = env.get_worker_stats("ref")
         data = np.ones(1000, np.uint8)
         t = Tensor.from_numpy(data, allocator)
         env.copy_tensors([t], [Tensor.from_numpy(np.zeros(1000, np.uint8))])
-        after = conn.call(conn.worker.GetStats, common_pb2.Empty())
+        after = env.get_worker_stats("ref")
         assert after.bytes_inline_in - before.bytes_inline_in == 1000
         assert after.bytes_inline_out - before.bytes_inline_out == 1000
         assert after.copies - before.copies == 2
@@ -143,7 +141,7 @@ def test_non_contiguous_arrays_are_refused_clearly():
 
 
 def test_can_copy_is_the_eps_own_answer(env, any_device):
-    registration = env._registrations[any_device.registration_name]
+    registration = env.registration(any_device.registration_name)
     transfer = registration.data_transfer
     own = [registration.memory[any_device.memory_info(t)] for t in DeviceMemoryType]
     gpu = ephost.MemoryInfo("SomeGpu", ephost.HardwareDeviceType.GPU, 0x10de, 0, DeviceMemoryType.DEFAULT)

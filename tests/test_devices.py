@@ -46,8 +46,10 @@ def test_ops_option_reaches_the_worker():
 
 def test_bad_ep_options_fail_registration_with_the_reason():
     with ephost.Environment() as env:
-        with pytest.raises(ephost.EpWorkerCrashed, match="before it was ready"):
+        with pytest.raises(ephost.EpInvalidArgument, match="NoSuchOp"):  # the worker's own refusal, typed
             env.register_execution_provider_library("bad", "reference", {"ops": "NoSuchOp"})
+        with pytest.raises(ephost.EpInvalidArgument, match=r"unknown option\(s\) \['colour'\]"):
+            env.register_execution_provider_library("bad", "reference", {"colour": "blue"})
         with pytest.raises(ephost.EpInvalidArgument, match="NoSuchOp"):
             env.register_execution_provider_library("bad", "inproc:reference", {"ops": "NoSuchOp"})
         with pytest.raises(ephost.EpNotFound, match="no EP named"):
@@ -65,7 +67,7 @@ def test_duplicate_and_unknown_registrations(env):
 def test_unregister_stops_the_worker():
     env = ephost.Environment()
     env.register_execution_provider_library("tmp", "reference")
-    process = env._registrations["tmp"].process
+    process = env.registration("tmp").process
     env.unregister_execution_provider_library("tmp")
     assert process.proc.poll() == 0, "worker should drain and exit cleanly"
     assert env.get_ep_devices() == []

@@ -32,6 +32,20 @@ def test_compose_file_starts_two_workers_and_a_client_that_uses_both():
     assert "USER ephost" in dockerfile and "HEALTHCHECK" in dockerfile and "ephost health" in dockerfile
 
 
+def test_kubernetes_manifest_is_valid_against_the_kubernetes_schemas():
+    """Each object of docker/kubernetes.yaml validates (strictly: no unknown field) against the schemas of
+    Kubernetes that the kubernetes-validate package ships, and the Deployment probes the worker's health."""
+    import kubernetes_validate
+    documents = [d for d in yaml.safe_load_all((DOCKER / "kubernetes.yaml").read_text()) if d]
+    assert {d["kind"] for d in documents} == {"Deployment", "Service"}
+    for document in documents:
+        kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"][:2] == ["ephost", "health"]
+
+
 def test_the_entry_command_starts_a_worker_that_reports_healthy():
     directory = tempfile.mkdtemp(prefix="ephost-docker-")
     address = f"unix://{directory}/worker.sock"

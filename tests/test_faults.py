@@ -131,7 +131,7 @@ def test_a_hang_past_the_run_deadline_kills_the_worker_and_the_next_run_works():
     env = chaos_env("hang", "compute")
     try:
         with session(env, "raise", timeout=30) as s:
-            process = env._registrations["chaos"].process
+            process = env.registration("chaos").process
             s.run(None, {"x": X})
             start = time.monotonic()
             with pytest.raises(ephost.EpDeadlineExceeded):
@@ -152,7 +152,7 @@ def test_a_leaking_worker_is_restarted_between_calls():
         with session(env, "raise") as s:
             pids = set()
             for _ in range(12):
-                process = env._registrations["chaos"].process
+                process = env.registration("chaos").process
                 pids.add(process.pid)
                 np.testing.assert_allclose(s.run(None, {"x": X})[0], EXPECTED, rtol=1e-6)
                 assert process.resident_bytes() < (400 + 64 + 64) << 20 or process.returncode is not None
@@ -185,7 +185,8 @@ def test_eight_threads_while_the_worker_is_killed_from_outside(policy):
                 t.start()
             for _ in range(3):
                 time.sleep(0.7)
-                os.kill(env._registrations["victim"].process.pid, signal.SIGKILL)
+                assert env.registration("victim").link.wait_healthy(10)  # the next kill hits a running worker
+                os.kill(env.registration("victim").process.pid, signal.SIGKILL)
             time.sleep(1.0)
             stop.set()
             for t in threads:
@@ -239,7 +240,7 @@ def test_a_remote_worker_that_goes_away_and_comes_back(worker):
         with pytest.raises(ephost.EpWorkerUnavailable):
             allocator.get_stats()
         assert time.monotonic() - start < 5
-        link = env._registrations["remote"].link
+        link = env.registration("remote").link
         deadline = time.monotonic() + 10
         while link.serving and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -264,5 +265,47 @@ def test_a_remote_worker_that_goes_away_and_comes_back(worker):
         back = Tensor.from_numpy(np.zeros(8, np.float32))
         env.copy_tensors([t], [back])
         np.testing.assert_array_equal(back.numpy(), np.arange(8))
+    finally:
+        env.close()
+
+
+def test_two_threads_that_find_the_worker_forgot_them_make_one_new_generation(worker):
+    """A remote worker restarted at its address forgets this client; two threads whose calls find that out at
+    once say Hello once between them: one new connection, one new generation, and both go on working."""
+    first = worker("--ep", "reference")
+    env = ephost.Environment()
+    try:
+        env.register_execution_provider_library("remote", first.address, {"timeout_s": "5", "connect_timeout_s": "5"})
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+        link = env.registration("remote").link
+        assert link.generation == 1
+        first.proc.kill()
+        first.proc.wait()
+        deadline = time.monotonic() + 10
+        while link.serving and time.monotonic() < deadline:  # the health stream sees it go...
+            time.sleep(0.05)
+        worker("--ep", "reference", "--listen", first.address)
+        while not link.serving and time.monotonic() < deadline + 10:  # ...and the new one come
+            time.sleep(0.05)
+        assert link.serving
+        barrier = threading.Barrier(2)
+        outcomes = []
+
+        def call():
+            barrier.wait()
+            try:
+                outcomes.append(allocator.get_stats()["InUse"])
+            except ephost.EpWorkerUnavailable as e:
+                outcomes.append(str(e))
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert link.generation == 2, outcomes
+        assert all(o == 0 or "forgot this client" in o for o in outcomes), outcomes
+        assert allocator.get_stats()["InUse"] == 0  # handles made again on the new generation
     finally:
         env.close()

@@ -72,7 +72,7 @@ def test_worker_dies_with_the_application_that_launched_it(tmp_path):
         import os, sys, time, ephost
         env = ephost.Environment()
         env.register_execution_provider_library("ref", "reference")
-        print(env._registrations["ref"].process.pid, flush=True)
+        print(env.registration("ref").process.pid, flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", app], stdout=subprocess.PIPE)
@@ -93,7 +93,7 @@ def test_a_killed_worker_that_is_not_restarted_is_a_typed_error_naming_ep_and_si
         env.register_execution_provider_library("victim", "reference", {"restart": "false"})
         (device,) = env.get_ep_devices()
         allocator = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
-        process = env._registrations["victim"].process
+        process = env.registration("victim").process
         os.kill(process.pid, signal.SIGKILL)
         assert process.exited.wait(5), "the death is noticed by the watcher, without any call"
         with pytest.raises(ephost.EpWorkerCrashed) as info:
@@ -116,7 +116,7 @@ def test_the_application_keeps_its_data_when_the_worker_dies():
         data = np.random.default_rng(3).standard_normal((256, 1024)).astype(np.float32)
         tensor = Tensor.from_numpy(data, allocator)
         view = tensor.numpy()
-        process = env._registrations["victim"].process
+        process = env.registration("victim").process
         os.kill(process.pid, signal.SIGKILL)
         process.exited.wait(5)
         np.testing.assert_array_equal(tensor.numpy(), data)

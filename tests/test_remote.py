@@ -7,7 +7,7 @@ import pytest
 
 import ephost
 from ephost import DeviceMemoryType, InferenceSession, Tensor
-from conftest import options_for
+from helpers import options_for
 import models
 
 
@@ -19,7 +19,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tcp_worker():
-    from conftest import Worker
+    from helpers import Worker
     w = Worker("--ep", "reference", "--listen", f"127.0.0.1:{free_port()}", "--insecure", "--max-message-mb", "64")
     yield w
     w.stop()
@@ -29,7 +29,7 @@ def test_a_tcp_worker_on_this_host_proves_it_shares_memory(tcp_worker):
     with ephost.Environment() as env:
         env.register_execution_provider_library("tcp", tcp_worker.address)
         (device,) = env.get_ep_devices()
-        assert env._registrations["tcp"].link.conn.shares_memory
+        assert env.registration("tcp").link.conn.shares_memory
         shared = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
         t = Tensor.from_numpy(np.arange(10, dtype=np.int64), shared)
         np.testing.assert_array_equal(t.numpy(), np.arange(10))  # mapped here: read in place
@@ -40,7 +40,7 @@ def test_without_shared_memory_a_1_gib_tensor_travels_in_chunks(tcp_worker):
     with ephost.Environment() as env:
         env.register_execution_provider_library("far", tcp_worker.address, {"shared_memory": "false"})
         (device,) = env.get_ep_devices()
-        assert not env._registrations["far"].link.conn.shares_memory
+        assert not env.registration("far").link.conn.shares_memory
         assert device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE) is None, "worker-local memory only"
         allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
         data = np.random.default_rng(0).integers(0, 255, 1 << 30, dtype=np.uint8)  # 1 GiB, past any message
@@ -83,7 +83,7 @@ def test_sessions_across_a_far_and_a_near_worker(tcp_worker):
 def test_replicas_behind_one_name_pin_partitions_and_move_on_when_one_goes(worker):
     """gRPC's name syntax lists two replicas; the session's partitions live on the one its channel picked,
     and when that replica dies, the client moves to the other and compiles there again."""
-    from conftest import worker_stats
+    from helpers import worker_stats
     replicas = [worker("--ep", "reference", "--listen", f"127.0.0.1:{free_port()}", "--insecure") for _ in range(2)]
     name = "ipv4:" + ",".join(r.address for r in replicas)
     x = np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)
@@ -95,7 +95,7 @@ def test_replicas_behind_one_name_pin_partitions_and_move_on_when_one_goes(worke
             for _ in range(3):
                 np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
             pid = worker_stats(env, "pool")  # the replica this channel talks to
-            serving = env._registrations["pool"].link.conn.info.pid
+            serving = env.registration("pool").link.conn.info.pid
             first = next(r for r in replicas if r.proc.pid == serving)
             other = next(r for r in replicas if r is not first)
             assert pid.methods["Ep/Compute"].calls == 3, "every run went to the one replica"
@@ -112,4 +112,4 @@ def test_replicas_behind_one_name_pin_partitions_and_move_on_when_one_goes(worke
             assert len(results) == 2
             for y in results:
                 np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
-            assert env._registrations["pool"].link.conn.info.pid == other.proc.pid
+            assert env.registration("pool").link.conn.info.pid == other.proc.pid

@@ -18,7 +18,7 @@ def streams(any_device):
 
 
 def test_factory_is_stream_aware(env):
-    for registration in env._registrations.values():
+    for registration in env.registrations():
         assert registration.factory.is_stream_aware()
 
 

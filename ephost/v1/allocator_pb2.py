@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ephost.v1 import common_pb2 as ephost_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65phost/v1/allocator.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"N\n\x0b\x42ufferChunk\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"e\n\x0bReadRequest\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x03\"1\n\x0c\x41llocRequest\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"Q\n\rAllocResponse\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12 \n\x03shm\x18\x03 \x01(\x0b\x32\x13.ephost.v1.ShmSlice\"0\n\x0b\x46reeRequest\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\x04\"(\n\x0c\x46reeResponse\x12\x18\n\x10released_regions\x18\x01 \x03(\x04\"s\n\x0e\x41llocatorStats\x12\x33\n\x05stats\x18\x01 \x03(\x0b\x32$.ephost.v1.AllocatorStats.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x9c\x03\n\tAllocator\x12:\n\x05\x41lloc\x12\x17.ephost.v1.AllocRequest\x1a\x18.ephost.v1.AllocResponse\x12\x37\n\x04\x46ree\x12\x16.ephost.v1.FreeRequest\x1a\x17.ephost.v1.FreeResponse\x12<\n\x07Reserve\x12\x17.ephost.v1.AllocRequest\x1a\x18.ephost.v1.AllocResponse\x12\x38\n\x08GetStats\x12\x11.ephost.v1.Handle\x1a\x19.ephost.v1.AllocatorStats\x12\x33\n\x07GetInfo\x12\x11.ephost.v1.Handle\x1a\x15.ephost.v1.MemoryInfo\x12\x33\n\x05Write\x12\x16.ephost.v1.BufferChunk\x1a\x10.ephost.v1.Empty(\x01\x12\x38\n\x04Read\x12\x16.ephost.v1.ReadRequest\x1a\x16.ephost.v1.BufferChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x65phost/v1/allocator.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"N\n\x0b\x42ufferChunk\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"e\n\x0bReadRequest\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x03\"1\n\x0c\x41llocRequest\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"Q\n\rAllocResponse\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12 \n\x03shm\x18\x03 \x01(\x0b\x32\x13.ephost.v1.ShmSlice\"A\n\x0b\x46reeRequest\x12\x11\n\tallocator\x18\x01 \x01(\x04\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\x04\x12\x0f\n\x07\x62uffers\x18\x03 \x03(\x04\"(\n\x0c\x46reeResponse\x12\x18\n\x10released_regions\x18\x01 \x03(\x04\"s\n\x0e\x41llocatorStats\x12\x33\n\x05stats\x18\x01 \x03(\x0b\x32$.ephost.v1.AllocatorStats.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x9c\x03\n\tAllocator\x12:\n\x05\x41lloc\x12\x17.ephost.v1.AllocRequest\x1a\x18.ephost.v1.AllocResponse\x12\x37\n\x04\x46ree\x12\x16.ephost.v1.FreeRequest\x1a\x17.ephost.v1.FreeResponse\x12<\n\x07Reserve\x12\x17.ephost.v1.AllocRequest\x1a\x18.ephost.v1.AllocResponse\x12\x38\n\x08GetStats\x12\x11.ephost.v1.Handle\x1a\x19.ephost.v1.AllocatorStats\x12\x33\n\x07GetInfo\x12\x11.ephost.v1.Handle\x1a\x15.ephost.v1.MemoryInfo\x12\x33\n\x05Write\x12\x16.ephost.v1.BufferChunk\x1a\x10.ephost.v1.Empty(\x01\x12\x38\n\x04Read\x12\x16.ephost.v1.ReadRequest\x1a\x16.ephost.v1.BufferChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,13 +43,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ALLOCRESPONSE']._serialized_start=298
   _globals['_ALLOCRESPONSE']._serialized_end=379
   _globals['_FREEREQUEST']._serialized_start=381
-  _globals['_FREEREQUEST']._serialized_end=429
-  _globals['_FREERESPONSE']._serialized_start=431
-  _globals['_FREERESPONSE']._serialized_end=471
-  _globals['_ALLOCATORSTATS']._serialized_start=473
-  _globals['_ALLOCATORSTATS']._serialized_end=588
-  _globals['_ALLOCATORSTATS_STATSENTRY']._serialized_start=544
-  _globals['_ALLOCATORSTATS_STATSENTRY']._serialized_end=588
-  _globals['_ALLOCATOR']._serialized_start=591
-  _globals['_ALLOCATOR']._serialized_end=1003
+  _globals['_FREEREQUEST']._serialized_end=446
+  _globals['_FREERESPONSE']._serialized_start=448
+  _globals['_FREERESPONSE']._serialized_end=488
+  _globals['_ALLOCATORSTATS']._serialized_start=490
+  _globals['_ALLOCATORSTATS']._serialized_end=605
+  _globals['_ALLOCATORSTATS_STATSENTRY']._serialized_start=561
+  _globals['_ALLOCATORSTATS_STATSENTRY']._serialized_end=605
+  _globals['_ALLOCATOR']._serialized_start=608
+  _globals['_ALLOCATOR']._serialized_end=1020
 # @@protoc_insertion_point(module_scope)

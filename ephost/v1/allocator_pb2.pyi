@@ -52,12 +52,14 @@ class AllocResponse(_message.Message):
     def __init__(self, buffer: _Optional[int] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[_common_pb2.ShmSlice, _Mapping]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("allocator", "buffer")
+    __slots__ = ("allocator", "buffer", "buffers")
     ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     allocator: int
     buffer: int
-    def __init__(self, allocator: _Optional[int] = ..., buffer: _Optional[int] = ...) -> None: ...
+    buffers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, allocator: _Optional[int] = ..., buffer: _Optional[int] = ..., buffers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("released_regions",)

@@ -1,0 +1,97 @@
+"""What a session does when an EP fails: ep_failure_policy "raise", "retry" or "fallback", applied to set-up
+calls (CreateEp, GetCapability, Compile) and to each partition's Compute, with a log of what happened."""
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from typing import Any, Callable
+
+from ephost.errors import EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpWorkerCrashed, EpWorkerUnavailable
+from ephost.client.planner import Partition, Placement
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("raise", "retry", "fallback")
+# What the policy handles: a worker that died, hung or is gone, and an EP that failed inside (a vendor bug).
+# Errors about the request itself (bad input) would fail anywhere and are raised as they are.
+WORKER_FAILURES = (EpWorkerUnavailable, EpDeadlineExceeded, EpInternal)
+_EVENTS = {EpDeadlineExceeded: "timed out", EpInternal: "failed"}
+
+
+class FellBack(Exception):
+    """An EP failed during set-up and the policy is to leave its nodes to the fallback."""
+
+
+class FailurePolicy:
+    """Guarded calls and recovery for one session. `links(registration)` gives a registration's WorkerLink (None
+    for an EP in this process); `fallback` is the session's CPU fallback placement."""
+
+    def __init__(self, policy: str, links: Callable[[str], Any], fallback: Placement):
+        if policy not in POLICIES:
+            raise EpInvalidArgument(f"ep_failure_policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._links = links
+        self._fallback = fallback
+        self.run_log: deque[dict] = deque(maxlen=1000)
+        self.counters = Counter()
+
+    def note(self, event: str, registration: str, what: str, error: BaseException | None = None, run: int = 0):
+        self.counters[event] += 1
+        entry = {"run": run, "event": event, "registration": registration, "what": what,
+                 "error": f"{type(error).__name__}: {error}" if error is not None else ""}
+        self.run_log.append(entry)
+        log.warning("%s: %s %s%s", registration, what, event, f" ({entry['error']})" if error else "")
+
+    def guarded(self, registration: str, what: str, call: Callable[[], Any]):
+        """A set-up call to an EP under the policy; raises FellBack where its nodes go to the fallback."""
+        try:
+            return call()
+        except WORKER_FAILURES as error:
+            self.note("crashed" if isinstance(error, EpWorkerCrashed) else "failed", registration, what, error)
+            if self.policy == "raise":
+                raise
+            if self.policy == "retry":
+                link = self._links(registration)
+                if link is not None:
+                    link.wait_recovered()
+                self.note("retried", registration, what)
+                return call()
+            self.note("fell back", registration, what)
+            raise FellBack() from error
+
+    def recover(self, run: int, p: Partition, partitions: list[Partition], inputs: list, error: EpError,
+                timeout: float | None) -> list:
+        """The outputs of partition `p` after its Compute failed with `error`, as the policy decides."""
+        if not isinstance(error, WORKER_FAILURES) or p.placement is self._fallback:
+            raise error
+        self.note(_EVENTS.get(type(error), "crashed"), p.registration, p.graph.name, error, run)
+        if self.policy == "raise":
+            raise error
+        link = self._links(p.registration)
+        if link is not None:
+            link.wait_noticed(1.0)
+            if self.policy == "retry":
+                link.wait_recovered()
+        failed = link is not None and link.failed
+        if self.policy == "retry" and not failed:
+            self.note("retried", p.registration, p.graph.name, run=run)
+            return p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
+        if self.policy != "fallback":
+            raise error
+        if failed:  # from now on its partitions run on the fallback
+            self.note("moved to the fallback", p.registration, "all its partitions", run=run)
+            for q in [q for q in partitions if q.registration == p.registration]:
+                self.to_fallback(q)
+            return p.compute_info.compute(inputs, None, (), timeout)
+        self.note("fell back", p.registration, p.graph.name, run=run)
+        return self._fallback_info(p).compute(inputs)
+
+    def _fallback_info(self, p: Partition):
+        if p.fallback_info is None:
+            (p.fallback_info,) = self._fallback.ep.compile([p.graph])
+        return p.fallback_info
+
+    def to_fallback(self, p: Partition) -> None:
+        """Run partition `p` on the CPU fallback from now on."""
+        p.compute_info, p.allocator, p.keep = self._fallback_info(p), None, ()
+        p.placement = self._fallback

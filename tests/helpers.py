@@ -1,0 +1,87 @@
+"""What tests share that is not a fixture: workers started by hand, a raw wire client, session options."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import grpc
+
+from ephost.v1 import worker_pb2, worker_pb2_grpc
+
+
+def options_for(environment, *registrations):
+    """SessionOptions with the devices of these registrations, in this order."""
+    from ephost import SessionOptions
+    options = SessionOptions()
+    for r in registrations:
+        options.add_provider_for_devices([d for d in environment.get_ep_devices() if d.registration_name == r])
+    return options
+
+
+def worker_stats(environment, registration: str):
+    return environment.get_worker_stats(registration)
+
+
+def device_of(environment, registration: str):
+    return next(d for d in environment.get_ep_devices() if d.registration_name == registration)
+
+
+class Worker:
+    """A worker started by hand, as an operator would: `ephost worker ...`."""
+
+    def __init__(self, *args: str, exit_with_parent: bool = True):
+        self.dir = tempfile.mkdtemp(prefix="ephost-test-")
+        self.socket = os.path.join(self.dir, "w.sock")
+        cmd = [sys.executable, "-m", "ephost", "worker", *args]
+        if "--listen" not in args:
+            cmd += ["--listen", f"unix://{self.socket}"]
+        if exit_with_parent:
+            cmd.append("--exit-with-parent")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.ready_line = self.proc.stdout.readline().decode()
+
+    @property
+    def address(self) -> str:
+        return json.loads(self.ready_line)["address"]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            stream.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return self.proc.returncode
+
+
+class RawClient:
+    """Stubs and a client id, for speaking the wire protocol directly (bad input is sent this way)."""
+
+    def __init__(self, address: str, name: str = "raw"):
+        from ephost.v1 import (allocator_pb2_grpc, data_transfer_pb2_grpc, ep_pb2_grpc, factory_pb2_grpc,
+                               stream_pb2_grpc)
+        self.channel = grpc.insecure_channel(address)
+        self.worker = worker_pb2_grpc.WorkerStub(self.channel)
+        self.factory = factory_pb2_grpc.EpFactoryStub(self.channel)
+        self.allocator = allocator_pb2_grpc.AllocatorStub(self.channel)
+        self.transfer = data_transfer_pb2_grpc.DataTransferStub(self.channel)
+        self.stream = stream_pb2_grpc.StreamStub(self.channel)
+        self.ep = ep_pb2_grpc.EpStub(self.channel)
+        hello = self.worker.Hello(worker_pb2.HelloRequest(client_name=name, protocol="ephost.v1"), timeout=30,
+                                  wait_for_ready=True)
+        self.hello = hello
+        self.metadata = (("ephost-client", hello.client_id),)
+
+    def __call__(self, method, request, **kw):
+        return method(request, timeout=30, metadata=self.metadata, **kw)
+
+    def close(self):
+        self.channel.close()
