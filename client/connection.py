@@ -14,19 +14,17 @@ import grpc
 import numpy as np
 import onnx
 
-from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument, EpWorkerUnavailable, error_for_status
+from ephost.errors import EpDeadlineExceeded, EpError, EpWorkerUnavailable, error_for_status, reason_of
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
+from ephost.wire import CHUNK_BYTES, MAX_MESSAGE, PROTOCOL, read_file
+from ephost.wire import CLIENT_ID_KEY as METADATA_KEY
 from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2, ep_pb2_grpc,
                        factory_pb2, factory_pb2_grpc, stream_pb2_grpc, worker_pb2, worker_pb2_grpc)
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "ephost.v1"
-METADATA_KEY = "ephost-client"
-MAX_MESSAGE = 1 << 30
 SHM_MODEL_BYTES = 16 << 20  # models at least this large go to the worker in a buffer (shared memory or chunks)
-CHUNK_BYTES = 16 << 20      # one message of a chunked transfer
 KEEPALIVE_MS = 20_000
 
 
@@ -52,13 +50,7 @@ class Credentials:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         def read(path):
-            if path is None:
-                return None
-            try:
-                with open(path, "rb") as f:
-                    return f.read()
-            except OSError as e:
-                raise EpInvalidArgument(f"cannot read {path}: {e.strerror}") from None
+            return None if path is None else read_file(path)
         return grpc.ssl_channel_credentials(read(self.tls_ca), read(self.tls_key), read(self.tls_cert))
 
     def metadata(self) -> tuple:
@@ -140,7 +132,7 @@ class WorkerConnection:
                 return crashed
         if code == grpc.StatusCode.UNAVAILABLE:
             return EpWorkerUnavailable(f"worker at {self.address} is unavailable during {call}: {details}")
-        return error_for_status(code, details)
+        return error_for_status(code, details, reason_of(e.trailing_metadata()))
 
     # --- shared memory ----------------------------------------------------------------------------
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import grpc
 
+from ephost import wire
+
 
 class EpError(Exception):
-    """Base of every error ephost raises."""
+    """Base of every error ephost raises. `reason`, where a class sets one, travels beside the status (in the
+    call's trailing metadata, see ephost.wire.REASON_KEY) so that the peer decodes the same class."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    reason: str = ""
 
 
 class EpInvalidArgument(EpError, ValueError):
@@ -33,6 +37,13 @@ class EpResourceExhausted(EpError, MemoryError):
 
 class EpFailedPrecondition(EpError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class EpUnknownClient(EpFailedPrecondition):
+    """The worker does not know this client (it restarted, or released the client after its lease ran out):
+    say Worker.Hello again and make the handles anew."""
+
+    reason = wire.REASON_UNKNOWN_CLIENT
 
 
 class EpOutOfRange(EpInvalidArgument):
@@ -99,5 +110,17 @@ _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
 }
 
 
-def error_for_status(code: grpc.StatusCode, message: str) -> EpError:
+# Structured reason -> class, for the errors that say more than their status code.
+_BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient,)}
+
+
+def error_for_status(code: grpc.StatusCode, message: str, reason: str = "") -> EpError:
+    cls = _BY_REASON.get(reason)
+    if cls is not None and cls.code == code:
+        return cls(message)
     return _BY_CODE.get(code, EpError)(message)
+
+
+def reason_of(trailing_metadata) -> str:
+    """The structured reason a failed call's trailing metadata carries ("" when none)."""
+    return next((v for k, v in trailing_metadata or () if k == wire.REASON_KEY), "")

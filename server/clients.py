@@ -10,11 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ephost.errors import EpFailedPrecondition, EpNotFound
+from ephost.errors import EpFailedPrecondition, EpNotFound, EpUnknownClient
 
 log = logging.getLogger(__name__)
-
-METADATA_KEY = "ephost-client"
 
 # Kinds of handle, and how each is released when its client leaves (in this order).
 KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffer", "allocator")
@@ -90,14 +88,14 @@ class ClientRegistry:
         log.info("client %r connected (%d connected)", name, len(self._clients))
         return client
 
-    def lookup(self, metadata) -> ClientState:
-        client_id = next((v for k, v in metadata if k == METADATA_KEY), None)
-        if client_id is None:
+    def lookup(self, client_id: str | None) -> ClientState:
+        """The client a call's client id names (ephost.wire.CLIENT_ID_KEY in gRPC metadata)."""
+        if not client_id:
             raise EpFailedPrecondition("no client id in the call's metadata; call Worker.Hello first")
         with self._lock:
             client = self._clients.get(client_id)
         if client is None:
-            raise EpFailedPrecondition("unknown client (the worker may have restarted, or released this client "
+            raise EpUnknownClient("unknown client (the worker may have restarted, or released this client "
                                        "after its lease ran out); call Worker.Hello again")
         client.last_seen = time.monotonic()
         return client

@@ -17,8 +17,7 @@ from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo
 from ephost.server.clients import ClientRegistry, ClientState
 from ephost.server.stats import WorkerStats
 from ephost.v1 import worker_pb2
-
-PROTOCOL = "ephost.v1"
+from ephost.wire import PROTOCOL
 
 
 class WorkerState:
@@ -32,8 +31,9 @@ class WorkerState:
         self.clients = ClientRegistry(self._release)
         self.started_at = time.time()
         self.draining = threading.Event()
-        self.in_flight = 0  # calls under way, so that a drain knows when they are done
-        self.in_flight_lock = threading.Lock()
+        # The one entry point of every call (server.rpc.Dispatcher), set once the servicers exist; a second
+        # transport (the same-host data plane) calls dispatcher.dispatch(...) as gRPC does.
+        self.dispatcher = None
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),

@@ -189,3 +189,39 @@ def test_region_export_is_checked(raw, setup):
         fetch_descriptor(raw.hello.fd_socket, ticket)
     with pytest.raises(ephost.EpPermissionDenied):
         fetch_descriptor(raw.hello.fd_socket, b"\0" * 32)
+
+
+def test_unknown_client_is_a_structured_reason_and_a_typed_error(raw, served):
+    """A forged or forgotten client id says so in the status's trailing metadata (not only in its text), and the
+    client decodes it as EpUnknownClient, which supervision acts on by saying Hello again."""
+    from ephost import wire
+    from ephost.client.connection import WorkerConnection
+    from ephost.errors import EpFailedPrecondition, EpUnknownClient
+    with pytest.raises(grpc.RpcError) as info:
+        raw.factory.CreateEp(factory_pb2.CreateEpRequest(), timeout=10, metadata=((wire.CLIENT_ID_KEY, "forged"),))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (wire.REASON_KEY, wire.REASON_UNKNOWN_CLIENT) in tuple(info.value.trailing_metadata())
+    with pytest.raises(grpc.RpcError) as info:  # no id at all is another precondition, without that reason
+        raw.factory.CreateEp(factory_pb2.CreateEpRequest(), timeout=10)
+    assert wire.REASON_KEY not in dict(info.value.trailing_metadata() or ())
+    conn = WorkerConnection(served.address, shared_memory=False)
+    try:
+        conn.call(conn.worker.Goodbye, common_pb2.Empty())  # the worker forgets this client
+        with pytest.raises(EpUnknownClient) as typed:
+            conn.call(conn.factory.CreateEp, factory_pb2.CreateEpRequest())
+        assert isinstance(typed.value, EpFailedPrecondition) and typed.value.reason == wire.REASON_UNKNOWN_CLIENT
+    finally:
+        conn.close()
+
+
+def test_streams_are_counted_and_bounded_like_every_call(raw, setup):
+    """Allocator.Read goes through the same accounting as unary calls: it is counted in the worker's stats."""
+    allocator, buffer, _ = setup
+    before = raw(raw.worker.GetStats, common_pb2.Empty()).methods["Allocator/Read"].calls
+    chunks = list(raw(raw.allocator.Read, allocator_pb2.ReadRequest(allocator=allocator, buffer=buffer.buffer,
+                                                                    nbytes=64, chunk_bytes=16)))
+    assert [len(c.data) for c in chunks] == [16] * 4
+    assert raw(raw.worker.GetStats, common_pb2.Empty()).methods["Allocator/Read"].calls == before + 1
+    code, message = status_of(lambda: list(raw(raw.allocator.Read, allocator_pb2.ReadRequest(
+        allocator=allocator, buffer=buffer.buffer, nbytes=65))))
+    assert code == grpc.StatusCode.OUT_OF_RANGE and "65 bytes" in message
