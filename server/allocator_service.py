@@ -17,6 +17,7 @@ class AllocatorService(Servicer):
 
     def _allocate(self, request, client, reserve: bool):
         allocator = client.get("allocator", request.allocator)
+        self.state.check_size(request.nbytes, "an allocation")
         buffer = allocator.reserve(request.nbytes) if reserve else allocator.alloc(request.nbytes)
         handle = client.add("buffer", BufferEntry(allocator, buffer))
         reply = allocator_pb2.AllocResponse(buffer=handle, nbytes=buffer.nbytes)

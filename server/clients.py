@@ -76,10 +76,11 @@ class ClientState:
 
 
 class ClientRegistry:
-    def __init__(self, release: Callable[[str, Any], None]):
+    def __init__(self, release: Callable[[str, Any], None], left: Callable[[ClientState], None] = lambda c: None):
         self._clients: dict[str, ClientState] = {}
         self._lock = threading.Lock()
         self._release = release
+        self._left = left  # told when a client is gone, after its handles are released
 
     def hello(self, name: str) -> ClientState:
         client = ClientState(secrets.token_hex(16), name)
@@ -114,6 +115,7 @@ class ClientRegistry:
         with self._lock:
             self._clients.pop(client.client_id, None)
         self.release_all(client)
+        self._left(client)
 
     def release_all(self, client: ClientState) -> None:
         for kind, obj in client.drain():

@@ -2,6 +2,7 @@
 Compute over graph values that stay in this worker's memory between partitions."""
 from __future__ import annotations
 
+from ephost.errors import EpNotFound
 from ephost.eps.base import FusedGraph
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, output_value
@@ -56,7 +57,12 @@ class EpService(Servicer):
     def ReleaseNodeComputeInfos(self, request, call):
         client = call.client
         ep = client.get("ep", request.ep)
-        infos = [client.pop("compute_info", h)[1] for h in request.node_compute_infos]
+        handles = list(dict.fromkeys(request.node_compute_infos))
+        # All or nothing: every handle is checked before any is released.
+        for h in handles:
+            if client.get("compute_info", h)[0] is not ep:
+                raise EpNotFound(f"compute info {h} was not compiled by ep {request.ep}")
+        infos = [client.pop("compute_info", h)[1] for h in handles]
         ep.release_node_compute_infos(infos)
         return common_pb2.Empty()
 

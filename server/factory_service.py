@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ephost.types import MemoryInfo
+from ephost.eps.arena import SIZE_OPTIONS as ARENA_SIZES
 from ephost.server.rpc import Servicer, rpc
 from ephost.v1 import common_pb2, factory_pb2
 
@@ -29,14 +30,24 @@ class EpFactoryService(Servicer):
 
     @rpc
     def ReleaseEp(self, request, call):
-        self.state.factory.release_ep(call.client.pop("ep", request.id))
+        client = call.client
+        ep = client.pop("ep", request.id)
+        # Its compiled partitions go with it: a Compute on one of them afterwards is NOT_FOUND.
+        infos = [client.pop("compute_info", h)[1] for h, (owner, _) in client.items("compute_info") if owner is ep]
+        if infos:
+            ep.release_node_compute_infos(infos)
+        self.state.factory.release_ep(ep)
         return common_pb2.Empty()
 
     @rpc
     def CreateAllocator(self, request, call):
         client = call.client
         info = self.state.memory_info(request.device_index, request.device_mem_type)
-        allocator = self.state.factory.create_allocator(info, dict(request.options))
+        options = dict(request.options)
+        for key in ARENA_SIZES:
+            if key in options and options[key].strip().isdigit():
+                self.state.check_size(int(options[key]), f"allocator option {key}")
+        allocator = self.state.factory.create_allocator(info, options)
         return factory_pb2.CreateAllocatorResponse(allocator=client.add("allocator", allocator),
                                                    memory_info=MemoryInfo.to_proto(allocator.memory_info))
 
@@ -47,7 +58,7 @@ class EpFactoryService(Servicer):
         for handle, entry in client.items("buffer"):
             if entry.allocator is allocator:
                 client.pop("buffer", handle)
-        self.state.factory.release_allocator(allocator)
+        self.state.release_allocator(allocator)
         return common_pb2.Empty()
 
     @rpc

@@ -34,7 +34,7 @@ from ephost.server.ep_service import EpService
 from ephost.server.factory_service import EpFactoryService
 from ephost.server.rpc import Dispatcher
 from ephost.server.security import Security
-from ephost.server.state import WorkerState
+from ephost.server.state import Limits, WorkerState
 from ephost.server.stream_service import StreamService
 from ephost.server.transfer_service import DataTransferService
 from ephost.server.worker_service import WorkerService
@@ -83,22 +83,29 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
-          client_lease_s: float = 0.0) -> int:
+          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None) -> int:
+    limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
     try:
-        return _serve(ep, options, listen, exit_with_parent, max_message, threads, security, client_lease_s)
+        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits)
     finally:
         _remove_sockets(listen)
 
 
-def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, max_message: int,
-           threads: int, security: Security, client_lease_s: float) -> int:
+def default_max_alloc() -> int:
+    """Half the machine's memory: one request may not take more, whatever the arena's own limit."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
+           security: Security, client_lease_s: float, limits: Limits) -> int:
+    max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
     except EpError as e:
         print(f"ephost worker: {e}", file=sys.stderr)
         return 2
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
-    state = WorkerState(ep, factory, options, fd_server)
+    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent)
     stop = threading.Event()
     grace = [5.0]
 

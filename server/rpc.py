@@ -20,7 +20,8 @@ import grpc
 from google.protobuf import message_factory
 
 from ephost import wire
-from ephost.errors import EpError, EpInternal, EpResourceExhausted, EpUnimplemented, EpWorkerUnavailable
+from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpResourceExhausted, EpUnimplemented, \
+    EpWorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +185,24 @@ class Dispatcher:
     def _grpc_handler(self, method: Method) -> grpc.RpcMethodHandler:
         key = method.key
 
+        # Requests arrive as bytes and are parsed here, so that bytes which are no message get INVALID_ARGUMENT
+        # (grpcio's own deserializer answers INTERNAL, and a failed parse inside a client stream can leave
+        # grpcio's server unable to stop).
+        def parse(data: bytes):
+            return _parse(method.request, data)
+
+        def requests(request):
+            return (parse(r) for r in request) if method.client_streaming else parse(request)
+
         def unary(request, context):
             try:
-                return self.dispatch(key, request, _client_id(context), _deadline(context))
+                return self.dispatch(key, requests(request), _client_id(context), _deadline(context))
             except EpError as e:
                 _abort(context, e)
 
         def streaming(request, context):
             try:
-                yield from self.dispatch(key, request, _client_id(context), _deadline(context))
+                yield from self.dispatch(key, requests(request), _client_id(context), _deadline(context))
             except EpError as e:
                 _abort(context, e)
 
@@ -201,8 +211,7 @@ class Dispatcher:
                 (False, True): grpc.unary_stream_rpc_method_handler,
                 (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming,
                                                                       method.server_streaming)]
-        return make(streaming if method.server_streaming else unary,
-                    request_deserializer=method.request.FromString,
+        return make(streaming if method.server_streaming else unary, request_deserializer=None,
                     response_serializer=method.reply.SerializeToString)
 
 
@@ -238,6 +247,16 @@ class _Admitted:
             log.error("%s failed", self.method.key, exc_info=(kind, error, tb))
             raise EpInternal(f"{self.method.name} failed inside the worker: {kind.__name__}: {error}") from None
         return False
+
+
+def _parse(cls, data: bytes):
+    message = cls()
+    try:
+        message.ParseFromString(data)
+    except Exception as e:  # DecodeError, and RuntimeError from the upb parser on deep nesting
+        raise EpInvalidArgument(f"the request is not a valid {cls.DESCRIPTOR.name} message: "
+                                f"{type(e).__name__}") from None
+    return message
 
 
 def _client_id(context) -> str | None:

@@ -1,7 +1,10 @@
 """Stream over gRPC (OrtSyncStreamImpl and its notifications)."""
 from __future__ import annotations
 
-from ephost.errors import EpNotFound
+import math
+import threading
+
+from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.server.rpc import Servicer, rpc
 from ephost.v1 import common_pb2
 
@@ -23,10 +26,14 @@ class StreamService(Servicer):
     @rpc
     def WaitOnHost(self, request, call):
         notification = call.client.get("notification", request.notification)
+        if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+            raise EpInvalidArgument(f"timeout_s must be a finite number of seconds >= 0, got {request.timeout_s}")
         remaining = call.time_remaining()
         timeout = request.timeout_s or remaining
         if remaining is not None and timeout is not None:
             timeout = min(timeout, remaining)
+        if timeout is not None:
+            timeout = min(timeout, threading.TIMEOUT_MAX)
         notification.wait_on_host(timeout)
         return common_pb2.Empty()
 
