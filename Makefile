@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PROTOS := $(wildcard protos/ephost/v1/*.proto)
 
-.PHONY: run test bench proto clean
+.PHONY: run test fuzz bench proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ run: $(VENV)/.installed-run
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
+
+# The wire fuzz test with a long budget (the default run inside `make test` is short). Seed and size can be set:
+# make fuzz FUZZ_EXAMPLES=2000 FUZZ_SEED=7
+FUZZ_EXAMPLES ?= 1000
+FUZZ_SEED ?= 15
+fuzz: $(VENV)/.installed-test
+	EPHOST_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) EPHOST_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
+		-o timeout=3600 tests/test_fuzz.py
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench

@@ -11,19 +11,16 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ephost.errors import (REASON_KEY, EpDeadlineExceeded, EpError, EpInvalidArgument, EpWorkerUnavailable,
-                           error_for_status)
+from ephost.errors import EpDeadlineExceeded, EpError, EpWorkerUnavailable, error_for_status, reason_of
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
+from ephost.wire import CHUNK_BYTES, MAX_MESSAGE, PROTOCOL, read_file
+from ephost.wire import CLIENT_ID_KEY as METADATA_KEY
 from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2_grpc,
                        factory_pb2_grpc, stream_pb2_grpc, worker_pb2, worker_pb2_grpc)
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "ephost.v1"
-METADATA_KEY = "ephost-client"
-MAX_MESSAGE = 1 << 30
-CHUNK_BYTES = 16 << 20      # one message of a chunked transfer
 KEEPALIVE_MS = 20_000
 
 
@@ -49,13 +46,7 @@ class Credentials:
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         def read(path):
-            if path is None:
-                return None
-            try:
-                with open(path, "rb") as f:
-                    return f.read()
-            except OSError as e:
-                raise EpInvalidArgument(f"cannot read {path}: {e.strerror}") from None
+            return None if path is None else read_file(path)
         return grpc.ssl_channel_credentials(read(self.tls_ca), read(self.tls_key), read(self.tls_cert))
 
     def metadata(self) -> tuple:
@@ -134,8 +125,7 @@ class WorkerConnection:
                 return crashed
         if code == grpc.StatusCode.UNAVAILABLE:
             return EpWorkerUnavailable(f"worker at {self.address} is unavailable during {call}: {details}")
-        reason = dict(e.trailing_metadata() or ()).get(REASON_KEY, "") if hasattr(e, "trailing_metadata") else ""
-        return error_for_status(code, details, reason)
+        return error_for_status(code, details, reason_of(e.trailing_metadata()))
 
     # --- shared memory ----------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ def cmd_worker(args) -> int:
     lease = args.client_lease_s if args.client_lease_s is not None else (0.0 if args.exit_with_parent else 60.0)
     return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure, security.tls),
                  exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security,
-                 client_lease_s=lease)
+                 client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None)
 
 
 def _registered(args):
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--exit-with-parent", action="store_true",
                    help="exit when stdin closes (the launching process holds its other end)")
     w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")
+    w.add_argument("--max-alloc-mb", type=int, help="largest single allocation a client may ask for, MiB "
+                                                    "(default: half the machine's memory)")
     w.set_defaults(func=cmd_worker)
 
     for name, func, text in (("devices", cmd_devices, "list the EP devices of a target"),

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import grpc
 
+from ephost import wire
+
 
 class EpError(Exception):
-    """Base of every error ephost raises."""
+    """Base of every error ephost raises. `reason`, where a class sets one, travels beside the status (in the
+    call's trailing metadata, see ephost.wire.REASON_KEY) so that the peer decodes the same class."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    reason: str = ""
 
 
 class EpInvalidArgument(EpError, ValueError):
@@ -37,9 +41,9 @@ class EpFailedPrecondition(EpError):
 
 class EpUnknownClient(EpFailedPrecondition):
     """The worker does not know this client (it restarted, or released the client after its lease ran out):
-    say Hello again. Travels as FAILED_PRECONDITION with the reason in the status's trailing metadata."""
+    say Worker.Hello again and make the handles anew."""
 
-    reason = "unknown-client"
+    reason = wire.REASON_UNKNOWN_CLIENT
 
 
 class EpOutOfRange(EpInvalidArgument):
@@ -106,8 +110,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
 }
 
 
-# Errors that refine a status code, named by a reason the worker sends beside the code (REASON_KEY).
-REASON_KEY = "ephost-reason"
+# Structured reason -> class, for the errors that say more than their status code.
 _BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient,)}
 
 
@@ -116,3 +119,8 @@ def error_for_status(code: grpc.StatusCode, message: str, reason: str = "") -> E
     if cls is not None and cls.code == code:
         return cls(message)
     return _BY_CODE.get(code, EpError)(message)
+
+
+def reason_of(trailing_metadata) -> str:
+    """The structured reason a failed call's trailing metadata carries ("" when none)."""
+    return next((v for k, v in trailing_metadata or () if k == wire.REASON_KEY), "")

@@ -14,6 +14,8 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from ephost.errors import EpPermissionDenied, EpWorkerUnavailable
 
@@ -22,17 +24,38 @@ log = logging.getLogger(__name__)
 TICKET_BYTES = 32
 TICKET_TTL_S = 30.0
 PROBE_BYTES = 32
+IDLE_S = 2.0          # a connection that has not sent its ticket by then is dropped
+MAX_CONNECTIONS = 32  # served at once; more are closed at once
+SWEEP_S = 1.0         # expired tickets are closed at least this often, whatever else happens
 _OK, _NO = b"OK", b"NO"
-_PROBE = -1  # the descriptor slot of a ticket that asks for the client's segment instead of handing one out
+
+
+@dataclass
+class _Ticket:
+    fd: int | None          # a duplicate of the region's descriptor; None for a probe ticket
+    size: int
+    expires: float
+    owner: Any = None       # who it dies with (a client id), see revoke()
+    group: Any = None       # and what (the allocator the region belongs to)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class DescriptorServer:
-    """Serves descriptors for tickets issued by `issue`, to processes of this user only."""
+    """Serves descriptors for tickets issued by `issue`, to processes of this user only.
+
+    Connections are served concurrently (an idle one cannot delay a valid ticket) and the peer's uid is
+    checked before anything is read. A ticket dies when it is presented, when its time limit passes, and
+    when its client or its allocator is released (`revoke`), whichever comes first."""
 
     def __init__(self, path: str):
         self.path = path
-        self._tickets: dict[bytes, tuple[int, int, float]] = {}
+        self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         abstract = path.startswith("\0")  # Linux's abstract namespace: no file, gone with the process
         if not abstract:
             remove_stale_socket(path)
@@ -40,83 +63,125 @@ class DescriptorServer:
         self._sock.bind(path)
         if not abstract:
             os.chmod(path, 0o600)
-        self._sock.listen(16)
+        self._sock.listen(64)
+        self._sock.settimeout(SWEEP_S)  # the accept loop wakes to sweep expired tickets
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="ephost-fdshare", daemon=True)
         self._thread.start()
 
-    def issue(self, fd: int, size: int) -> bytes:
+    def issue(self, fd: int, size: int, *, owner: Any = None, group: Any = None) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
-        now = time.monotonic()
+        # A duplicate, so the region may be released before the ticket is redeemed.
+        entry = _Ticket(os.dup(fd), size, time.monotonic() + TICKET_TTL_S, owner, group)
         with self._lock:
-            for old in [t for t, (_, _, exp) in self._tickets.items() if exp < now]:
-                os.close(self._tickets.pop(old)[0])
-            # A duplicate, so the region may be released before the ticket is redeemed.
-            self._tickets[ticket] = (os.dup(fd), size, now + TICKET_TTL_S)
+            self._tickets[ticket] = entry
+        self.sweep()
         return ticket
 
-    def issue_probe(self) -> bytes:
+    def issue_probe(self, *, owner: Any = None) -> bytes:
         """A ticket with which a client hands over a segment it made, to show that both share this host."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
-            self._tickets[ticket] = (_PROBE, 0, time.monotonic() + TICKET_TTL_S)
+            self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, owner)
         return ticket
+
+    def revoke(self, owner: Any) -> int:
+        """Close the tickets issued to `owner` (a client that left); returns how many."""
+        return self._drop(lambda e: e.owner == owner)
+
+    def revoke_group(self, group: Any) -> int:
+        """Close the tickets for regions of `group` (an allocator that was released); returns how many."""
+        return self._drop(lambda e: e.group is group)
+
+    def _drop(self, which) -> int:
+        with self._lock:
+            entries = [self._tickets.pop(t) for t, e in list(self._tickets.items()) if which(e)]
+        for entry in entries:
+            entry.close()
+        return len(entries)
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [self._tickets.pop(t) for t, e in list(self._tickets.items()) if e.expires < now]
+        for entry in expired:
+            entry.close()
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._tickets)
 
     def _serve(self) -> None:
         while not self._closed:
+            self.sweep()
             try:
                 conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # too many at once: whoever holds them waits, nobody else does
+                continue
+            threading.Thread(target=self._answer_and_close, args=(conn,), name="ephost-fdshare-conn",
+                             daemon=True).start()
+
+    def _answer_and_close(self, conn: socket.socket) -> None:
+        try:
             with conn:
-                try:
-                    self._answer(conn)
-                except OSError as e:
-                    log.debug("descriptor request failed: %s", e)
+                self._answer(conn)
+        except OSError as e:
+            log.debug("descriptor request failed: %s", e)
+        finally:
+            self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)
+        # The peer first: a process of another user gets nothing, and is not even read from.
         _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            return
+        conn.settimeout(IDLE_S)
         ticket, fds, _, _ = socket.recv_fds(conn, TICKET_BYTES, 1)
-        with self._lock:
-            entry = self._tickets.pop(ticket, None) if uid == os.getuid() else None
-        if entry is None or entry[2] < time.monotonic():
-            conn.sendall(_NO)
-            for fd in fds + ([entry[0]] if entry is not None and entry[0] != _PROBE else []):
-                os.close(fd)
-            return
-        fd, size, _ = entry
-        if fd == _PROBE:
-            conn.sendall(_OK + _probe_digest(fds))
-            return
         try:
-            socket.send_fds(conn, [_OK + struct.pack("<q", size)], [fd])
+            with self._lock:
+                entry = self._tickets.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
+            if entry is None or entry.expires < time.monotonic():
+                if entry is not None:
+                    entry.close()
+                conn.sendall(_NO)
+                return
+            if entry.fd is None:  # a probe: the client hands over its segment
+                conn.sendall(_OK + _probe_digest(fds))
+                return
+            try:
+                socket.send_fds(conn, [_OK + struct.pack("<q", entry.size)], [entry.fd])
+            finally:
+                entry.close()
         finally:
-            os.close(fd)
+            for fd in fds:  # whatever a peer attached is closed here, answered or not
+                os.close(fd)
 
     def close(self) -> None:
         self._closed = True
         self._sock.close()
         with self._lock:
-            for fd, _, _ in self._tickets.values():
-                os.close(fd)
+            entries = list(self._tickets.values())
             self._tickets.clear()
+        for entry in entries:
+            entry.close()
 
 
 def _probe_digest(fds: list[int]) -> bytes:
-    """The hash of the first bytes of the segment a client handed over (zeros when there was none)."""
+    """The hash of the first bytes of the segment a client handed over (zeros when there was none). Read with
+    pread, never mapped: a segment the client can still shrink must not be able to fault this process."""
     import hashlib
-    import mmap
-    try:
-        if len(fds) != 1:
-            return bytes(32)
-        with mmap.mmap(fds[0], PROBE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-            return hashlib.sha256(mm[:PROBE_BYTES]).digest()
-    except (OSError, ValueError):
+    if len(fds) != 1:
         return bytes(32)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    try:
+        data = os.pread(fds[0], PROBE_BYTES, 0)
+    except OSError:
+        return bytes(32)
+    return hashlib.sha256(data).digest() if len(data) == PROBE_BYTES else bytes(32)
 
 
 def prove_sharing(path: str, ticket: bytes, timeout: float = 5.0) -> bool:

@@ -5,7 +5,7 @@ model. Shared by the session (client) and the worker, which cuts partitions out 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Mapping
 
@@ -99,10 +99,10 @@ class GraphIndex:
 
     def _topological_order(self) -> list[str]:
         pending = {n: len(self.preds(n)) for n in self.nodes}
-        ready = [n for n in self.nodes if pending[n] == 0]
+        ready = deque(n for n in self.nodes if pending[n] == 0)  # a deque: linear in the graph's size
         order: list[str] = []
         while ready:
-            node = ready.pop(0)
+            node = ready.popleft()
             order.append(node)
             for value in self.nodes[node].output:
                 for consumer in dict.fromkeys(self.consumers.get(value, ())):

@@ -8,6 +8,7 @@ arithmetic that cannot overflow, before anything is mapped or copied.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import itertools
 import mmap
 import os
@@ -21,6 +22,9 @@ from ephost.types import MemoryInfo
 
 _region_ids = itertools.count(1)
 _EMPTY = np.empty(0, np.uint8)
+# A region handed to a peer is sealed against changing size: a peer that could shrink it would make this
+# process's next access to the lost pages die with SIGBUS.
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def check_slice(offset: int, nbytes: int, size: int, what: str = "region") -> None:
@@ -43,34 +47,50 @@ class Region:
 
     @classmethod
     def create_shared(cls, size: int) -> "Region":
-        fd = os.memfd_create("ephost", os.MFD_CLOEXEC)
+        fd = os.memfd_create("ephost", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             # Commit the pages now: a region that cannot be backed fails here, with an error, rather than
             # with SIGBUS on first write.
             os.posix_fallocate(fd, 0, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
+        except (OSError, OverflowError, ValueError) as e:
             os.close(fd)
-            raise EpResourceExhausted(f"cannot commit {size} bytes of shared memory: {e.strerror}") from None
+            raise EpResourceExhausted(f"cannot commit {size} bytes of shared memory: "
+                                      f"{getattr(e, 'strerror', None) or e}") from None
         return cls(mm, size, fd)
 
     @classmethod
     def create_private(cls, size: int) -> "Region":
         try:
             mm = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except OSError as e:
-            raise EpResourceExhausted(f"cannot map {size} bytes of memory: {e.strerror}") from None
+        except (OSError, OverflowError, ValueError) as e:
+            raise EpResourceExhausted(f"cannot map {size} bytes of memory: "
+                                      f"{getattr(e, 'strerror', None) or e}") from None
         return cls(mm, size, None)
 
     @classmethod
     def from_fd(cls, fd: int, size: int, region_id: int) -> "Region":
-        """Map a region a peer handed over. The descriptor is owned (and closed) by the region."""
-        actual = os.fstat(fd).st_size
+        """Map a region a peer handed over. The descriptor is owned (and closed) by the region. Only a memfd
+        sealed against shrinking is mapped: an unsealed one could be cut short under the mapping by whoever
+        else holds it, and the next access would die with SIGBUS."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            actual = os.fstat(fd).st_size
+        except OSError:
+            seals, actual = 0, 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            os.close(fd)
+            raise EpInvalidArgument("a shared region must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
         if actual < size:
             os.close(fd)
             raise EpInvalidArgument(f"shared region is {actual} bytes, smaller than the {size} announced")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            os.close(fd)
+            raise EpInvalidArgument(f"cannot map a shared region of {size} bytes: {e}") from None
         return cls(mm, size, fd, region_id)
 
     @property

@@ -57,9 +57,10 @@ class MemoryInfo:
     @classmethod
     def from_proto(cls, m: pb.MemoryInfo) -> "MemoryInfo":
         return cls(
-            name=m.name, device_type=HardwareDeviceType(m.device_type), device_vendor_id=m.device_vendor_id,
-            device_id=m.device_id, device_mem_type=DeviceMemoryType(m.device_mem_type), alignment=m.alignment,
-            allocator_type=AllocatorType(m.allocator_type),
+            name=m.name, device_type=checked_enum(HardwareDeviceType, m.device_type, "device_type"),
+            device_vendor_id=m.device_vendor_id, device_id=m.device_id,
+            device_mem_type=checked_enum(DeviceMemoryType, m.device_mem_type, "device_mem_type"),
+            alignment=m.alignment, allocator_type=checked_enum(AllocatorType, m.allocator_type, "allocator_type"),
         )
 
 
@@ -130,6 +131,17 @@ _ELEM_BY_NP: dict[np.dtype, int] = {v: k for k, v in _NP_BY_ELEM.items()}
 
 # Refuse descriptions of tensors larger than any machine's memory before doing arithmetic on them.
 MAX_TENSOR_BYTES = 1 << 48
+# numpy's limit on dimensions (NPY_MAXDIMS of numpy 1.x; numpy 2 allows 64): refused here, not deep in numpy.
+MAX_RANK = 32
+
+
+def checked_enum(cls: type[enum.IntEnum], value: int, what: str) -> enum.IntEnum:
+    """`cls(value)`, or an EpInvalidArgument naming the field and the values it may take."""
+    try:
+        return cls(value)
+    except ValueError:
+        known = ", ".join(f"{m.name} ({m.value})" for m in cls)
+        raise EpInvalidArgument(f"{what} {value} is not one of {known}") from None
 
 
 def is_plain_dtype(dtype) -> bool:
@@ -155,16 +167,44 @@ def dtype_of(elem_type: int) -> np.dtype:
 
 def checked_shape(shape) -> tuple[int, ...]:
     dims = tuple(int(d) for d in shape)
+    if len(dims) > MAX_RANK:
+        raise EpInvalidArgument(f"a shape of rank {len(dims)} has more than the {MAX_RANK} dimensions a tensor may")
     if any(d < 0 for d in dims):
         raise EpInvalidArgument(f"shape {list(dims)} has a negative dimension")
     return dims
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    n = math.prod(shape) * np.dtype(dtype).itemsize
-    if n > MAX_TENSOR_BYTES:
-        raise EpInvalidArgument(f"shape {list(shape)} of {np.dtype(dtype)} needs {n} bytes, more than any tensor may")
-    return n
+    # Python integers do not overflow; every dimension is bounded too, zeros aside, so that numpy (whose sizes
+    # are 64-bit) is never handed a shape it would overflow on, even one with a zero dimension.
+    itemsize = np.dtype(dtype).itemsize
+    if any(d * itemsize > MAX_TENSOR_BYTES for d in shape) or \
+            math.prod(d for d in shape if d) * itemsize > MAX_TENSOR_BYTES:
+        raise EpInvalidArgument(f"shape {list(shape)} of {np.dtype(dtype)} needs more bytes than any tensor may have "
+                                f"({MAX_TENSOR_BYTES}): more than any tensor may be")
+    return math.prod(shape) * itemsize
+
+
+def refuse_external_data(message, what: str) -> None:
+    """Refuse any onnx TensorProto inside `message` (a model, a tensor, a sequence, a map...) whose data lives
+    in an external file: a peer must never make this process read a path. (Large weights travel by other
+    means: buffers, descriptors, content-addressed chunks.)"""
+    stack = [message]
+    while stack:
+        m = stack.pop()
+        if m.DESCRIPTOR.full_name == "onnx.TensorProto" and (
+                m.data_location == TensorProto.EXTERNAL or len(m.external_data)):
+            raise EpInvalidArgument(f"{what} has a tensor ({m.name or 'unnamed'}) whose data is in an external "
+                                    "file; send the data with it (external data paths are never read)")
+        for field, value in m.ListFields():
+            if field.type != field.TYPE_MESSAGE:
+                continue
+            if field.message_type.GetOptions().map_entry:
+                stack.extend(v for v in value.values() if hasattr(v, "DESCRIPTOR"))
+            elif field.is_repeated:
+                stack.extend(value)
+            else:
+                stack.append(value)
 
 
 def describe(shape, dtype) -> str:

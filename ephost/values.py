@@ -13,7 +13,7 @@ from onnx import MapProto, OptionalProto, SequenceProto, TensorProto, numpy_help
 
 from ephost.errors import EpInvalidArgument
 from ephost.tensor import Tensor
-from ephost.types import is_plain_dtype
+from ephost.types import is_plain_dtype, refuse_external_data
 from ephost.v1 import common_pb2 as pb
 
 _KIND = pb.OnnxValue.Kind
@@ -81,6 +81,10 @@ def decode(message: pb.OnnxValue) -> Any:
     proto = cls()
     try:
         proto.ParseFromString(message.data)
+    except Exception as e:
+        raise EpInvalidArgument(f"malformed ONNX value: {type(e).__name__}: {e}") from None
+    refuse_external_data(proto, "an ONNX value")
+    try:
         return to_python_value(proto)
     except Exception as e:
         raise EpInvalidArgument(f"malformed ONNX value: {type(e).__name__}: {e}") from None

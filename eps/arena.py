@@ -13,10 +13,13 @@ from typing import Callable, Mapping
 
 from ephost.errors import EpInvalidArgument, EpNotFound, EpResourceExhausted
 from ephost.memory import Buffer, Region
-from ephost.types import MemoryInfo
+from ephost.types import MAX_TENSOR_BYTES, MemoryInfo
 
 MiB = 1 << 20
 _handles = itertools.count(1)
+
+# Options that are sizes (the worker checks them against its single-allocation limit).
+SIZE_OPTIONS = ("arena.initial_chunk_size_bytes", "arena.initial_growth_chunk_size_bytes")
 
 # ORT's arena configuration keys (OrtArenaCfg) that this arena honours.
 OPTIONS = {
@@ -42,8 +45,8 @@ def _int_option(options: Mapping[str, str], key: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise EpInvalidArgument(f"allocator option {key} must be an integer, got {raw!r}") from None
-    if value <= 0:
-        raise EpInvalidArgument(f"allocator option {key} must be positive, got {value}")
+    if not 0 < value <= MAX_TENSOR_BYTES:
+        raise EpInvalidArgument(f"allocator option {key} must be between 1 and {MAX_TENSOR_BYTES}, got {value}")
     return value
 
 
@@ -187,6 +190,9 @@ class ArenaAllocator:
     def _size_for(self, nbytes: int) -> int:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise EpInvalidArgument(f"allocation size must be a non-negative integer, got {nbytes!r}")
+        if nbytes > MAX_TENSOR_BYTES:
+            raise EpResourceExhausted(f"allocating {nbytes} bytes: more than any allocation may be "
+                                      f"({MAX_TENSOR_BYTES})")
         return _align(max(nbytes, 1), self._align)
 
     def _check_limit(self, grow: int, nbytes: int) -> None:

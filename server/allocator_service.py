@@ -4,29 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from ephost.errors import EpError, EpNotFound
+from ephost import wire
+from ephost.errors import EpNotFound
 from ephost.memory import check_slice
 from ephost.server.clients import BufferEntry
-from ephost.server.rpc import rpc
-from ephost.server.state import WorkerState
-from ephost.v1 import allocator_pb2, allocator_pb2_grpc, common_pb2
+from ephost.server.rpc import Servicer, rpc
+from ephost.v1 import allocator_pb2, common_pb2
 
 
-CHUNK_BYTES = 16 << 20  # one message of a chunked read
+class AllocatorService(Servicer):
+    SERVICE = "ephost.v1.Allocator"
 
-
-class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
-    SERVICE = "Allocator"
-
-    def __init__(self, state: WorkerState):
-        self.state = state
-
-    def _client(self, context):
-        return self.state.clients.lookup(context.invocation_metadata())
-
-    def _allocate(self, request, context, reserve: bool):
-        client = self._client(context)
+    def _allocate(self, request, client, reserve: bool):
         allocator = client.get("allocator", request.allocator)
+        self.state.check_size(request.nbytes, "an allocation")
         buffer = allocator.reserve(request.nbytes) if reserve else allocator.alloc(request.nbytes)
         handle = client.add("buffer", BufferEntry(allocator, buffer))
         reply = allocator_pb2.AllocResponse(buffer=handle, nbytes=buffer.nbytes)
@@ -36,16 +27,16 @@ class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
         return reply
 
     @rpc
-    def Alloc(self, request, context):
-        return self._allocate(request, context, reserve=False)
+    def Alloc(self, request, call):
+        return self._allocate(request, call.client, reserve=False)
 
     @rpc
-    def Reserve(self, request, context):
-        return self._allocate(request, context, reserve=True)
+    def Reserve(self, request, call):
+        return self._allocate(request, call.client, reserve=True)
 
     @rpc
-    def Free(self, request, context):
-        client = self._client(context)
+    def Free(self, request, call):
+        client = call.client
         allocator = client.get("allocator", request.allocator)
         handles = list(dict.fromkeys(([request.buffer] if request.buffer else []) + list(request.buffers)))
         for handle in handles:  # all named buffers are checked before any is freed
@@ -60,15 +51,15 @@ class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
         return allocator_pb2.FreeResponse(released_regions=sorted(set(released)))
 
     @rpc
-    def GetStats(self, request, context):
-        return allocator_pb2.AllocatorStats(stats=self._client(context).get("allocator", request.id).get_stats())
+    def GetStats(self, request, call):
+        return allocator_pb2.AllocatorStats(stats=call.client.get("allocator", request.id).get_stats())
 
     @rpc
-    def GetInfo(self, request, context):
-        return self._client(context).get("allocator", request.id).memory_info.to_proto()
+    def GetInfo(self, request, call):
+        return call.client.get("allocator", request.id).memory_info.to_proto()
 
-    def _view(self, context, allocator_handle: int, buffer_handle: int, offset: int, nbytes: int):
-        client = self._client(context)
+    @staticmethod
+    def _view(client, allocator_handle: int, buffer_handle: int, offset: int, nbytes: int):
         allocator = client.get("allocator", allocator_handle)
         entry = client.get("buffer", buffer_handle)
         if entry.allocator is not allocator:
@@ -77,21 +68,19 @@ class AllocatorService(allocator_pb2_grpc.AllocatorServicer):
         return entry.buffer.host_view()[offset:offset + nbytes]
 
     @rpc
-    def Write(self, request_iterator, context):
+    def Write(self, chunks, call):
         written = 0
-        for chunk in request_iterator:
-            view = self._view(context, chunk.allocator, chunk.buffer, chunk.offset, len(chunk.data))
+        for chunk in chunks:
+            view = self._view(call.client, chunk.allocator, chunk.buffer, chunk.offset, len(chunk.data))
             view[:] = np.frombuffer(chunk.data, np.uint8)
             written += len(chunk.data)
         self.state.stats.add(bytes_inline_in=written)
         return common_pb2.Empty()
 
-    def Read(self, request, context):
-        try:
-            view = self._view(context, request.allocator, request.buffer, request.offset, request.nbytes)
-        except EpError as e:
-            context.abort(e.code, str(e))
-        step = request.chunk_bytes if request.chunk_bytes > 0 else CHUNK_BYTES
+    @rpc
+    def Read(self, request, call):
+        view = self._view(call.client, request.allocator, request.buffer, request.offset, request.nbytes)
+        step = request.chunk_bytes if request.chunk_bytes > 0 else wire.CHUNK_BYTES
         self.state.stats.add(bytes_inline_out=len(view))
         for start in range(0, len(view), step):
             yield allocator_pb2.BufferChunk(allocator=request.allocator, buffer=request.buffer,

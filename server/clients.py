@@ -14,8 +14,6 @@ from ephost.errors import EpFailedPrecondition, EpNotFound, EpUnknownClient
 
 log = logging.getLogger(__name__)
 
-METADATA_KEY = "ephost-client"
-
 # Kinds of handle, and how each is released when its client leaves (in this order).
 KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffer", "allocator")
 
@@ -78,10 +76,11 @@ class ClientState:
 
 
 class ClientRegistry:
-    def __init__(self, release: Callable[[str, Any], None]):
+    def __init__(self, release: Callable[[str, Any], None], left: Callable[[ClientState], None] = lambda c: None):
         self._clients: dict[str, ClientState] = {}
         self._lock = threading.Lock()
         self._release = release
+        self._left = left  # told when a client is gone, after its handles are released
 
     def hello(self, name: str) -> ClientState:
         client = ClientState(secrets.token_hex(16), name)
@@ -90,9 +89,9 @@ class ClientRegistry:
         log.info("client %r connected (%d connected)", name, len(self._clients))
         return client
 
-    def lookup(self, metadata) -> ClientState:
-        client_id = next((v for k, v in metadata if k == METADATA_KEY), None)
-        if client_id is None:
+    def lookup(self, client_id: str | None) -> ClientState:
+        """The client a call's client id names (ephost.wire.CLIENT_ID_KEY in gRPC metadata)."""
+        if not client_id:
             raise EpFailedPrecondition("no client id in the call's metadata; call Worker.Hello first")
         with self._lock:
             client = self._clients.get(client_id)
@@ -116,6 +115,7 @@ class ClientRegistry:
         with self._lock:
             self._clients.pop(client.client_id, None)
         self.release_all(client)
+        self._left(client)
 
     def release_all(self, client: ClientState) -> None:
         for kind, obj in client.drain():

@@ -2,25 +2,19 @@
 Compute over graph values that stay in this worker's memory between partitions."""
 from __future__ import annotations
 
+from ephost.errors import EpNotFound
 from ephost.eps.base import FusedGraph
-from ephost.server.rpc import rpc
-from ephost.server.state import WorkerState
+from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, output_value
-from ephost.v1 import common_pb2, ep_pb2, ep_pb2_grpc
+from ephost.v1 import common_pb2, ep_pb2
 
 
-class EpService(ep_pb2_grpc.EpServicer):
-    SERVICE = "Ep"
-
-    def __init__(self, state: WorkerState):
-        self.state = state
-
-    def _client(self, context):
-        return self.state.clients.lookup(context.invocation_metadata())
+class EpService(Servicer):
+    SERVICE = "ephost.v1.Ep"
 
     @rpc
-    def GetCapability(self, request, context):
-        client = self._client(context)
+    def GetCapability(self, request, call):
+        client = call.client
         ep = client.get("ep", request.ep)
         index = self.state.model(client, request.model)
         groups = ep.get_capability(index.model, frozenset(request.claimed_nodes))
@@ -30,8 +24,8 @@ class EpService(ep_pb2_grpc.EpServicer):
             for g in groups])
 
     @rpc
-    def Compile(self, request, context):
-        client = self._client(context)
+    def Compile(self, request, call):
+        client = call.client
         ep = client.get("ep", request.ep)
         index = self.state.model(client, request.model)
         graphs = [FusedGraph(g.name, index, tuple(g.nodes), tuple(g.inputs), tuple(g.outputs))
@@ -40,8 +34,8 @@ class EpService(ep_pb2_grpc.EpServicer):
         return ep_pb2.CompileResponse(node_compute_infos=[client.add("compute_info", (ep, i)) for i in infos])
 
     @rpc
-    def Compute(self, request, context):
-        client = self._client(context)
+    def Compute(self, request, call):
+        client = call.client
         _, info = client.get("compute_info", request.node_compute_info)
         allocator = client.get("allocator", request.output_allocator) if request.output_allocator else None
         stream = client.get("stream", request.stream) if request.stream else None
@@ -51,7 +45,7 @@ class EpService(ep_pb2_grpc.EpServicer):
             inputs.append(value)
             resident += here
         if stream is not None:
-            stream.flush(context.time_remaining())  # inputs may still be arriving on the stream
+            stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         outputs = info.compute(inputs, allocator)
         self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident)
         keep = set(request.keep)
@@ -60,28 +54,33 @@ class EpService(ep_pb2_grpc.EpServicer):
             for i, v in enumerate(outputs)])
 
     @rpc
-    def ReleaseNodeComputeInfos(self, request, context):
-        client = self._client(context)
+    def ReleaseNodeComputeInfos(self, request, call):
+        client = call.client
         ep = client.get("ep", request.ep)
-        infos = [client.pop("compute_info", h)[1] for h in request.node_compute_infos]
+        handles = list(dict.fromkeys(request.node_compute_infos))
+        # All or nothing: every handle is checked before any is released.
+        for h in handles:
+            if client.get("compute_info", h)[0] is not ep:
+                raise EpNotFound(f"compute info {h} was not compiled by ep {request.ep}")
+        infos = [client.pop("compute_info", h)[1] for h in handles]
         ep.release_node_compute_infos(infos)
         return common_pb2.Empty()
 
     @rpc
-    def GetPreferredDataLayout(self, request, context):
-        return ep_pb2.DataLayout(layout=self._client(context).get("ep", request.id).get_preferred_data_layout())
+    def GetPreferredDataLayout(self, request, call):
+        return ep_pb2.DataLayout(layout=call.client.get("ep", request.id).get_preferred_data_layout())
 
     @rpc
-    def SetDynamicOptions(self, request, context):
-        self._client(context).get("ep", request.ep).set_dynamic_options(dict(request.options))
+    def SetDynamicOptions(self, request, call):
+        call.client.get("ep", request.ep).set_dynamic_options(dict(request.options))
         return common_pb2.Empty()
 
     @rpc
-    def OnRunStart(self, request, context):
-        self._client(context).get("ep", request.ep).on_run_start(dict(request.run_options))
+    def OnRunStart(self, request, call):
+        call.client.get("ep", request.ep).on_run_start(dict(request.run_options))
         return common_pb2.Empty()
 
     @rpc
-    def OnRunEnd(self, request, context):
-        self._client(context).get("ep", request.ep).on_run_end(request.sync_stream)
+    def OnRunEnd(self, request, call):
+        call.client.get("ep", request.ep).on_run_end(request.sync_stream)
         return common_pb2.Empty()

@@ -27,22 +27,28 @@ from grpc_reflection.v1alpha import reflection
 from ephost.errors import EpError
 from ephost.eps import load_factory
 from ephost.fdshare import DescriptorServer, remove_stale_socket
+from ephost import wire
 from ephost.server.allocator_service import AllocatorService
+from ephost.server.contract import SERVICES as CONTRACT
 from ephost.server.ep_service import EpService
 from ephost.server.factory_service import EpFactoryService
+from ephost.server.rpc import Dispatcher
 from ephost.server.security import Security
-from ephost.server.state import WorkerState
+from ephost.server.state import Limits, WorkerState
 from ephost.server.stream_service import StreamService
 from ephost.server.transfer_service import DataTransferService
 from ephost.server.worker_service import WorkerService
-from ephost.v1 import (allocator_pb2_grpc, data_transfer_pb2_grpc, ep_pb2_grpc, factory_pb2_grpc, stream_pb2_grpc,
-                       worker_pb2_grpc)
 
 log = logging.getLogger("ephost.worker")
 
-SERVICES = ("ephost.v1.EpFactory", "ephost.v1.Ep", "ephost.v1.Allocator", "ephost.v1.Stream",
-            "ephost.v1.DataTransfer", "ephost.v1.Worker")
-DEFAULT_MAX_MESSAGE = 1 << 30
+SERVICES = tuple(CONTRACT)
+DEFAULT_MAX_MESSAGE = wire.MAX_MESSAGE
+# Server threads beyond those ephost's calls may take, so that health checks (and reflection) are answered
+# whatever clients do.
+SPARE_THREADS = 4
+# After the drain's grace, how long the gRPC server may take to stop before the worker exits regardless
+# (grpcio can hang in stop() after a malformed client stream).
+STOP_SLACK_S = 2.0
 
 
 @dataclass
@@ -77,15 +83,22 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
-          client_lease_s: float = 0.0) -> int:
+          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None) -> int:
+    limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
     try:
-        return _serve(ep, options, listen, exit_with_parent, max_message, threads, security, client_lease_s)
+        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits)
     finally:
         _remove_sockets(listen)
 
 
-def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, max_message: int,
-           threads: int, security: Security, client_lease_s: float) -> int:
+def default_max_alloc() -> int:
+    """Half the machine's memory: one request may not take more, whatever the arena's own limit."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
+           security: Security, client_lease_s: float, limits: Limits) -> int:
+    max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
     except EpError as e:
@@ -94,7 +107,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         print(json.dumps({"ephost": "error", "code": e.code.name, "message": str(e)}), flush=True)
         return 2
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
-    state = WorkerState(ep, factory, options, fd_server)
+    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent)
     stop = threading.Event()
     grace = [5.0]
 
@@ -102,19 +115,20 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         grace[0] = seconds
         stop.set()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ephost-rpc"),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads + SPARE_THREADS,
+                                                    thread_name_prefix="ephost-rpc"),
                          interceptors=security.interceptors(),
                          options=[("grpc.max_receive_message_length", max_message),
                                   ("grpc.max_send_message_length", max_message),
                                   # clients ping every 20 s to notice a dead worker between calls
                                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                                   ("grpc.keepalive_permit_without_calls", 1)])
-    factory_pb2_grpc.add_EpFactoryServicer_to_server(EpFactoryService(state), server)
-    ep_pb2_grpc.add_EpServicer_to_server(EpService(state), server)
-    allocator_pb2_grpc.add_AllocatorServicer_to_server(AllocatorService(state), server)
-    stream_pb2_grpc.add_StreamServicer_to_server(StreamService(state), server)
-    data_transfer_pb2_grpc.add_DataTransferServicer_to_server(DataTransferService(state), server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(state, request_stop), server)
+    dispatcher = Dispatcher.of(state, [EpFactoryService(state), EpService(state), AllocatorService(state),
+                                       StreamService(state), DataTransferService(state),
+                                       WorkerService(state, request_stop)],
+                               per_client=max(1, threads // 2), total=threads)
+    state.dispatcher = dispatcher  # the one entry point for a second transport (the same-host data plane)
+    server.add_generic_rpc_handlers(dispatcher.grpc_handlers())
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Server reflection, so that standard gRPC tools (grpcurl, grpc_cli) can list and call the services.
@@ -145,15 +159,20 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         if client_lease_s > 0:
             state.clients.release_silent(client_lease_s)
 
-    # Drain: health says NOT_SERVING and new calls are turned away while the calls under way finish (up to
-    # the grace period); then the server stops.
+    # Drain: health says NOT_SERVING and new calls are turned away (with a reason, on every transport) while
+    # the calls under way, counted by the dispatcher whichever transport carries them, get the grace period
+    # to finish; then the gRPC server stops with what is left of it. If grpcio does not stop in time, the
+    # worker exits regardless.
     log.info("draining (grace %.1f s)", grace[0])
     state.draining.set()
     health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + grace[0]
-    while state.in_flight and time.monotonic() < deadline:
-        time.sleep(0.02)
-    server.stop(max(0.0, deadline - time.monotonic())).wait()
+    dispatcher.admission.wait_idle(grace[0])
+    left = max(0.0, deadline - time.monotonic())
+    if not server.stop(left).wait(left + STOP_SLACK_S):
+        log.warning("the gRPC server did not stop within %.1f s; exiting regardless", grace[0] + STOP_SLACK_S)
+        _remove_sockets(listen)
+        os._exit(0)
     for client in state.clients.all():
         state.clients.goodbye(client)
     factory.close()

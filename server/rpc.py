@@ -1,47 +1,275 @@
-"""The one place where servicer methods become gRPC calls: typed errors become statuses, every call is
-counted, and anything unexpected is logged and answered with INTERNAL while the worker keeps serving."""
+"""The one place where servicer methods become calls, whatever carries them.
+
+A servicer method is `(self, request, call)`: `call.client` is the caller (resolved from the client id the call
+carries; methods marked `@rpc(client=False)` need none) and `call.time_remaining()` its deadline. The
+`Dispatcher` maps "Service/Method" to (handler, request class, reply class), enumerated from the proto
+descriptors, and `Dispatcher.dispatch` does for every call, on every transport, the same things: refuse new calls
+while draining, admit the call under the per-client and whole-worker bounds, count it, and turn any failure
+into an `EpError` (typed errors as they are; anything unexpected logged and reported as EpInternal while the
+worker keeps serving). `grpc_handlers()` serves the same table over gRPC without a line per method.
+"""
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import grpc
+from google.protobuf import message_factory
 
-from ephost.errors import REASON_KEY, EpError
+from ephost import wire
+from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpResourceExhausted, EpUnimplemented, \
+    EpWorkerUnavailable
 
 log = logging.getLogger(__name__)
 
 
-def rpc(method):
-    """Decorate a servicer method `(self, request, context)`; `self.state` is the WorkerState."""
-    name = method.__name__
+@dataclass(frozen=True)
+class RpcSpec:
+    needs_client: bool = True
 
-    @functools.wraps(method)
-    def call(self, request, context):
-        state = self.state
-        if state.draining.is_set():  # calls under way finish; new ones are turned away
-            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down); try another")
-        start = time.perf_counter()
-        ok = False
-        with state.in_flight_lock:
-            state.in_flight += 1
+
+def rpc(method=None, *, client: bool = True):
+    """Mark a servicer method `(self, request, call)` as the handler of the proto method of the same name."""
+    def mark(fn):
+        fn.rpc_spec = RpcSpec(needs_client=client)
+        return fn
+    return mark(method) if method is not None else mark
+
+
+class Servicer:
+    """Base of the servicers: the service's full proto name, and the worker's shared state."""
+
+    SERVICE = ""  # e.g. "ephost.v1.Allocator"
+
+    def __init__(self, state):
+        self.state = state
+
+
+@dataclass
+class Call:
+    """What a handler knows about the call beyond its request."""
+
+    client: Any                      # ClientState, or None for methods that need no client
+    deadline: float | None = None    # time.monotonic() by which the caller stops waiting
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+
+@dataclass(frozen=True)
+class Method:
+    service: str                     # "Allocator"
+    name: str                        # "Alloc"
+    handler: Callable                # bound servicer method
+    request: type                    # request message class
+    reply: type                      # reply message class
+    client_streaming: bool
+    server_streaming: bool
+    needs_client: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.service}/{self.name}"
+
+
+class Admission:
+    """Bounds on calls under way: per client, and for the whole worker (so that the server keeps threads for
+    health checks whatever clients do). Streams count for as long as they are open."""
+
+    def __init__(self, per_client: int, total: int):
+        self.per_client = per_client
+        self.total = total
+        self._lock = threading.Condition()
+        self._by_client: dict[str, int] = {}
+        self._all = 0
+
+    def enter(self, client_id: str) -> None:
+        with self._lock:
+            if self._all >= self.total:
+                raise EpResourceExhausted(f"the worker is serving its limit of {self.total} calls at once; "
+                                          "retry shortly")
+            mine = self._by_client.get(client_id, 0)
+            if client_id and mine >= self.per_client:
+                raise EpResourceExhausted(f"this client has {mine} calls or streams under way, its limit; finish "
+                                          "or cancel some first")
+            self._all += 1
+            if client_id:
+                self._by_client[client_id] = mine + 1
+
+    def leave(self, client_id: str) -> None:
+        with self._lock:
+            self._all -= 1
+            if not self._all:
+                self._lock.notify_all()
+            if client_id:
+                left = self._by_client[client_id] - 1
+                if left:
+                    self._by_client[client_id] = left
+                else:
+                    del self._by_client[client_id]
+
+    def under_way(self) -> int:
+        with self._lock:
+            return self._all
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no call is under way (on any transport); False if some still are after `timeout`."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._all, timeout)
+
+
+@dataclass
+class Dispatcher:
+    state: Any                                          # WorkerState
+    admission: Admission
+    methods: dict[str, Method] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, state, servicers, *, per_client: int, total: int) -> "Dispatcher":
+        dispatcher = cls(state, Admission(per_client, total))
+        for servicer in servicers:
+            dispatcher.add(servicer)
+        return dispatcher
+
+    def add(self, servicer: Servicer) -> None:
+        """Register every method of the servicer's proto service; a proto method without a handler is a bug
+        found at start-up, not an UNIMPLEMENTED found by a user."""
+        from ephost.server.contract import service_descriptor
+        service = service_descriptor(servicer.SERVICE)
+        for m in service.methods:
+            handler = getattr(servicer, m.name, None)
+            spec = getattr(handler, "rpc_spec", None)
+            if spec is None:
+                raise TypeError(f"{type(servicer).__name__} has no @rpc handler for {service.full_name}/{m.name}")
+            method = Method(service.name, m.name, handler, message_factory.GetMessageClass(m.input_type),
+                            message_factory.GetMessageClass(m.output_type), m.client_streaming, m.server_streaming,
+                            spec.needs_client)
+            self.methods[method.key] = method
+
+    def method(self, key: str) -> Method:
         try:
-            reply = method(self, request, context)
-            ok = True
-            return reply
-        except EpError as e:
-            error = (e.code, str(e))
-            reason = getattr(e, "reason", "")
-            if reason:
-                context.set_trailing_metadata(((REASON_KEY, reason),))
-        except Exception as e:  # a bug or a vendor failure: report it, keep serving
-            log.exception("%s.%s failed", type(self).__name__, name)
-            error = (grpc.StatusCode.INTERNAL, f"{name} failed inside the worker: {type(e).__name__}: {e}")
-        finally:
-            with state.in_flight_lock:
-                state.in_flight -= 1
-            state.stats.record_call(f"{self.SERVICE}/{name}", time.perf_counter() - start, ok)
-        context.abort(*error)
+            return self.methods[key]
+        except KeyError:
+            raise EpUnimplemented(f"no method {key!r} on this worker") from None
 
-    return call
+    # --- the one path every call takes ------------------------------------------------------------
+
+    def dispatch(self, key: str, request, client_id: str | None, deadline: float | None = None):
+        """Run one call. Returns the reply (an iterator of replies for server-streaming methods, which is
+        accounted while it is iterated); raises EpError and nothing else."""
+        method = self.method(key)
+        if method.server_streaming:
+            return self._stream(method, request, client_id, deadline)
+        with self._admitted(method, client_id, deadline) as call:
+            return method.handler(request, call)
+
+    def _stream(self, method: Method, request, client_id, deadline) -> Iterator:
+        with self._admitted(method, client_id, deadline) as call:
+            yield from method.handler(request, call)
+
+    def _admitted(self, method: Method, client_id: str | None, deadline: float | None):
+        return _Admitted(self, method, client_id, deadline)
+
+    # --- gRPC -------------------------------------------------------------------------------------
+
+    def grpc_handlers(self) -> list[grpc.GenericRpcHandler]:
+        by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+        for method in self.methods.values():
+            full = f"{wire.PROTOCOL}.{method.service}"
+            by_service.setdefault(full, {})[method.name] = self._grpc_handler(method)
+        return [grpc.method_handlers_generic_handler(name, handlers) for name, handlers in by_service.items()]
+
+    def _grpc_handler(self, method: Method) -> grpc.RpcMethodHandler:
+        key = method.key
+
+        # Requests arrive as bytes and are parsed here, so that bytes which are no message get INVALID_ARGUMENT
+        # (grpcio's own deserializer answers INTERNAL, and a failed parse inside a client stream can leave
+        # grpcio's server unable to stop).
+        def parse(data: bytes):
+            return _parse(method.request, data)
+
+        def requests(request):
+            return (parse(r) for r in request) if method.client_streaming else parse(request)
+
+        def unary(request, context):
+            try:
+                return self.dispatch(key, requests(request), _client_id(context), _deadline(context))
+            except EpError as e:
+                _abort(context, e)
+
+        def streaming(request, context):
+            try:
+                yield from self.dispatch(key, requests(request), _client_id(context), _deadline(context))
+            except EpError as e:
+                _abort(context, e)
+
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(method.client_streaming,
+                                                                      method.server_streaming)]
+        return make(streaming if method.server_streaming else unary, request_deserializer=None,
+                    response_serializer=method.reply.SerializeToString)
+
+
+class _Admitted:
+    """The accounting around one call: draining check, admission, client lookup, stats, error typing."""
+
+    def __init__(self, dispatcher: Dispatcher, method: Method, client_id: str | None, deadline: float | None):
+        self.d, self.method, self.client_id, self.deadline = dispatcher, method, client_id, deadline
+        self.admitted = False
+
+    def __enter__(self) -> Call:
+        state = self.d.state
+        self.start = time.perf_counter()
+        if state.draining.is_set():  # calls under way finish; new ones are turned away
+            raise EpWorkerUnavailable("worker is draining (shutting down); try another")
+        self.d.admission.enter(self.client_id or "")
+        self.admitted = True
+        try:
+            client = state.clients.lookup(self.client_id) if self.method.needs_client else None
+        except EpError:
+            self.__exit__(None, None, None)
+            raise
+        return Call(client, self.deadline)
+
+    def __exit__(self, kind, error, tb):
+        if self.admitted:
+            self.admitted = False
+            self.d.admission.leave(self.client_id or "")
+            self.d.state.stats.record_call(self.method.key, time.perf_counter() - self.start, kind is None)
+        if error is None or isinstance(error, (EpError, GeneratorExit)):
+            return False
+        if isinstance(error, Exception):  # a bug or a vendor failure: report it, keep serving
+            log.error("%s failed", self.method.key, exc_info=(kind, error, tb))
+            raise EpInternal(f"{self.method.name} failed inside the worker: {kind.__name__}: {error}") from None
+        return False
+
+
+def _parse(cls, data: bytes):
+    message = cls()
+    try:
+        message.ParseFromString(data)
+    except Exception as e:  # DecodeError, and RuntimeError from the upb parser on deep nesting
+        raise EpInvalidArgument(f"the request is not a valid {cls.DESCRIPTOR.name} message: "
+                                f"{type(e).__name__}") from None
+    return message
+
+
+def _client_id(context) -> str | None:
+    return next((v for k, v in context.invocation_metadata() or () if k == wire.CLIENT_ID_KEY), None)
+
+
+def _deadline(context) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _abort(context, error: EpError) -> None:
+    if error.reason:
+        context.set_trailing_metadata(((wire.REASON_KEY, error.reason),))
+    context.abort(error.code, str(error))
+

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from ephost import wire
+from ephost.errors import EpInvalidArgument
+
 AUTH_KEY = "authorization"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes need no secret
 
@@ -43,10 +46,9 @@ class Security:
 
 def _read(path: str) -> bytes:
     try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise SystemExit(f"ephost worker: cannot read {path}: {e.strerror}") from None
+        return wire.read_file(path)
+    except EpInvalidArgument as e:
+        raise SystemExit(f"ephost worker: {e}") from None
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -5,46 +5,71 @@ import hashlib
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import onnx
 
-from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.errors import EpInvalidArgument, EpNotFound, EpResourceExhausted
 from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
 from ephost.memory import Region
-from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo
+from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo, checked_enum, refuse_external_data
 from ephost.server.clients import ClientRegistry, ClientState
 from ephost.server.stats import WorkerStats
 from ephost.v1 import worker_pb2
+from ephost.wire import PROTOCOL
 
-PROTOCOL = "ephost.v1"
+
+# Models larger than this (in nodes of the main graph) are refused with RESOURCE_EXHAUSTED rather than indexed.
+MAX_MODEL_NODES = 1_000_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may ask of a worker, whatever it asks."""
+
+    max_alloc_bytes: int = 1 << 40        # one allocation (a buffer, an arena region, an inline reply)
+    max_message: int = 1 << 30            # one gRPC message (an inline reply must fit in one)
 
 
 class WorkerState:
-    def __init__(self, ep_name: str, factory, options: Mapping[str, str], fd_server: DescriptorServer | None):
+    def __init__(self, ep_name: str, factory, options: Mapping[str, str], fd_server: DescriptorServer | None,
+                 limits: Limits = Limits(), launched: bool = False):
         self.ep_name = ep_name
+        self.limits = limits
+        # Launched by one application for itself (--exit-with-parent): that application, and only it, may
+        # shut the worker down. A worker serving others is stopped by its operator (SIGTERM).
+        self.launched = launched
         self.factory = factory
         self.options = dict(options)
         self.devices: list[EpDeviceInfo] = list(factory.get_supported_devices())
         self.fd_server = fd_server
         self.stats = WorkerStats()
-        self.clients = ClientRegistry(self._release)
+        self.clients = ClientRegistry(self._release, self._left)
         self.started_at = time.time()
         self.draining = threading.Event()
-        self.in_flight = 0  # calls under way, so that a drain knows when they are done
-        self.in_flight_lock = threading.Lock()
+        # The one entry point of every call (server.rpc.Dispatcher), set once the servicers exist; a second
+        # transport (the same-host data plane) calls dispatcher.dispatch(...) as gRPC does.
+        self.dispatcher = None
+
+    def check_size(self, nbytes: int, what: str) -> None:
+        """Refuse one allocation larger than this worker allows (--max-alloc-mb)."""
+        if nbytes > self.limits.max_alloc_bytes:
+            raise EpResourceExhausted(f"{what} of {nbytes} bytes is over this worker's limit for one allocation "
+                                      f"({self.limits.max_alloc_bytes} bytes, --max-alloc-mb)")
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),
                                      pid=os.getpid(), ep_options=self.options, started_at=self.started_at)
 
     def device(self, index: int) -> EpDeviceInfo:
-        if index >= len(self.devices):
+        if not 0 <= index < len(self.devices):
             raise EpNotFound(f"no device {index}; this worker has {len(self.devices)}")
         return self.devices[index]
 
     def memory_info(self, device_index: int, mem_type: int) -> MemoryInfo:
+        mem_type = checked_enum(DeviceMemoryType, mem_type, "device_mem_type")
         device = self.device(device_index)
         for info in device.memory_infos:
             if info.device_mem_type == mem_type:
@@ -83,6 +108,10 @@ class WorkerState:
                 model = onnx.load_model_from_string(data)
             except Exception as e:
                 raise EpInvalidArgument(f"model bytes are not a valid ONNX model: {type(e).__name__}") from None
+            if len(model.graph.node) > MAX_MODEL_NODES:
+                raise EpResourceExhausted(f"the model has {len(model.graph.node)} nodes; this worker takes models "
+                                          f"of up to {MAX_MODEL_NODES}")
+            refuse_external_data(model, "the model")
             client.models[digest] = GraphIndex.of(model)
         return client.models[digest]
 
@@ -92,5 +121,16 @@ class WorkerState:
         elif kind == "ep":
             self.factory.release_ep(obj)
         elif kind == "allocator":
-            self.factory.release_allocator(obj)
+            self.release_allocator(obj)
         # buffers go with their allocator; compute infos and data transfers hold nothing to release
+
+    def release_allocator(self, allocator) -> None:
+        """Release an allocator, and the tickets that would still hand over its regions."""
+        if self.fd_server is not None:
+            self.fd_server.revoke_group(allocator)
+        self.factory.release_allocator(allocator)
+
+    def _left(self, client: ClientState) -> None:
+        """A client said goodbye or was released: its tickets die with it."""
+        if self.fd_server is not None:
+            self.fd_server.revoke(client.client_id)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ephost import values
-from ephost.errors import EpInvalidArgument
+from ephost.errors import EpInvalidArgument, EpResourceExhausted
 from ephost.memory import Buffer, check_slice
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, desc_from_proto, describe, nbytes_of
@@ -57,6 +57,10 @@ def resolve(state: WorkerState, client: ClientState, refs, role: str, *, writabl
         elif where == "reply":
             if not writable:
                 raise EpInvalidArgument(f"{label}: an InlineReply can only be a destination")
+            if nbytes > state.limits.max_message:
+                raise EpResourceExhausted(f"{label} cannot come back inline: it is larger than a message may be "
+                                          f"({state.limits.max_message} bytes); copy it into a buffer instead")
+            state.check_size(nbytes, label)
             out.tensors.append(Tensor(shape, dtype, HOST_MEMORY, host=np.empty(shape, dtype)))
             out.replies.append(i)
         else:

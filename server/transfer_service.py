@@ -3,30 +3,23 @@ from __future__ import annotations
 
 from ephost.errors import EpUnimplemented
 from ephost.types import MemoryInfo
-from ephost.server.rpc import rpc
-from ephost.server.state import WorkerState
+from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import resolve
-from ephost.v1 import data_transfer_pb2, data_transfer_pb2_grpc
+from ephost.v1 import data_transfer_pb2
 
 
-class DataTransferService(data_transfer_pb2_grpc.DataTransferServicer):
-    SERVICE = "DataTransfer"
-
-    def __init__(self, state: WorkerState):
-        self.state = state
-
-    def _client(self, context):
-        return self.state.clients.lookup(context.invocation_metadata())
+class DataTransferService(Servicer):
+    SERVICE = "ephost.v1.DataTransfer"
 
     @rpc
-    def CanCopy(self, request, context):
-        transfer = self._client(context).get("data_transfer", request.data_transfer)
+    def CanCopy(self, request, call):
+        transfer = call.client.get("data_transfer", request.data_transfer)
         ok = transfer.can_copy(MemoryInfo.from_proto(request.src), MemoryInfo.from_proto(request.dst))
         return data_transfer_pb2.CanCopyResponse(can_copy=ok)
 
     @rpc
-    def CopyTensors(self, request, context):
-        client = self._client(context)
+    def CopyTensors(self, request, call):
+        client = call.client
         transfer = client.get("data_transfer", request.data_transfer)
         stream = client.get("stream", request.stream) if request.stream else None
         src = resolve(self.state, client, request.src, "source", writable=False)
@@ -36,7 +29,7 @@ class DataTransferService(data_transfer_pb2_grpc.DataTransferServicer):
                 raise EpUnimplemented(f"this EP cannot copy from {s.memory_info.name} to {d.memory_info.name}")
         copied = transfer.copy_tensors(src.tensors, dst.tensors, stream)
         if stream is not None and dst.replies:
-            stream.flush(context.time_remaining())  # the reply must carry the bytes, so wait for them
+            stream.flush(call.time_remaining())  # the reply must carry the bytes, so wait for them
         replies = [dst.tensors[i].numpy().tobytes() for i in dst.replies]
         self.state.stats.add(bytes_copied=copied or 0, copies=len(src.tensors), bytes_inline_in=src.inline_bytes,
                              bytes_inline_out=sum(map(len, replies)))

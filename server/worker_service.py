@@ -2,25 +2,29 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument
-from ephost.server.rpc import rpc
-from ephost.server.state import PROTOCOL, WorkerState
-from ephost.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpPermissionDenied
+from ephost.server.rpc import Servicer, rpc
+from ephost.server.state import WorkerState
+from ephost.wire import PROTOCOL
+from ephost.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
+MAX_GRACE_S = 600.0
 
-class WorkerService(worker_pb2_grpc.WorkerServicer):
-    SERVICE = "Worker"
+
+class WorkerService(Servicer):
+    SERVICE = "ephost.v1.Worker"
 
     def __init__(self, state: WorkerState, shutdown):
-        self.state = state
+        super().__init__(state)
         self._shutdown = shutdown
 
-    @rpc
-    def Hello(self, request, context):
+    @rpc(client=False)
+    def Hello(self, request, call):
         if request.protocol and request.protocol != PROTOCOL:
             raise EpInvalidArgument(f"client speaks {request.protocol!r}; this worker speaks {PROTOCOL!r}")
         if self.state.draining.is_set():
@@ -30,45 +34,48 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.HelloResponse(client_id=client.client_id, info=self.state.info(), fd_socket=fd_socket)
 
     @rpc
-    def Goodbye(self, request, context):
-        client = self.state.clients.lookup(context.invocation_metadata())
+    def Goodbye(self, request, call):
+        client = call.client
         self.state.clients.goodbye(client)
         return common_pb2.Empty()
 
     @rpc
-    def Renew(self, request, context):
-        self.state.clients.lookup(context.invocation_metadata())
+    def Renew(self, request, call):  # the lookup itself renews the lease
         return common_pb2.Empty()
 
-    @rpc
-    def GetInfo(self, request, context):
+    @rpc(client=False)
+    def GetInfo(self, request, call):
         return self.state.info()
 
-    @rpc
-    def GetStats(self, request, context):
+    @rpc(client=False)
+    def GetStats(self, request, call):
         clients = self.state.clients.all()
         return self.state.stats.to_proto(buffers_live=sum(c.count("buffer") for c in clients), clients=len(clients))
 
     @rpc
-    def Shutdown(self, request, context):
-        log.info("shutdown requested by a client")
+    def Shutdown(self, request, call):
+        if not self.state.launched:
+            raise EpPermissionDenied("this worker serves other clients; its operator stops it (SIGTERM), "
+                                     "not a client")
+        if not (math.isfinite(request.grace_s) and 0 <= request.grace_s <= MAX_GRACE_S):
+            raise EpInvalidArgument(f"grace_s must be between 0 and {MAX_GRACE_S:g} seconds, got {request.grace_s}")
+        log.info("shutdown requested by the client that launched the worker")
         threading.Thread(target=self._shutdown, args=(request.grace_s or 5.0,), daemon=True).start()
         return common_pb2.Empty()
 
     @rpc
-    def ProbeSharing(self, request, context):
-        self.state.clients.lookup(context.invocation_metadata())
+    def ProbeSharing(self, request, call):
         if self.state.fd_server is None:
             raise EpFailedPrecondition("this worker has no descriptor socket; it shares no memory")
-        return worker_pb2.ExportRegionResponse(ticket=self.state.fd_server.issue_probe())
+        return worker_pb2.ExportRegionResponse(ticket=self.state.fd_server.issue_probe(owner=call.client.client_id))
 
     @rpc
-    def ExportRegion(self, request, context):
-        client = self.state.clients.lookup(context.invocation_metadata())
+    def ExportRegion(self, request, call):
+        client = call.client
         if self.state.fd_server is None:
             raise EpFailedPrecondition("this worker shares no memory (it listens on TCP); use inline transfers")
-        _, region = self.state.region(client, request.region)
+        allocator, region = self.state.region(client, request.region)
         if not region.shareable:
             raise EpInvalidArgument(f"region {request.region} is worker-local (DEFAULT) memory and cannot be shared")
-        return worker_pb2.ExportRegionResponse(ticket=self.state.fd_server.issue(region.fd, region.size),
-                                               nbytes=region.size)
+        ticket = self.state.fd_server.issue(region.fd, region.size, owner=client.client_id, group=allocator)
+        return worker_pb2.ExportRegionResponse(ticket=ticket, nbytes=region.size)

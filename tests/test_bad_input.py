@@ -189,3 +189,144 @@ def test_region_export_is_checked(raw, setup):
         fetch_descriptor(raw.hello.fd_socket, ticket)
     with pytest.raises(ephost.EpPermissionDenied):
         fetch_descriptor(raw.hello.fd_socket, b"\0" * 32)
+
+
+def test_unknown_client_is_a_structured_reason_and_a_typed_error(raw, served):
+    """A forged or forgotten client id says so in the status's trailing metadata (not only in its text), and the
+    client decodes it as EpUnknownClient, which supervision acts on by saying Hello again."""
+    from ephost import wire
+    from ephost.client.connection import WorkerConnection
+    from ephost.errors import EpFailedPrecondition, EpUnknownClient
+    with pytest.raises(grpc.RpcError) as info:
+        raw.factory.CreateEp(factory_pb2.CreateEpRequest(), timeout=10, metadata=((wire.CLIENT_ID_KEY, "forged"),))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (wire.REASON_KEY, wire.REASON_UNKNOWN_CLIENT) in tuple(info.value.trailing_metadata())
+    with pytest.raises(grpc.RpcError) as info:  # no id at all is another precondition, without that reason
+        raw.factory.CreateEp(factory_pb2.CreateEpRequest(), timeout=10)
+    assert wire.REASON_KEY not in dict(info.value.trailing_metadata() or ())
+    conn = WorkerConnection(served.address, shared_memory=False)
+    try:
+        conn.call(conn.worker.Goodbye, common_pb2.Empty())  # the worker forgets this client
+        with pytest.raises(EpUnknownClient) as typed:
+            conn.call(conn.factory.CreateEp, factory_pb2.CreateEpRequest())
+        assert isinstance(typed.value, EpFailedPrecondition) and typed.value.reason == wire.REASON_UNKNOWN_CLIENT
+    finally:
+        conn.close()
+
+
+def test_streams_are_counted_and_bounded_like_every_call(raw, setup):
+    """Allocator.Read goes through the same accounting as unary calls: it is counted in the worker's stats."""
+    allocator, buffer, _ = setup
+    before = raw(raw.worker.GetStats, common_pb2.Empty()).methods["Allocator/Read"].calls
+    chunks = list(raw(raw.allocator.Read, allocator_pb2.ReadRequest(allocator=allocator, buffer=buffer.buffer,
+                                                                    nbytes=64, chunk_bytes=16)))
+    assert [len(c.data) for c in chunks] == [16] * 4
+    assert raw(raw.worker.GetStats, common_pb2.Empty()).methods["Allocator/Read"].calls == before + 1
+    code, message = status_of(lambda: list(raw(raw.allocator.Read, allocator_pb2.ReadRequest(
+        allocator=allocator, buffer=buffer.buffer, nbytes=65))))
+    assert code == grpc.StatusCode.OUT_OF_RANGE and "65 bytes" in message
+
+
+# --- issue 15: bad input gets a typed status, never INTERNAL ------------------------------------------
+
+def test_inputs_that_used_to_fail_inside_the_worker_get_a_status_that_says_why(raw, setup, served):
+    _, buffer, transfer = setup
+    into = [common_pb2.TensorRef(desc=desc(4), buffer=buffer.buffer)]
+    inline = [common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)]
+    cases = [
+        (lambda: copy(raw, transfer, [common_pb2.TensorRef(desc=desc(*[1] * 65), inline=b"\0" * 4)], into),
+         grpc.StatusCode.INVALID_ARGUMENT, "rank 65"),
+        (lambda: copy(raw, transfer, [common_pb2.TensorRef(desc=desc(1 << 62, 1 << 62, 0), inline=b"")], into),
+         grpc.StatusCode.INVALID_ARGUMENT, "more bytes than any tensor"),
+        (lambda: copy(raw, transfer, inline, [common_pb2.TensorRef(desc=desc(1 << 42), reply=common_pb2.InlineReply())]),
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than a message"),
+        (lambda: raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(device_mem_type=7)),
+         grpc.StatusCode.INVALID_ARGUMENT, "device_mem_type 7"),
+        (lambda: raw(raw.transfer.CanCopy, data_transfer_pb2.CanCopyRequest(
+            data_transfer=transfer, src=common_pb2.MemoryInfo(device_type=2147483647))),
+         grpc.StatusCode.INVALID_ARGUMENT, "device_type 2147483647"),
+        (lambda: raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
+            options={"arena.initial_chunk_size_bytes": str(1 << 70)})),
+         grpc.StatusCode.RESOURCE_EXHAUSTED, "arena.initial_chunk_size_bytes"),
+        (lambda: raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
+            options={"arena.max_mem": str(1 << 70)})), grpc.StatusCode.INVALID_ARGUMENT, "arena.max_mem"),
+    ]
+    for call, expected, words in cases:
+        code, message = status_of(call)
+        assert code == expected, message
+        assert words in message
+        assert_reveals_nothing(message, served, raw)
+
+
+def test_wait_on_host_with_an_absurd_timeout(raw):
+    stream = raw(raw.factory.CreateSyncStreamForDevice, factory_pb2.CreateSyncStreamRequest()).id
+    notification = raw(raw.stream.CreateNotification, common_pb2.Handle(id=stream)).id
+    for timeout in (float("nan"), float("inf"), -1.0):
+        code, message = status_of(lambda: raw(raw.stream.WaitOnHost, stream_pb2.WaitOnHostRequest(
+            notification=notification, timeout_s=timeout)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in message
+    raw(raw.stream.Activate, common_pb2.Handle(id=notification))
+    raw(raw.stream.WaitOnHost, stream_pb2.WaitOnHostRequest(notification=notification, timeout_s=1e308))
+
+
+def test_bytes_that_are_not_a_message_are_an_invalid_argument(raw):
+    for path in ("/ephost.v1.Allocator/Alloc", "/ephost.v1.Ep/Compute"):
+        method = raw.channel.unary_unary(path)
+        code, message = status_of(lambda: method(b"\xff\xff\xff\xff", timeout=10, metadata=raw.metadata))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in message
+    write = raw.channel.stream_unary("/ephost.v1.Allocator/Write")
+    code, _ = status_of(lambda: write(iter([b"\xff\xff"]), timeout=10, metadata=raw.metadata))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_single_allocation_is_capped_by_the_worker(worker):
+    from conftest import RawClient
+    w = worker("--ep", "reference", "--max-alloc-mb", "8")
+    client = RawClient(w.address)
+    try:
+        allocator = client(client.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest()).allocator
+        code, message = status_of(lambda: client(client.allocator.Alloc, allocator_pb2.AllocRequest(
+            allocator=allocator, nbytes=9 << 20)))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-alloc-mb" in message
+        assert client(client.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=8 << 20)).buffer
+    finally:
+        client.close()
+
+
+# --- issue 15: semantics ------------------------------------------------------------------------------
+
+def _compiled(raw):
+    from models import chain
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    model = chain(["Relu"]).SerializeToString()
+    infos = raw(raw.ep.Compile, ep_pb2.CompileRequest(ep=ep, model=ep_pb2.ModelRef(model=model), graphs=[
+        ep_pb2.FusedGraph(name="p", nodes=["n0_Relu"], inputs=["x"], outputs=["y"])] * 2)).node_compute_infos
+    return ep, list(infos)
+
+
+def _compute(raw, info):
+    x = common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16))
+    return raw(raw.ep.Compute, ep_pb2.ComputeRequest(node_compute_info=info, inputs=[x]))
+
+
+def test_compute_after_release_ep_is_not_found(raw):
+    ep, (info, _) = _compiled(raw)
+    assert len(_compute(raw, info).outputs) == 1
+    raw(raw.factory.ReleaseEp, common_pb2.Handle(id=ep))
+    code, message = status_of(lambda: _compute(raw, info))
+    assert code == grpc.StatusCode.NOT_FOUND and "compute info" in message
+
+
+def test_release_node_compute_infos_is_all_or_nothing(raw):
+    ep, (a, b) = _compiled(raw)
+    code, _ = status_of(lambda: raw(raw.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(
+        ep=ep, node_compute_infos=[a, 987654])))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert len(_compute(raw, a).outputs) == 1, "a valid compute info was dropped by a call that failed"
+    other_ep, (c, _) = _compiled(raw)
+    code, _ = status_of(lambda: raw(raw.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(
+        ep=ep, node_compute_infos=[a, c])))
+    assert code == grpc.StatusCode.NOT_FOUND  # c belongs to another EP
+    assert len(_compute(raw, c).outputs) == 1
+    raw(raw.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(ep=ep, node_compute_infos=[a, b]))
+    assert status_of(lambda: _compute(raw, a))[0] == grpc.StatusCode.NOT_FOUND

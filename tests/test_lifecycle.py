@@ -125,3 +125,23 @@ def test_the_application_keeps_its_data_when_the_worker_dies():
         assert tensor.numpy()[0, 0] == 42.0
     finally:
         env.close()
+
+
+def test_a_malformed_client_stream_does_not_keep_the_worker_from_stopping(worker):
+    """grpcio could hang in server.stop() after a client stream whose message failed to parse; the worker now
+    parses requests itself and, past its grace, exits regardless."""
+    import grpc
+    from conftest import RawClient
+    w = worker("--ep", "reference", exit_with_parent=False)
+    client = RawClient(w.address)
+    try:
+        write = client.channel.stream_unary("/ephost.v1.Allocator/Write")
+        with pytest.raises(grpc.RpcError) as info:
+            write(iter([b"\xff\xff\xff"]), timeout=10, metadata=client.metadata)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        client.close()
+    start = time.monotonic()
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(15) == 0
+    assert time.monotonic() - start < 10, "the worker took too long to stop"

@@ -111,3 +111,255 @@ def test_tokens(worker, pki, monkeypatch):
     with grpc.insecure_channel(w.address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# --- issue 15: what a hostile client can do to a shared worker ----------------------------------------
+
+import os
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import RawClient
+from ephost import fdshare
+from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, worker_pb2
+
+HOST = common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE
+
+
+def _external(location: str) -> TensorProto:
+    t = numpy_helper.from_array(np.zeros(4, np.float32), "c")
+    t.ClearField("raw_data")
+    t.data_location = TensorProto.EXTERNAL
+    t.external_data.add(key="location", value=location)
+    return t
+
+
+def _status(call):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def _fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture
+def hostile(worker, tmp_path):
+    """A worker whose working directory holds a file a client must never read through it."""
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    (tmp_path / "secret.txt").write_bytes(b"TOP-SECRET-BYTES" * 4)
+    (tmp_path / "sub").mkdir()
+    try:
+        w = worker("--ep", "reference", exit_with_parent=False)
+    finally:
+        os.chdir(cwd)
+    client = RawClient(w.address)
+    yield w, client
+    client.close()
+
+
+def test_tensors_from_the_wire_never_make_the_worker_read_a_path(hostile):
+    w, raw = hostile
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    relu = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"], name="id")], "g", [x], [y]),
+                             opset_imports=[helper.make_opsetid("", 18)])
+    (info,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(ep=ep, model=ep_pb2.ModelRef(model=relu.SerializeToString()),
+                                                        graphs=[ep_pb2.FusedGraph(name="p", nodes=["id"], inputs=["x"],
+                                                                                  outputs=["y"])])).node_compute_infos
+    for location in ("secret.txt", "./secret.txt", "sub/../secret.txt"):
+        value = common_pb2.Value(onnx=common_pb2.OnnxValue(kind=common_pb2.OnnxValue.KIND_TENSOR,
+                                                          data=_external(location).SerializeToString()))
+        code, message = _status(lambda: raw(raw.ep.Compute, ep_pb2.ComputeRequest(node_compute_info=info,
+                                                                                  inputs=[value])))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "external" in message
+        constant = helper.make_model(helper.make_graph(
+            [helper.make_node("Constant", [], ["c"], name="c", value=_external(location)),
+             helper.make_node("Add", ["x", "c"], ["y"], name="add")], "g", [x], [y]),
+            opset_imports=[helper.make_opsetid("", 18)])
+        for call in (raw.ep.GetCapability, raw.ep.Compile):
+            request = (ep_pb2.GetCapabilityRequest if call is raw.ep.GetCapability else ep_pb2.CompileRequest)(
+                ep=ep, model=ep_pb2.ModelRef(model=constant.SerializeToString()))
+            code, message = _status(lambda: raw(call, request))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "external" in message
+            assert "TOP-SECRET" not in message
+
+
+def _export(raw, nbytes=4096):
+    allocator = raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
+        device_mem_type=HOST, options={"arena.initial_chunk_size_bytes": str(1 << 20)})).allocator
+    buffer = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=nbytes))
+    ticket = raw(raw.worker.ExportRegion, worker_pb2.ExportRegionRequest(region=buffer.shm.region)).ticket
+    return allocator, buffer, ticket
+
+
+def test_a_client_cannot_shrink_a_region_under_the_worker(hostile):
+    w, raw = hostile
+    allocator, buffer, ticket = _export(raw)
+    fd, size = fdshare.fetch_descriptor(raw.hello.fd_socket, ticket)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # sealed: F_SEAL_SHRINK
+    finally:
+        os.close(fd)
+    transfer = raw(raw.factory.CreateDataTransfer, common_pb2.Empty()).data_transfer
+    src = common_pb2.TensorRef(desc=common_pb2.TensorDesc(elem_type=TensorProto.FLOAT, shape=[4]), inline=b"\1" * 16)
+    dst = common_pb2.TensorRef(desc=src.desc, buffer=buffer.buffer)
+    raw(raw.transfer.CopyTensors, data_transfer_pb2.CopyTensorsRequest(data_transfer=transfer, src=[src], dst=[dst]))
+    assert w.proc.poll() is None
+
+
+def test_an_unsealed_segment_is_never_mapped():
+    from ephost.memory import Region
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    with pytest.raises(ephost.EpInvalidArgument, match="sealed"):
+        Region.from_fd(fd, 4096, 1)  # closes fd
+
+
+def test_tickets_die_with_their_client_and_their_allocator(hostile):
+    w, raw = hostile
+    pid = w.proc.pid
+    baseline = _fds(pid)
+    allocator, _, ticket = _export(raw)
+    more = [_export(raw)[2] for _ in range(5)]
+    raw(raw.factory.ReleaseAllocator, common_pb2.Handle(id=allocator))
+    with pytest.raises(ephost.EpPermissionDenied):  # issued before ReleaseAllocator: no longer hands anything over
+        fdshare.fetch_descriptor(raw.hello.fd_socket, ticket)
+    other = RawClient(w.address, "leaver")
+    for _ in range(10):
+        _export(other)
+    other(other.worker.Goodbye, common_pb2.Empty())
+    other.close()
+    raw(raw.worker.Goodbye, common_pb2.Empty())
+    for t in more:
+        with pytest.raises(ephost.EpPermissionDenied):
+            fdshare.fetch_descriptor(raw.hello.fd_socket, t)
+    deadline = time.monotonic() + 5
+    while _fds(pid) > baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _fds(pid) <= baseline, "descriptors of unredeemed tickets outlived their client"
+
+
+def test_descriptors_attached_to_a_presentation_are_closed(hostile):
+    import socket
+    w, raw = hostile
+    pid = w.proc.pid
+    before = _fds(pid)
+    for _ in range(10):
+        fd = os.memfd_create("attached", os.MFD_CLOEXEC)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(raw.hello.fd_socket)
+            socket.send_fds(s, [os.urandom(32)], [fd])
+            assert s.recv(2) == b"NO"
+        os.close(fd)
+    time.sleep(0.2)
+    assert _fds(pid) <= before
+
+
+def test_idle_connections_do_not_delay_a_valid_ticket(hostile):
+    import socket
+    w, raw = hostile
+    idle = []
+    for _ in range(4):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(raw.hello.fd_socket)
+        idle.append(s)
+    try:
+        _, _, ticket = _export(raw)
+        start = time.monotonic()
+        fd, _ = fdshare.fetch_descriptor(raw.hello.fd_socket, ticket)
+        os.close(fd)
+        assert time.monotonic() - start < 1.0, "a valid ticket waited behind idle connections"
+        idle[0].settimeout(fdshare.IDLE_S + 3)
+        assert idle[0].recv(16) == b"", "a connection that sends nothing is dropped"
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_expired_tickets_are_closed_and_break_nothing(monkeypatch, tmp_path):
+    """fdshare used to os.close(-1) for an expired probe ticket, failing every later issue()."""
+    monkeypatch.setattr(fdshare, "TICKET_TTL_S", 0.05)
+    server = fdshare.DescriptorServer(str(tmp_path / "fds"))
+    fd = os.memfd_create("region", os.MFD_CLOEXEC)
+    try:
+        server.issue_probe(owner="a")
+        server.issue(fd, 0, owner="a")
+        time.sleep(0.1)
+        ticket = server.issue(fd, 0, owner="b")  # sweeps the expired ones: no OSError
+        assert server.outstanding() == 1
+        monkeypatch.setattr(fdshare, "TICKET_TTL_S", 30.0)
+        deadline = time.monotonic() + fdshare.SWEEP_S * 3 + 1
+        while server.outstanding() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server sweeps on its own, with no further issue()
+        assert server.outstanding() == 0
+        with pytest.raises(ephost.EpPermissionDenied):
+            fdshare.fetch_descriptor(server.path, ticket)
+    finally:
+        os.close(fd)
+        server.close()
+
+
+def test_only_the_launching_client_may_shut_a_worker_down(worker):
+    shared = worker("--ep", "reference", exit_with_parent=False)
+    client = RawClient(shared.address)
+    try:
+        code, message = _status(lambda: client(client.worker.Shutdown, worker_pb2.ShutdownRequest()))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "operator" in message
+        code, _ = _status(lambda: client.worker.Shutdown(worker_pb2.ShutdownRequest(), timeout=10))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION  # no client id: not even asked
+        assert shared.proc.poll() is None
+    finally:
+        client.close()
+    launched = worker("--ep", "reference")  # --exit-with-parent: its launcher may stop it
+    client = RawClient(launched.address)
+    try:
+        client(client.worker.Shutdown, worker_pb2.ShutdownRequest(grace_s=0.5))
+        assert launched.proc.wait(15) == 0
+    finally:
+        client.close()
+
+
+def test_streams_nobody_reads_cannot_starve_health_checks(worker):
+    w = worker("--ep", "reference", exit_with_parent=False)
+    clients = [RawClient(w.address, f"c{i}") for i in range(3)]
+    streams = []
+    try:
+        held = []
+        for client in clients:
+            allocator = client(client.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest()).allocator
+            buffer = client(client.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16 << 20))
+            held.append((client, allocator, buffer.buffer))
+        refused = {"client": 0, "worker": 0}
+        for client, allocator, buffer in held:
+            for _ in range(9):
+                stream = client.allocator.Read(allocator_pb2.ReadRequest(
+                    allocator=allocator, buffer=buffer, nbytes=16 << 20, chunk_bytes=64),
+                    timeout=60, metadata=client.metadata)
+                streams.append(stream)
+                try:
+                    next(stream)  # open, then never read again
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                    refused["client" if "this client" in e.details() else "worker"] += 1
+        assert refused["client"] >= 1, "one client held more streams than its bound"
+        assert refused["worker"] >= 9, "the clients together held more streams than the worker's bound"
+        with grpc.insecure_channel(w.address) as channel:
+            start = time.monotonic()
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert time.monotonic() - start < 5
+    finally:
+        for stream in streams:
+            stream.cancel()
+        for client in clients:
+            client.close()

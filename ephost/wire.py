@@ -1,0 +1,33 @@
+"""What both ends of the wire must agree on, defined once: the protocol version, the metadata keys a call
+carries, message and chunk sizes, the structured reasons an error status may carry, and reading the files
+(certificates, keys, tokens) that either side is pointed at."""
+from __future__ import annotations
+
+PROTOCOL = "ephost.v1"
+
+# Every call after Worker.Hello carries the client id the worker handed out, under this metadata key.
+CLIENT_ID_KEY = "ephost-client"
+
+# Largest message either side sends or accepts; larger payloads travel in chunks or through shared memory.
+MAX_MESSAGE = 1 << 30
+
+# One message of a chunked transfer (Allocator.Write / Allocator.Read).
+CHUNK_BYTES = 16 << 20
+
+# A failed call may say *why* in its trailing metadata under this key, so that a peer can act on the reason
+# without matching the message text. The values are the REASON_* constants below.
+REASON_KEY = "ephost-reason"
+
+# The worker does not know the client id the call carries (it restarted, or released the client after its
+# lease ran out): say Hello again. Status FAILED_PRECONDITION.
+REASON_UNKNOWN_CLIENT = "unknown-client"
+
+
+def read_file(path: str) -> bytes:
+    """The bytes of a file an operator or user named (a certificate, a key, a token); a clear error if not."""
+    from ephost.errors import EpInvalidArgument
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise EpInvalidArgument(f"cannot read {path}: {e.strerror}") from None
