@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import threading
@@ -14,7 +15,8 @@ import grpc
 import numpy as np
 import onnx
 
-from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument, EpWorkerUnavailable, error_for_status
+from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpInvalidArgument, EpWorkerUnavailable,
+                           error_for_status)
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
 from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2, ep_pb2_grpc,
@@ -23,6 +25,7 @@ from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_trans
 log = logging.getLogger(__name__)
 
 PROTOCOL = "ephost.v1"
+EPHOST_VERSION = importlib.metadata.version("ephost")
 METADATA_KEY = "ephost-client"
 MAX_MESSAGE = 1 << 30
 SHM_MODEL_BYTES = 16 << 20  # models at least this large go to the worker in a buffer (shared memory or chunks)
@@ -105,7 +108,8 @@ class WorkerConnection:
         self._model_hashes: dict[int, tuple[onnx.ModelProto, str]] = {}
         self._sent_models: set[str] = set()
         try:
-            hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL),
+            hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL,
+                                                                        ephost_version=EPHOST_VERSION),
                               timeout=connect_timeout_s, wait_for_ready=True)
         except EpDeadlineExceeded:
             self.channel.close()
@@ -113,6 +117,15 @@ class WorkerConnection:
         except BaseException:
             self.channel.close()
             raise
+        if hello.info.protocol != PROTOCOL:
+            self.channel.close()
+            raise EpFailedPrecondition(
+                f"the worker at {address} speaks protocol {hello.info.protocol or 'none'!r} (ephost "
+                f"{hello.info.ephost_version or 'unknown'}); this client (ephost {EPHOST_VERSION}) speaks "
+                f"{PROTOCOL!r}: run a worker of a matching ephost release")
+        if hello.info.ephost_version != EPHOST_VERSION:
+            log.info("worker at %s runs ephost %s, this client %s (both speak %s)", address,
+                     hello.info.ephost_version or "unknown", EPHOST_VERSION, PROTOCOL)
         self.info = hello.info
         self._metadata = ((METADATA_KEY, hello.client_id), *credentials.metadata())
         # Shared memory only where the worker proves it can map a segment made here (same host, same user).

@@ -8,12 +8,12 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable, Mapping
 
 from ephost.errors import EpWorkerCrashed, EpWorkerUnavailable
+from ephost.worker_env import WorkerEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,17 @@ def describe_exit(returncode: int) -> str:
 
 
 class WorkerProcess:
-    """A local worker serving `ep` on a unix socket in a private (0700) directory made for it."""
+    """A local worker serving `ep` on a unix socket in a private (0700) directory made for it. It runs under
+    this process's interpreter, or the one its environment options (WorkerEnvironment.OPTIONS: python,
+    requirements, ...) name or make."""
 
     def __init__(self, ep: str, options: Mapping[str, str] | None = None, *, startup_timeout: float = 60.0,
                  on_exit: Callable[["WorkerProcess"], None] | None = None):
         self.ep = ep
         self.options = dict(options or {})
         self._dir: str | None = None  # the worker's private socket directory
-        command = [sys.executable, "-m", "ephost", "worker", "--ep", ep, "--exit-with-parent"]
+        self.python = WorkerEnvironment.take(self.options).interpreter()
+        command = [self.python, "-m", "ephost", "worker", "--ep", ep, "--exit-with-parent"]
         for key, value in self.options.items():
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit

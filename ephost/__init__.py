@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
                            EpInternal, EpInvalidArgument, EpNotFound, EpOutOfRange, EpPermissionDenied,
                            EpResourceExhausted, EpUnauthenticated, EpUnimplemented, EpWorkerCrashed,
-                           EpWorkerFailed, EpWorkerUnavailable)
+                           EpWorkerEnvironmentFailed, EpWorkerFailed, EpWorkerUnavailable)
 from ephost.tensor import Tensor
 from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, HardwareDevice, HardwareDeviceType,
                           MemoryInfo)
@@ -58,4 +58,5 @@ __all__ = [
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",
     "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
     "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed",
+    "EpWorkerEnvironmentFailed",
 ]

@@ -1,8 +1,11 @@
 """Everything a worker's servicers share: the EP factory, the clients and their handles, the counters."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.metadata
 import os
+import platform
 import threading
 import time
 from typing import Any, Mapping
@@ -21,12 +24,24 @@ from ephost.v1 import worker_pb2
 PROTOCOL = "ephost.v1"
 
 
+def installed_version(distribution: str) -> str:
+    """The version of a distribution in this (the worker's) environment, or "" where it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
 class WorkerState:
     def __init__(self, ep_name: str, factory, options: Mapping[str, str], fd_server: DescriptorServer | None):
         self.ep_name = ep_name
         self.factory = factory
         self.options = dict(options)
-        self.devices: list[EpDeviceInfo] = list(factory.get_supported_devices())
+        self.onnxruntime_version = installed_version("onnxruntime")
+        # The ONNX Runtime a device's EP runs under is the worker's, which may not be the application's.
+        self.devices: list[EpDeviceInfo] = [
+            dataclasses.replace(d, ep_metadata={**d.ep_metadata, "onnxruntime_version": self.onnxruntime_version})
+            if self.onnxruntime_version else d for d in factory.get_supported_devices()]
         self.fd_server = fd_server
         self.stats = WorkerStats()
         self.clients = ClientRegistry(self._release)
@@ -37,7 +52,10 @@ class WorkerState:
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),
-                                     pid=os.getpid(), ep_options=self.options, started_at=self.started_at)
+                                     pid=os.getpid(), ep_options=self.options, started_at=self.started_at,
+                                     ephost_version=installed_version("ephost"),
+                                     onnxruntime_version=self.onnxruntime_version,
+                                     python_version=platform.python_version())
 
     def device(self, index: int) -> EpDeviceInfo:
         if index >= len(self.devices):

@@ -22,7 +22,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     @rpc
     def Hello(self, request, context):
         if request.protocol and request.protocol != PROTOCOL:
-            raise EpInvalidArgument(f"client speaks {request.protocol!r}; this worker speaks {PROTOCOL!r}")
+            client = f" (ephost {request.ephost_version})" if request.ephost_version else ""
+            raise EpInvalidArgument(f"client speaks {request.protocol!r}{client}; this worker speaks {PROTOCOL!r} "
+                                    f"(ephost {self.state.info().ephost_version or 'unknown'})")
         if self.state.draining.is_set():
             raise EpFailedPrecondition("worker is draining and takes no new clients")
         client = self.state.clients.hello(request.client_name)
