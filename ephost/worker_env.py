@@ -59,17 +59,21 @@ class EphostSource:
 
     @classmethod
     def current(cls) -> "EphostSource":
+        import ephost
+        root = Path(ephost.__file__).resolve().parent.parent
+        pyproject = root / "pyproject.toml"
+        if pyproject.is_file() and re.search(r'(?m)^name\s*=\s*"ephost"', pyproject.read_text()):
+            # A source checkout (what this process imports ephost from): the environment imports the very same
+            # files; its dependencies are what this checkout's metadata says.
+            digest = hashlib.sha256(pyproject.read_bytes()).hexdigest()
+            return cls(("-e", str(root)), json.dumps(["checkout", str(root), digest]))
         dist = importlib.metadata.distribution("ephost")
-        requires = sorted(dist.requires or [])
         direct = json.loads(dist.read_text("direct_url.json") or "{}")
         url = direct.get("url", "")
-        if url.startswith("file://"):
+        if url.startswith("file://"):  # installed from a local folder or file: the same again
             path = urllib.parse.unquote(urllib.parse.urlparse(url).path)
-            if direct.get("dir_info", {}).get("editable"):
-                # A source checkout: the environment imports the very same files.
-                return cls(("-e", path), json.dumps(["editable", path, dist.version, requires]))
-            return cls((path,), json.dumps(["local", path, dist.version, requires]))
-        return cls((f"ephost=={dist.version}",), json.dumps(["index", dist.version, requires]))
+            return cls((path,), json.dumps(["local", path, dist.version]))
+        return cls((f"ephost=={dist.version}",), json.dumps(["index", dist.version]))
 
 
 @dataclass(frozen=True)
