@@ -280,3 +280,17 @@ def test_a_worker_speaking_another_protocol_is_refused(tmp_path):
         assert ephost.__version__ in message
     finally:
         server.stop(0)
+
+
+def test_environment_flags_belong_to_the_ep_before_them_in_run(tmp_path):
+    onnx.save(models.diamond((2, 3)), tmp_path / "diamond.onnx")
+    ok = subprocess.run([sys.executable, "-m", "ephost", "run", str(tmp_path / "diamond.onnx"), "--ep", "reference",
+                         "--python", sys.executable, "--runs", "1"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    missing = subprocess.run([sys.executable, "-m", "ephost", "run", str(tmp_path / "diamond.onnx"), "--ep",
+                              "reference", "--python", str(tmp_path / "nope"), "--runs", "1"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "no Python interpreter" in missing.stderr and "Traceback" not in missing.stderr
+    orphan = subprocess.run([sys.executable, "-m", "ephost", "run", "--requirements", GGML], capture_output=True,
+                            text=True, timeout=60)
+    assert orphan.returncode == 2 and "must follow the --ep" in orphan.stderr
