@@ -37,6 +37,7 @@ class WorkerState:
         self.ep_name = ep_name
         self.factory = factory
         self.options = dict(options)
+        self.ephost_version = installed_version("ephost")
         self.onnxruntime_version = installed_version("onnxruntime")
         # The ONNX Runtime a device's EP runs under is the worker's, which may not be the application's.
         self.devices: list[EpDeviceInfo] = [
@@ -53,7 +54,7 @@ class WorkerState:
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),
                                      pid=os.getpid(), ep_options=self.options, started_at=self.started_at,
-                                     ephost_version=installed_version("ephost"),
+                                     ephost_version=self.ephost_version,
                                      onnxruntime_version=self.onnxruntime_version,
                                      python_version=platform.python_version())
 

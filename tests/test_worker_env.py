@@ -294,3 +294,16 @@ def test_environment_flags_belong_to_the_ep_before_them_in_run(tmp_path):
     orphan = subprocess.run([sys.executable, "-m", "ephost", "run", "--requirements", GGML], capture_output=True,
                             text=True, timeout=60)
     assert orphan.returncode == 2 and "must follow the --ep" in orphan.stderr
+
+
+def test_a_client_speaking_another_protocol_is_refused_by_the_worker(served):
+    import grpc
+    from ephost.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(served.address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            worker_pb2_grpc.WorkerStub(channel).Hello(
+                worker_pb2.HelloRequest(protocol="ephost.v0", ephost_version="0.0.1"), timeout=10, wait_for_ready=True)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = caught.value.details()
+    assert "'ephost.v0' (ephost 0.0.1)" in details and f"'ephost.v1' (ephost {ephost.__version__})" in details
