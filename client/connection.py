@@ -3,6 +3,7 @@ typed errors for every failed call, and the worker's regions mapped into this pr
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 import os
 import threading
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ephost.errors import EpDeadlineExceeded, EpError, EpWorkerUnavailable, error_for_status, reason_of
+from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpWorkerUnavailable, error_for_status,
+                           reason_of)
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
 from ephost.wire import CHUNK_BYTES, MAX_MESSAGE, PROTOCOL, read_file
@@ -21,6 +23,7 @@ from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_trans
 
 log = logging.getLogger(__name__)
 
+EPHOST_VERSION = importlib.metadata.version("ephost")
 KEEPALIVE_MS = 20_000
 
 
@@ -90,7 +93,8 @@ class WorkerConnection:
         self._regions: dict[int, Region | None] = {}
         self._regions_lock = threading.Lock()
         try:
-            hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL),
+            hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL,
+                                                                        ephost_version=EPHOST_VERSION),
                               timeout=connect_timeout_s, wait_for_ready=True)
         except EpDeadlineExceeded:
             self.channel.close()
@@ -98,6 +102,15 @@ class WorkerConnection:
         except BaseException:
             self.channel.close()
             raise
+        if hello.info.protocol != PROTOCOL:
+            self.channel.close()
+            raise EpFailedPrecondition(
+                f"the worker at {address} speaks protocol {hello.info.protocol or 'none'!r} (ephost "
+                f"{hello.info.ephost_version or 'unknown'}); this client (ephost {EPHOST_VERSION}) speaks "
+                f"{PROTOCOL!r}: run a worker of a matching ephost release")
+        if hello.info.ephost_version != EPHOST_VERSION:
+            log.info("worker at %s runs ephost %s, this client %s (both speak %s)", address,
+                     hello.info.ephost_version or "unknown", EPHOST_VERSION, PROTOCOL)
         self.info = hello.info
         self._metadata = ((METADATA_KEY, hello.client_id), *credentials.metadata())
         # Shared memory only where the worker proves it can map a segment made here (same host, same user).

@@ -8,7 +8,6 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable, Mapping
@@ -16,6 +15,7 @@ from typing import Callable, Mapping
 import grpc
 
 from ephost.errors import EpWorkerCrashed, EpWorkerUnavailable, error_for_status
+from ephost.worker_env import WorkerEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,9 @@ def describe_exit(returncode: int) -> str:
 
 
 class WorkerProcess:
-    """A local worker serving `ep` on a unix socket in a private (0700) directory made for it."""
+    """A local worker serving `ep` on a unix socket in a private (0700) directory made for it. It runs under
+    this process's interpreter, or the one its environment options (WorkerEnvironment.OPTIONS: python,
+    requirements, ...) name or make."""
 
     def __init__(self, ep: str, options: Mapping[str, str] | None = None, *, startup_timeout: float = 60.0,
                  on_exit: Callable[["WorkerProcess"], None] | None = None):
@@ -39,7 +41,8 @@ class WorkerProcess:
         self._dir: str | None = None  # the worker's private socket directory
         # The worker logs (ONNX Runtime's own warnings included) in detail when this process does.
         verbose = ["--verbose"] if logging.getLogger("ephost").isEnabledFor(logging.INFO) else []
-        command = [sys.executable, "-m", "ephost", *verbose, "worker", "--ep", ep, "--exit-with-parent"]
+        self.python = WorkerEnvironment.take(self.options).interpreter()
+        command = [self.python, "-m", "ephost", *verbose, "worker", "--ep", ep, "--exit-with-parent"]
         for key, value in self.options.items():
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
                            EpInternal, EpInvalidArgument, EpNotFound, EpOutOfRange, EpPermissionDenied,
                            EpResourceExhausted, EpUnauthenticated, EpUnimplemented, EpWorkerCrashed,
-                           EpUnknownClient, EpWorkerFailed, EpWorkerUnavailable)
+                           EpUnknownClient, EpWorkerEnvironmentFailed, EpWorkerFailed, EpWorkerUnavailable)
 from ephost.tensor import Tensor
 from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, HardwareDevice, HardwareDeviceType,
                           MemoryInfo)
@@ -57,5 +57,6 @@ __all__ = [
     "get_ep_devices", "copy_tensors",
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",
     "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
-    "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed", "EpUnknownClient",
+    "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed",
+    "EpWorkerEnvironmentFailed", "EpUnknownClient",
 ]

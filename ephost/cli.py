@@ -1,17 +1,21 @@
 """The `ephost` command: `worker` serves an EP, `devices` lists a target's EP devices, `check` proves a
-target end to end (devices, a shared allocator, a tensor copied in and back)."""
+target end to end (devices, a shared allocator, a tensor copied in and back), `env` makes, lists and removes
+workers' own environments."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 import numpy as np
 
 from ephost.errors import EpError
-from ephost.run_command import format_table
+
+log = logging.getLogger(__name__)
+from ephost.run_command import add_environment_arguments, environment_options, format_table
 
 
 def _options(pairs: list[str]) -> dict[str, str]:
@@ -35,8 +39,40 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+def _without_environment_arguments(argv: list[str]) -> list[str]:
+    """The command line less the environment's flags: what the worker is run with inside its environment."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        flag = arg.split("=", 1)[0]
+        if flag in ("--python", "--find-links"):
+            i += 1 if "=" in arg else 2
+        elif flag == "--no-index":
+            i += 1
+        elif flag == "--requirements":
+            i += 1
+            if "=" not in arg:
+                while i < len(argv) and not argv[i].startswith("-"):
+                    i += 1
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def cmd_worker(args) -> int:
     from ephost.server.main import parse_listen, serve
+    from ephost.worker_env import WorkerEnvironment
+
+    environment = WorkerEnvironment.take(environment_options(args))
+    if not environment.is_default:
+        # The worker runs inside its environment: this process becomes it.
+        python = environment.interpreter()
+        argv = [python, "-m", "ephost", *_without_environment_arguments(args.argv)]
+        log.info("running the worker with %s", python)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(python, argv)
     from ephost.server.security import Security
 
     security = Security(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file)
@@ -53,7 +89,8 @@ def _registered(args):
 
     env = Environment()
     try:
-        env.register_execution_provider_library("target", args.target, _options(args.option))
+        env.register_execution_provider_library("target", args.target,
+                                                {**_options(args.option), **environment_options(args)})
     except BaseException:
         env.close()
         raise
@@ -94,6 +131,42 @@ def cmd_check(args) -> int:
               f"{'identical' if ok else 'MISMATCH'}; allocator in use {stats['InUse']} of "
               f"{stats['TotalAllocated']} bytes")
     return 0 if ok else 1
+
+
+def cmd_env_create(args) -> int:
+    from ephost.worker_env import WorkerEnvironment
+
+    if not args.requirements:
+        raise SystemExit("ephost env create: give --requirements")
+    record = WorkerEnvironment.take(environment_options(args)).create()
+    print(f"{record.key}  {record.python}")
+    return 0
+
+
+def cmd_env_list(args) -> int:
+    from ephost.worker_env import cache_dir, list_environments
+
+    rows = [["key", "requirements", "onnxruntime", "python", "created", "path"]]
+    for r in list_environments():
+        rows.append([r.key, " ".join(r.requirements), r.packages.get("onnxruntime", "-"), r.base_python,
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created_at)), r.path])
+    if len(rows) == 1:
+        print(f"no worker environments in {cache_dir() / 'envs'}")
+        return 0
+    print(format_table(rows))
+    return 0
+
+
+def cmd_env_remove(args) -> int:
+    from ephost.worker_env import list_environments, remove_environment
+
+    keys = [r.key for r in list_environments()] if args.all else args.keys
+    if not keys and not args.all:
+        raise SystemExit("ephost env remove: give KEY ... or --all")
+    for key in keys:
+        remove_environment(key)
+        print(f"removed {key}")
+    return 0
 
 
 def cmd_health(args) -> int:
@@ -147,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")
     w.add_argument("--max-alloc-mb", type=int, help="largest single allocation a client may ask for, MiB "
                                                     "(default: half the machine's memory)")
+    add_environment_arguments(w)
     w.set_defaults(func=cmd_worker)
 
     for name, func, text in (("devices", cmd_devices, "list the EP devices of a target"),
@@ -156,7 +230,20 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--option", action="append", metavar="KEY=VALUE", help="EP or connection option")
         if name == "check":
             p.add_argument("--mib", type=int, default=64, help="tensor size in MiB (default 64)")
+        add_environment_arguments(p)
         p.set_defaults(func=func)
+
+    e = sub.add_parser("env", help="make, list and remove workers' own environments (EPHOST_CACHE_DIR)")
+    env_sub = e.add_subparsers(dest="env_command", required=True)
+    c = env_sub.add_parser("create", help="make the environment for requirements ahead of time (an image build "
+                                          "step, an offline machine with a wheel folder)")
+    add_environment_arguments(c)
+    c.set_defaults(func=cmd_env_create)
+    env_sub.add_parser("list", help="the environments made").set_defaults(func=cmd_env_list)
+    r = env_sub.add_parser("remove", help="remove environments (workers running in them are not stopped)")
+    r.add_argument("keys", nargs="*", metavar="KEY", help="keys as `ephost env list` shows them")
+    r.add_argument("--all", action="store_true", help="remove every environment")
+    r.set_defaults(func=cmd_env_remove)
 
     h = sub.add_parser("health", help="check a worker's grpc.health.v1 status (exit 0 when SERVING)")
     h.add_argument("address", help="unix:///path.sock, host:port, grpc://host:port or grpcs://host:port")
@@ -167,11 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     from ephost import run_command
     run_command.add_parser(sub)  # `ephost run` lives with its helpers
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if args.log_format == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
     logging.basicConfig(level="INFO" if args.verbose else args.log_level.upper(), handlers=[handler])
+    # Making an environment takes a while: its progress shows at the default level.
+    progress = logging.getLogger("ephost.worker_env")
+    progress.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     try:
         return args.func(args)
     except EpError as e:

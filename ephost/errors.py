@@ -99,6 +99,16 @@ class EpWorkerFailed(EpWorkerCrashed):
     crash limit allows): every call to its EP fails with this until it is registered again."""
 
 
+class EpWorkerEnvironmentFailed(EpFailedPrecondition):
+    """A worker's environment could not be made (pip could not install its requirements). Names the
+    requirements and the log file holding pip's whole output."""
+
+    def __init__(self, message: str, *, requirements: tuple[str, ...] = (), log_path: str = ""):
+        super().__init__(message)
+        self.requirements = tuple(requirements)
+        self.log_path = log_path
+
+
 # Status code -> class. EpWorkerCrashed is never decoded from a status: only the supervisor knows.
 _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
     cls.code: cls

@@ -50,6 +50,54 @@ class _AddOption(argparse.Action):
         namespace.ep[-1].options[key] = val
 
 
+class _AddEnvironmentOption(argparse.Action):
+    """--python/--requirements/--find-links/--no-index belong to the --ep before it, as its environment."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not namespace.ep:
+            parser.error(f"{option_string} must follow the --ep it applies to")
+        key = self.dest
+        options = namespace.ep[-1].options
+        if self.nargs == 0:
+            options[key] = "true"
+        elif key == "python":
+            options[key] = values
+        else:  # one item a line, accumulated
+            items = values if isinstance(values, list) else [values]
+            options[key] = "\n".join(filter(None, [options.get(key, ""), *items]))
+
+
+def add_environment_arguments(p, per_ep: type[argparse.Action] | None = None) -> None:
+    """The options of a worker's own environment (WorkerEnvironment.OPTIONS), for `worker`, `devices`, `check`
+    and `env create`; `run` passes its per-EP action, so that they belong to the --ep before them."""
+    defaults = {"default": argparse.SUPPRESS} if per_ep else {}
+    p.add_argument("--python", metavar="PATH", action=per_ep or "store", help="interpreter to run the worker with",
+                   **defaults)
+    p.add_argument("--requirements", nargs="+", metavar="SPEC", action=per_ep or "extend", **defaults,
+                   help="pip requirements: run the worker in a virtual environment made (once) with them and ephost")
+    p.add_argument("--find-links", dest="find_links", metavar="DIR", action=per_ep or "append", **defaults,
+                   help="a folder or URL of wheels for pip, repeatable")
+    if per_ep:
+        p.add_argument("--no-index", dest="no_index", nargs=0, action=per_ep, **defaults,
+                       help="pip uses no package index, only --find-links")
+    else:
+        p.add_argument("--no-index", dest="no_index", action="store_true",
+                       help="pip uses no package index, only --find-links")
+
+
+def environment_options(args) -> dict[str, str]:
+    """The registration options (WorkerEnvironment.OPTIONS) that add_environment_arguments's flags give."""
+    options = {}
+    if args.python:
+        options["python"] = args.python
+    for key in ("requirements", "find_links"):
+        if getattr(args, key):
+            options[key] = "\n".join(getattr(args, key))
+    if args.no_index:
+        options["no_index"] = "true"
+    return options
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a model across EPs and show who ran what",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,6 +105,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ep", action=_AddEp, default=[], metavar="TARGET",
                    help="an EP name, worker address or inproc:NAME; repeat to add EPs in order of preference")
     p.add_argument("--option", action=_AddOption, metavar="KEY=VALUE", help="an option of the --ep before it")
+    add_environment_arguments(p, _AddEnvironmentOption)
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--runs", type=int, default=10, help="timed runs after one warm-up (default 10)")
     p.add_argument("--on-failure", choices=["raise", "retry", "fallback"], default="raise",

@@ -20,6 +20,7 @@ from onnx import helper
 from ephost.eps import check_options
 from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory, local_inputs
+from ephost.eps.library_paths import resolve_library
 from ephost.eps.reference import cpu_device
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
@@ -33,7 +34,8 @@ CPU = "CPUExecutionProvider"
 OPTIONS = {
     "provider": f"the ONNX Runtime execution provider to run (default {CPU}, or the EP of `library`)",
     "provider_options": "options for that provider, as KEY=VALUE pairs separated by ';'",
-    "library": "path to an ONNX Runtime plugin EP library to register and use",
+    "library": "an ONNX Runtime plugin EP library to register and use: its path, or `module:function` returning "
+               "it in the worker's environment (e.g. onnxruntime_ggml:library_path)",
     "intra_op_num_threads": "threads inside one operator (ORT's default: one per core)",
     "inter_op_num_threads": "threads across operators",
     "graph_optimization_level": "disable, basic, extended or all (default all)",
@@ -268,7 +270,7 @@ class OrtEpFactory(HostMemoryFactory):
         self.provider_options = _pairs(options.get("provider_options", ""), "provider_options")
         self.session_config = _pairs(options.get("session_config", ""), "session_config")
         before = {d.ep_name for d in ort.get_ep_devices()}
-        library = options.get("library")
+        library = resolve_library(options["library"]) if options.get("library") else None
         if library:
             if not os.path.isfile(library):
                 raise EpNotFound(f"no plugin EP library at {library}")

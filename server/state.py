@@ -1,8 +1,11 @@
 """Everything a worker's servicers share: the EP factory, the clients and their handles, the counters."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.metadata
 import os
+import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +36,14 @@ class Limits:
     max_message: int = 1 << 30            # one gRPC message (an inline reply must fit in one)
 
 
+def installed_version(distribution: str) -> str:
+    """The version of a distribution in this (the worker's) environment, or "" where it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
 class WorkerState:
     def __init__(self, ep_name: str, factory, options: Mapping[str, str], fd_server: DescriptorServer | None,
                  limits: Limits = Limits(), launched: bool = False):
@@ -43,7 +54,12 @@ class WorkerState:
         self.launched = launched
         self.factory = factory
         self.options = dict(options)
-        self.devices: list[EpDeviceInfo] = list(factory.get_supported_devices())
+        self.ephost_version = installed_version("ephost")
+        self.onnxruntime_version = installed_version("onnxruntime")
+        # The ONNX Runtime a device's EP runs under is the worker's, which may not be the application's.
+        self.devices: list[EpDeviceInfo] = [
+            dataclasses.replace(d, ep_metadata={**d.ep_metadata, "onnxruntime_version": self.onnxruntime_version})
+            if self.onnxruntime_version else d for d in factory.get_supported_devices()]
         self.fd_server = fd_server
         self.stats = WorkerStats()
         self.clients = ClientRegistry(self._release, self._left)
@@ -61,7 +77,10 @@ class WorkerState:
 
     def info(self) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(protocol=PROTOCOL, ep_name=self.ep_name, version=self.factory.get_version(),
-                                     pid=os.getpid(), ep_options=self.options, started_at=self.started_at)
+                                     pid=os.getpid(), ep_options=self.options, started_at=self.started_at,
+                                     ephost_version=self.ephost_version,
+                                     onnxruntime_version=self.onnxruntime_version,
+                                     python_version=platform.python_version())
 
     def device(self, index: int) -> EpDeviceInfo:
         if not 0 <= index < len(self.devices):

@@ -26,7 +26,12 @@ class WorkerService(Servicer):
     @rpc(client=False)
     def Hello(self, request, call):
         if request.protocol and request.protocol != PROTOCOL:
-            raise EpInvalidArgument(f"client speaks {request.protocol!r}; this worker speaks {PROTOCOL!r}")
+            client = f" (ephost {request.ephost_version})" if request.ephost_version else ""
+            raise EpInvalidArgument(f"client speaks {request.protocol!r}{client}; this worker speaks {PROTOCOL!r} "
+                                    f"(ephost {self.state.ephost_version or 'unknown'})")
+        if request.ephost_version and request.ephost_version != self.state.ephost_version:
+            log.info("client %r runs ephost %s, this worker %s (both speak %s)", request.client_name,
+                     request.ephost_version, self.state.ephost_version, PROTOCOL)
         if self.state.draining.is_set():
             raise EpFailedPrecondition("worker is draining and takes no new clients")
         client = self.state.clients.hello(request.client_name)

@@ -280,7 +280,7 @@ def test_bytes_that_are_not_a_message_are_an_invalid_argument(raw):
 
 
 def test_a_single_allocation_is_capped_by_the_worker(worker):
-    from conftest import RawClient
+    from helpers import RawClient
     w = worker("--ep", "reference", "--max-alloc-mb", "8")
     client = RawClient(w.address)
     try:

@@ -29,7 +29,7 @@ from ephost import wire
 from ephost.server.contract import SERVICES
 from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2, stream_pb2, worker_pb2
 
-from conftest import RawClient, Worker
+from helpers import RawClient, Worker
 
 EXAMPLES = int(os.environ.get("EPHOST_FUZZ_EXAMPLES", "25"))  # per method
 SEED = int(os.environ.get("EPHOST_FUZZ_SEED", "15"))

@@ -131,7 +131,7 @@ def test_a_malformed_client_stream_does_not_keep_the_worker_from_stopping(worker
     """grpcio could hang in server.stop() after a client stream whose message failed to parse; the worker now
     parses requests itself and, past its grace, exits regardless."""
     import grpc
-    from conftest import RawClient
+    from helpers import RawClient
     w = worker("--ep", "reference", exit_with_parent=False)
     client = RawClient(w.address)
     try:

@@ -29,8 +29,9 @@ def ort_env():
 def test_devices_are_what_onnx_runtime_reports(ort_env):
     (device,) = [d for d in ort_env.get_ep_devices() if d.registration_name == "ort"]
     (expected,) = [d for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider"]
+    # the worker adds the ONNX Runtime it runs under (here the application's own)
     assert (device.ep_name, device.ep_vendor, device.ep_metadata) == \
-           (expected.ep_name, expected.ep_vendor, dict(expected.ep_metadata))
+           (expected.ep_name, expected.ep_vendor, {**expected.ep_metadata, "onnxruntime_version": ort.__version__})
     hw = device.device
     assert (int(hw.type), hw.vendor_id, hw.vendor, hw.device_id) == \
            (int(expected.device.type.value), expected.device.vendor_id, expected.device.vendor, expected.device.device_id)
@@ -148,8 +149,8 @@ def test_the_openvino_plugin_library_in_a_worker_reports_what_ort_reports_in_pro
         env.register_execution_provider_library("ov", library)
         devices = [d for d in env.get_ep_devices() if d.registration_name == "ov"]
         assert [(d.ep_name, d.ep_vendor, int(d.device.type), d.device.vendor_id, d.ep_metadata) for d in devices] == \
-               [(d.ep_name, d.ep_vendor, int(d.device.type.value), d.device.vendor_id, dict(d.ep_metadata))
-                for d in in_process]
+               [(d.ep_name, d.ep_vendor, int(d.device.type.value), d.device.vendor_id,
+                 {**d.ep_metadata, "onnxruntime_version": ort.__version__}) for d in in_process]
         process = env.registration("ov").process
         assert process.proc.poll() is None, "a vendor library that finds no device does not bring its worker down"
         if devices:

@@ -123,7 +123,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import RawClient
+from helpers import RawClient
 from ephost import fdshare
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, worker_pb2
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ephost.v1 import common_pb2 as ephost_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65phost/v1/worker.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"5\n\x0cHelloRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\"Z\n\rHelloResponse\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12#\n\x04info\x18\x02 \x01(\x0b\x32\x15.ephost.v1.WorkerInfo\x12\x11\n\tfd_socket\x18\x03 \x01(\t\"\xcd\x01\n\nWorkerInfo\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x38\n\nep_options\x18\x05 \x03(\x0b\x32$.ephost.v1.WorkerInfo.EpOptionsEntry\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x1a\x30\n\x0e\x45pOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0bMethodStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\r\n\x05max_s\x18\x04 \x01(\x01\"\x92\x03\n\x0bWorkerStats\x12\x34\n\x07methods\x18\x01 \x03(\x0b\x32#.ephost.v1.WorkerStats.MethodsEntry\x12\x14\n\x0c\x62ytes_copied\x18\x02 \x01(\x03\x12\x17\n\x0f\x62ytes_inline_in\x18\x03 \x01(\x03\x12\x18\n\x10\x62ytes_inline_out\x18\x04 \x01(\x03\x12\x14\n\x0c\x62uffers_live\x18\x05 \x01(\x03\x12\x0f\n\x07\x63lients\x18\x06 \x01(\x03\x12\x0e\n\x06\x63opies\x18\x07 \x01(\x03\x12\x1f\n\x17\x63ompute_inputs_resident\x18\x08 \x01(\x03\x12\"\n\x1a\x63ompute_inputs_transferred\x18\t \x01(\x03\x12 \n\x18\x63ompute_outputs_in_place\x18\n \x01(\x03\x12\x1e\n\x16\x63ompute_outputs_copied\x18\x0b \x01(\x03\x1a\x46\n\x0cMethodsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.ephost.v1.MethodStats:\x02\x38\x01\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"%\n\x13\x45xportRegionRequest\x12\x0e\n\x06region\x18\x01 \x01(\x04\"6\n\x14\x45xportRegionResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x32\xd8\x03\n\x06Worker\x12:\n\x05Hello\x12\x17.ephost.v1.HelloRequest\x1a\x18.ephost.v1.HelloResponse\x12-\n\x07Goodbye\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12+\n\x05Renew\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12\x32\n\x07GetInfo\x12\x10.ephost.v1.Empty\x1a\x15.ephost.v1.WorkerInfo\x12\x34\n\x08GetStats\x12\x10.ephost.v1.Empty\x1a\x16.ephost.v1.WorkerStats\x12\x38\n\x08Shutdown\x12\x1a.ephost.v1.ShutdownRequest\x1a\x10.ephost.v1.Empty\x12O\n\x0c\x45xportRegion\x12\x1e.ephost.v1.ExportRegionRequest\x1a\x1f.ephost.v1.ExportRegionResponse\x12\x41\n\x0cProbeSharing\x12\x10.ephost.v1.Empty\x1a\x1f.ephost.v1.ExportRegionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65phost/v1/worker.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"M\n\x0cHelloRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\x12\x16\n\x0e\x65phost_version\x18\x03 \x01(\t\"Z\n\rHelloResponse\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12#\n\x04info\x18\x02 \x01(\x0b\x32\x15.ephost.v1.WorkerInfo\x12\x11\n\tfd_socket\x18\x03 \x01(\t\"\x9a\x02\n\nWorkerInfo\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x38\n\nep_options\x18\x05 \x03(\x0b\x32$.ephost.v1.WorkerInfo.EpOptionsEntry\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x12\x16\n\x0e\x65phost_version\x18\x07 \x01(\t\x12\x1b\n\x13onnxruntime_version\x18\x08 \x01(\t\x12\x16\n\x0epython_version\x18\t \x01(\t\x1a\x30\n\x0e\x45pOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0bMethodStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\r\n\x05max_s\x18\x04 \x01(\x01\"\x92\x03\n\x0bWorkerStats\x12\x34\n\x07methods\x18\x01 \x03(\x0b\x32#.ephost.v1.WorkerStats.MethodsEntry\x12\x14\n\x0c\x62ytes_copied\x18\x02 \x01(\x03\x12\x17\n\x0f\x62ytes_inline_in\x18\x03 \x01(\x03\x12\x18\n\x10\x62ytes_inline_out\x18\x04 \x01(\x03\x12\x14\n\x0c\x62uffers_live\x18\x05 \x01(\x03\x12\x0f\n\x07\x63lients\x18\x06 \x01(\x03\x12\x0e\n\x06\x63opies\x18\x07 \x01(\x03\x12\x1f\n\x17\x63ompute_inputs_resident\x18\x08 \x01(\x03\x12\"\n\x1a\x63ompute_inputs_transferred\x18\t \x01(\x03\x12 \n\x18\x63ompute_outputs_in_place\x18\n \x01(\x03\x12\x1e\n\x16\x63ompute_outputs_copied\x18\x0b \x01(\x03\x1a\x46\n\x0cMethodsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.ephost.v1.MethodStats:\x02\x38\x01\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"%\n\x13\x45xportRegionRequest\x12\x0e\n\x06region\x18\x01 \x01(\x04\"6\n\x14\x45xportRegionResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x32\xd8\x03\n\x06Worker\x12:\n\x05Hello\x12\x17.ephost.v1.HelloRequest\x1a\x18.ephost.v1.HelloResponse\x12-\n\x07Goodbye\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12+\n\x05Renew\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12\x32\n\x07GetInfo\x12\x10.ephost.v1.Empty\x1a\x15.ephost.v1.WorkerInfo\x12\x34\n\x08GetStats\x12\x10.ephost.v1.Empty\x1a\x16.ephost.v1.WorkerStats\x12\x38\n\x08Shutdown\x12\x1a.ephost.v1.ShutdownRequest\x1a\x10.ephost.v1.Empty\x12O\n\x0c\x45xportRegion\x12\x1e.ephost.v1.ExportRegionRequest\x1a\x1f.ephost.v1.ExportRegionResponse\x12\x41\n\x0cProbeSharing\x12\x10.ephost.v1.Empty\x1a\x1f.ephost.v1.ExportRegionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATS_METHODSENTRY']._loaded_options = None
   _globals['_WORKERSTATS_METHODSENTRY']._serialized_options = b'8\001'
   _globals['_HELLOREQUEST']._serialized_start=61
-  _globals['_HELLOREQUEST']._serialized_end=114
-  _globals['_HELLORESPONSE']._serialized_start=116
-  _globals['_HELLORESPONSE']._serialized_end=206
-  _globals['_WORKERINFO']._serialized_start=209
-  _globals['_WORKERINFO']._serialized_end=414
-  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_start=366
-  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_end=414
-  _globals['_METHODSTATS']._serialized_start=416
-  _globals['_METHODSTATS']._serialized_end=492
-  _globals['_WORKERSTATS']._serialized_start=495
-  _globals['_WORKERSTATS']._serialized_end=897
-  _globals['_WORKERSTATS_METHODSENTRY']._serialized_start=827
-  _globals['_WORKERSTATS_METHODSENTRY']._serialized_end=897
-  _globals['_SHUTDOWNREQUEST']._serialized_start=899
-  _globals['_SHUTDOWNREQUEST']._serialized_end=933
-  _globals['_EXPORTREGIONREQUEST']._serialized_start=935
-  _globals['_EXPORTREGIONREQUEST']._serialized_end=972
-  _globals['_EXPORTREGIONRESPONSE']._serialized_start=974
-  _globals['_EXPORTREGIONRESPONSE']._serialized_end=1028
-  _globals['_WORKER']._serialized_start=1031
-  _globals['_WORKER']._serialized_end=1503
+  _globals['_HELLOREQUEST']._serialized_end=138
+  _globals['_HELLORESPONSE']._serialized_start=140
+  _globals['_HELLORESPONSE']._serialized_end=230
+  _globals['_WORKERINFO']._serialized_start=233
+  _globals['_WORKERINFO']._serialized_end=515
+  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_start=467
+  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_end=515
+  _globals['_METHODSTATS']._serialized_start=517
+  _globals['_METHODSTATS']._serialized_end=593
+  _globals['_WORKERSTATS']._serialized_start=596
+  _globals['_WORKERSTATS']._serialized_end=998
+  _globals['_WORKERSTATS_METHODSENTRY']._serialized_start=928
+  _globals['_WORKERSTATS_METHODSENTRY']._serialized_end=998
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1000
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1034
+  _globals['_EXPORTREGIONREQUEST']._serialized_start=1036
+  _globals['_EXPORTREGIONREQUEST']._serialized_end=1073
+  _globals['_EXPORTREGIONRESPONSE']._serialized_start=1075
+  _globals['_EXPORTREGIONRESPONSE']._serialized_end=1129
+  _globals['_WORKER']._serialized_start=1132
+  _globals['_WORKER']._serialized_end=1604
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HelloRequest(_message.Message):
-    __slots__ = ("client_name", "protocol")
+    __slots__ = ("client_name", "protocol", "ephost_version")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    EPHOST_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     protocol: str
-    def __init__(self, client_name: _Optional[str] = ..., protocol: _Optional[str] = ...) -> None: ...
+    ephost_version: str
+    def __init__(self, client_name: _Optional[str] = ..., protocol: _Optional[str] = ..., ephost_version: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
     __slots__ = ("client_id", "info", "fd_socket")
@@ -26,7 +28,7 @@ class HelloResponse(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., fd_socket: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("protocol", "ep_name", "version", "pid", "ep_options", "started_at")
+    __slots__ = ("protocol", "ep_name", "version", "pid", "ep_options", "started_at", "ephost_version", "onnxruntime_version", "python_version")
     class EpOptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,13 +42,19 @@ class WorkerInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     EP_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    EPHOST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ONNXRUNTIME_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
     protocol: str
     ep_name: str
     version: str
     pid: int
     ep_options: _containers.ScalarMap[str, str]
     started_at: float
-    def __init__(self, protocol: _Optional[str] = ..., ep_name: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., ep_options: _Optional[_Mapping[str, str]] = ..., started_at: _Optional[float] = ...) -> None: ...
+    ephost_version: str
+    onnxruntime_version: str
+    python_version: str
+    def __init__(self, protocol: _Optional[str] = ..., ep_name: _Optional[str] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., ep_options: _Optional[_Mapping[str, str]] = ..., started_at: _Optional[float] = ..., ephost_version: _Optional[str] = ..., onnxruntime_version: _Optional[str] = ..., python_version: _Optional[str] = ...) -> None: ...
 
 class MethodStats(_message.Message):
     __slots__ = ("calls", "errors", "total_s", "max_s")
