@@ -21,7 +21,7 @@ from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo, checked_enu
 from ephost.server.clients import ClientRegistry, ClientState
 from ephost.server.stats import WorkerStats
 from ephost.v1 import worker_pb2
-from ephost.wire import PROTOCOL
+from ephost.wire import MAX_MESSAGE, PROTOCOL
 
 
 # Models larger than this (in nodes of the main graph) are refused with RESOURCE_EXHAUSTED rather than indexed.
@@ -33,7 +33,7 @@ class Limits:
     """What one client may ask of a worker, whatever it asks."""
 
     max_alloc_bytes: int = 1 << 40        # one allocation (a buffer, an arena region, an inline reply)
-    max_message: int = 1 << 30            # one gRPC message (an inline reply must fit in one)
+    max_message: int = MAX_MESSAGE        # one gRPC message (an inline reply must fit in one)
 
 
 def installed_version(distribution: str) -> str:
