@@ -171,7 +171,7 @@ def _with_constants(model: onnx.ModelProto, claimed: frozenset[str], groups: lis
     """The groups with the Constant nodes their nodes read (a control-flow body's outer-scope reads too).
     ORT sees a Constant as an initializer, a value known when it loads the model: cut out of the partition,
     it would be a graph input instead, and ORT's shape inference, constant folding and kernels that need a
-    constant (a Scan body's output shapes, ORT 1.32) would no longer see its value."""
+    constant (a Scan body's output shapes) would no longer see its value."""
     from ephost.graph import subgraph_inputs
     constants = {n.output[0]: n.name for n in model.graph.node
                  if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.name not in claimed}
