@@ -8,6 +8,7 @@ Compile builds one ORT session per partition; Compute binds inputs and outputs t
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -166,6 +167,27 @@ def _static(arg) -> tuple[tuple[int, ...], np.dtype] | None:
     return tuple(arg.shape), dtype
 
 
+def _with_constants(model: onnx.ModelProto, claimed: frozenset[str], groups: list[NodeGroup]) -> list[NodeGroup]:
+    """The groups with the Constant nodes their nodes read (a control-flow body's outer-scope reads too).
+    ORT sees a Constant as an initializer, a value known when it loads the model: cut out of the partition,
+    it would be a graph input instead, and ORT's shape inference, constant folding and kernels that need a
+    constant (a Scan body's output shapes) would no longer see its value."""
+    from ephost.graph import subgraph_inputs
+    constants = {n.output[0]: n.name for n in model.graph.node
+                 if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.name not in claimed}
+    if not constants:
+        return groups
+    nodes = {n.name: n for n in model.graph.node}
+    taken = {name for group in groups for name in group.node_names}
+    out = []
+    for group in groups:
+        reads = {v for name in group.node_names for v in [*nodes[name].input, *subgraph_inputs(nodes[name])]}
+        added = [constants[v] for v in sorted(reads) if v in constants and constants[v] not in taken]
+        taken.update(added)
+        out.append(dataclasses.replace(group, node_names=(*added, *group.node_names)) if group.fused else group)
+    return out
+
+
 class OrtEp(EpDefaults):
     def __init__(self, factory: "OrtEpFactory", devices: list, provider_options: dict[str, str]):
         self._factory = factory
@@ -205,7 +227,7 @@ class OrtEp(EpDefaults):
         except Exception as e:
             # ORT will not take the whole model (an op no EP of it runs): ask node by node.
             log.info("%s cannot load the whole model (%s); asking node by node", self.get_name(), e)
-            return self._capability_by_node(model, claimed)
+            return _with_constants(model, claimed, self._capability_by_node(model, claimed))
         # Everything ORT gives the chosen EP, as one group: the session splits it where fusing would make a
         # cycle. (ORT reports the CPU EP's nodes one subgraph each; a partition of them is one ORT session.)
         provider = self._factory.provider
@@ -217,13 +239,14 @@ class OrtEp(EpDefaults):
                 if subgraph.ep_name == provider and node.name in model_nodes and node.name not in claimed:
                     names.append(node.name)
         # Nodes ORT rewrote before assigning (ops it runs through their function body) are reported under
-        # other names, or none: ask about each of them alone. Constants become initializers: leave them.
+        # other names, or none: ask about each of them alone. Constants become initializers, reported as no
+        # node: _with_constants gives ORT those its nodes read.
         rewritten = {n.name for n in model.graph.node
                      if n.name not in reported and n.name not in claimed and n.op_type != "Constant"}
         if rewritten:
             for group in self._capability_by_node(model, claimed, only=rewritten):
                 names += group.node_names
-        return [NodeGroup(tuple(names), fused=True)] if names else []
+        return _with_constants(model, claimed, [NodeGroup(tuple(names), fused=True)] if names else [])
 
     def _capability_by_node(self, model: onnx.ModelProto, claimed: frozenset[str],
                             only: set[str] | None = None) -> list[NodeGroup]:

@@ -84,6 +84,32 @@ def test_nodes_onnx_runtime_lacks_fall_back(ort_env):
     np.testing.assert_allclose(y, d * np.tanh(np.log1p(np.exp(d))), rtol=1e-6)
 
 
+def test_constants_onnx_runtime_reads_are_in_its_partition(ort_env):
+    """ORT loads a Constant as an initializer, a value it knows before the run. A Scan whose body output's rank
+    depends on an outer Constant (Unsqueeze/Squeeze axes) runs only if ORT sees that value: given it as a
+    partition input instead, ORT fails ("Subgraph must have the shape set for all outputs"), as ONNX's
+    linear_attention *_expanded cases did."""
+    T = onnx.TensorProto
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s", "xi"], ["t"]),
+         helper.make_node("Unsqueeze", ["t", "axes"], ["u"]),
+         helper.make_node("Squeeze", ["u", "axes"], ["s_out"]),
+         helper.make_node("Identity", ["t"], ["y_i"])],
+        "body", [models.tensor("s", None), models.tensor("xi", None)],
+        [models.tensor("s_out", None), models.tensor("y_i", None)])
+    nodes = [helper.make_node("Constant", [], ["axes"], name="axes", value=helper.make_tensor("a", T.INT64, [1], [0])),
+             helper.make_node("Scan", ["s0", "x"], ["s", "y"], name="scan", body=body, num_scan_inputs=1)]
+    model = models.model(nodes, [models.tensor("s0", [2]), models.tensor("x", [3, 2])],
+                         [models.tensor("s", None), models.tensor("y", None)])
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as session:
+        owners = {n.name: s.registration for s in session.get_provider_graph_assignment_info() for n in s.nodes}
+        assert owners == {"axes": "ort", "scan": "ort"}
+        s, y = session.run(None, {"s0": np.zeros(2, np.float32), "x": x})
+    np.testing.assert_array_equal(y, np.cumsum(x, axis=0))
+    np.testing.assert_array_equal(s, x.sum(axis=0))
+
+
 def test_ir_versions_onnx_runtime_cannot_read(ort_env):
     model = models.diamond()
     model.ir_version = max_ir_version() + 1
