@@ -123,10 +123,12 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
                                   # clients ping every 20 s to notice a dead worker between calls
                                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                                   ("grpc.keepalive_permit_without_calls", 1)])
+    # A launched worker has one client, which may use all of it; a shared one keeps a quarter from any one.
     dispatcher = Dispatcher.of(state, [EpFactoryService(state), EpService(state), AllocatorService(state),
                                        StreamService(state), DataTransferService(state),
                                        WorkerService(state, request_stop)],
-                               per_client=max(1, threads // 2), total=threads)
+                               per_client=threads if exit_with_parent else max(1, threads * 3 // 4),
+                               total=threads)
     state.dispatcher = dispatcher  # the one entry point for a second transport (the same-host data plane)
     server.add_generic_rpc_handlers(dispatcher.grpc_handlers())
     health_servicer = health.HealthServicer()
