@@ -2,6 +2,7 @@
 typed errors for every failed call, and the worker's regions mapped into this process."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -14,6 +15,8 @@ import numpy as np
 
 from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpWorkerUnavailable, error_for_status,
                            reason_of)
+from ephost.client.fastlane import FastLane, LaneUnavailable
+from ephost.fastlane import METHODS as LANE_METHODS
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
 from ephost.wire import CHUNK_BYTES, MAX_MESSAGE, PROTOCOL, read_file
@@ -58,7 +61,8 @@ class Credentials:
 
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 process=None, credentials: Credentials = Credentials(), shared_memory: bool = True):
+                 process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
+                 fast_lane: bool = True):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -92,6 +96,8 @@ class WorkerConnection:
         self._closed = False
         self._regions: dict[int, Region | None] = {}
         self._regions_lock = threading.Lock()
+        self.lane: FastLane | None = None
+        self._lane_methods: dict = {}
         try:
             hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL,
                                                                         ephost_version=EPHOST_VERSION),
@@ -117,11 +123,26 @@ class WorkerConnection:
         self.fd_socket = hello.fd_socket if shared_memory and self._prove_sharing(hello.fd_socket) else ""
         if not self.fd_socket:
             log.info("no shared memory with the worker at %s: tensors and models travel inline, in chunks", address)
+        # The data plane: Compute, CopyTensors, Alloc and Free over the fast lane where it opens, else gRPC.
+        if fast_lane and self.fd_socket:
+            lane = FastLane(self._lane_ticket, self._lane_lost, self.adopt_region)
+            if lane.open():
+                self.lane = lane
+                self._lane_methods = {self.ep.Compute: LANE_METHODS["Ep/Compute"],
+                                      self.data_transfer.CopyTensors: LANE_METHODS["DataTransfer/CopyTensors"],
+                                      self.allocator.Alloc: LANE_METHODS["Allocator/Alloc"],
+                                      self.allocator.Free: LANE_METHODS["Allocator/Free"]}
 
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
         """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""
         if self._closed:
             raise EpWorkerUnavailable(f"connection to the worker at {self.address} is closed")
+        lane_method = self._lane_methods.get(method)
+        if lane_method is not None:
+            try:
+                return self.lane.call(lane_method, request, timeout or self.timeout_s)
+            except LaneUnavailable:
+                pass  # nothing was sent: the same call goes over gRPC
         try:
             return method(request, timeout=timeout or self.timeout_s, metadata=self._metadata,
                           wait_for_ready=wait_for_ready)
@@ -139,6 +160,18 @@ class WorkerConnection:
         if code == grpc.StatusCode.UNAVAILABLE:
             return EpWorkerUnavailable(f"worker at {self.address} is unavailable during {call}: {details}")
         return error_for_status(code, details, reason_of(e.trailing_metadata()))
+
+    def _lane_ticket(self) -> tuple[bytes, str]:
+        reply = self.call(self.worker.OpenDataPlane, common_pb2.Empty())
+        return reply.ticket, reply.socket
+
+    def _lane_lost(self, call: str) -> EpError:
+        """The error for a fast-lane call whose connection ended: the worker died, or closed it."""
+        if self.process is not None:
+            crashed = self.process.crashed_error(call)
+            if crashed is not None:
+                return crashed
+        return EpWorkerUnavailable(f"worker at {self.address} closed the fast lane during {call}")
 
     # --- shared memory ----------------------------------------------------------------------------
 
@@ -170,6 +203,20 @@ class WorkerConnection:
                     log.warning("cannot map a region of the worker at %s; using copies instead: %s", self.address, e)
             self._regions[region_id] = region
             return region
+
+    def adopt_region(self, region_id: int, size: int, fd: int) -> None:
+        """A region's descriptor the worker handed over unasked (with the first fast-lane reply naming it):
+        mapped now, so that no ExportRegion call is needed. Owns `fd`."""
+        with self._regions_lock:
+            if self._regions.get(region_id) is not None:
+                os.close(fd)
+                return
+            try:
+                self._regions[region_id] = Region.from_fd(fd, size, region_id)
+            except (OSError, EpError) as e:  # the region is fetched by ticket when it is used
+                log.debug("a region the worker handed over cannot be mapped: %s", e)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def forget_region(self, region_id: int) -> None:
         # Tensors this process still holds keep the mapping (and so their data) alive; the rest goes with GC.
@@ -203,6 +250,8 @@ class WorkerConnection:
         except EpError as e:
             log.debug("goodbye to %s failed: %s", self.address, e)
         self._closed = True
+        if self.lane is not None:
+            self.lane.close()
         self.channel.close()
         with self._regions_lock:
             for region in self._regions.values():

@@ -35,6 +35,7 @@ class SupervisionPolicy:
     timeout_s: float = 60.0       # deadline of each call
     connect_timeout_s: float = 10.0
     shared_memory: bool = True    # use shared memory where the worker proves it shares this host
+    fast_lane: bool = True        # Compute and CopyTensors over the data-plane socket where memory is shared
 
     OPTIONS = {
         "restart": "restart a launched worker that dies (default true)",
@@ -44,6 +45,7 @@ class SupervisionPolicy:
         "timeout_s": "deadline of each call to the worker, in seconds (default 60)",
         "connect_timeout_s": "how long to wait for the worker to answer at all (default 10)",
         "shared_memory": "share memory with a worker on this host when it proves it can (default true)",
+        "fast_lane": "carry Compute and CopyTensors over a unix socket where memory is shared (default true)",
     }
 
     @classmethod
@@ -170,7 +172,8 @@ class WorkerLink:
         try:
             conn = WorkerConnection(address, name=self.name, timeout_s=self.policy.timeout_s,
                                     connect_timeout_s=self.policy.connect_timeout_s, process=self.process,
-                                    credentials=self.credentials, shared_memory=self.policy.shared_memory)
+                                    credentials=self.credentials, shared_memory=self.policy.shared_memory,
+                                    fast_lane=self.policy.fast_lane)
         except BaseException:
             if self.supervisor is not None:
                 self.supervisor.stop()

@@ -37,6 +37,7 @@ class _Ticket:
     expires: float
     owner: Any = None       # who it dies with (a client id), see revoke()
     group: Any = None       # and what (the allocator the region belongs to)
+    lane: bool = False      # binds a fast-lane connection to `owner` (ephost.server.fastlane); no descriptor
 
     def close(self) -> None:
         if self.fd is not None:
@@ -84,6 +85,23 @@ class DescriptorServer:
         with self._lock:
             self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, owner)
         return ticket
+
+    def issue_lane(self, client_id: str) -> bytes:
+        """A ticket that binds one data-plane connection to this client (redeemed with `redeem_lane`, on the
+        lane's socket; this socket refuses it)."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self._lock:
+            self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, client_id, lane=True)
+        return ticket
+
+    def redeem_lane(self, ticket: bytes) -> str | None:
+        """The client a live lane ticket was issued to, the ticket used up; None for any other ticket."""
+        with self._lock:
+            entry = self._tickets.get(ticket) if len(ticket) == TICKET_BYTES else None
+            if entry is None or not entry.lane:
+                return None
+            del self._tickets[ticket]
+        return entry.owner if entry.expires >= time.monotonic() else None
 
     def revoke(self, owner: Any) -> int:
         """Close the tickets issued to `owner` (a client that left); returns how many."""
@@ -145,7 +163,7 @@ class DescriptorServer:
         try:
             with self._lock:
                 entry = self._tickets.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
-            if entry is None or entry.expires < time.monotonic():
+            if entry is None or entry.lane or entry.expires < time.monotonic():
                 if entry is not None:
                     entry.close()
                 conn.sendall(_NO)
@@ -203,7 +221,7 @@ def prove_sharing(path: str, ticket: bytes, timeout: float = 5.0) -> bool:
     return reply[:2] == _OK and reply[2:] == hashlib.sha256(nonce).digest()
 
 
-def remove_stale_socket(path: str) -> None:
+def remove_stale_socket(path: str, kind: int = socket.SOCK_STREAM) -> None:
     """Remove a unix socket a dead process left behind (nothing answers on it); leave a live one alone."""
     import stat
     try:
@@ -211,7 +229,7 @@ def remove_stale_socket(path: str) -> None:
             return
     except FileNotFoundError:
         return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+    with socket.socket(socket.AF_UNIX, kind) as probe:
         try:
             probe.connect(path)
             return  # somebody serves here
@@ -228,7 +246,7 @@ def fetch_descriptor(path: str, ticket: bytes, timeout: float = 5.0) -> tuple[in
         try:
             sock.connect(path)
             sock.sendall(ticket)
-            msg, fds, _, _ = socket.recv_fds(sock, 16, 1)
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 1, socket.MSG_CMSG_CLOEXEC)
         except OSError as e:
             raise EpWorkerUnavailable(f"cannot reach the worker's descriptor socket: {e.strerror or e}") from None
     if msg[:2] != _OK or len(fds) != 1:

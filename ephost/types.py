@@ -150,6 +150,10 @@ def is_plain_dtype(dtype) -> bool:
 
 
 def elem_type_of(dtype) -> int:
+    try:
+        return _ELEM_BY_NP[dtype]  # a native-order numpy dtype: the common case, one lookup on the hot path
+    except (KeyError, TypeError):
+        pass
     dt = np.dtype(dtype)
     try:
         return _ELEM_BY_NP[dt.newbyteorder("=")] if dt.byteorder not in "=|" else _ELEM_BY_NP[dt]
@@ -166,10 +170,10 @@ def dtype_of(elem_type: int) -> np.dtype:
 
 
 def checked_shape(shape) -> tuple[int, ...]:
-    dims = tuple(int(d) for d in shape)
+    dims = tuple(map(int, shape))
     if len(dims) > MAX_RANK:
         raise EpInvalidArgument(f"a shape of rank {len(dims)} has more than the {MAX_RANK} dimensions a tensor may")
-    if any(d < 0 for d in dims):
+    if dims and min(dims) < 0:
         raise EpInvalidArgument(f"shape {list(dims)} has a negative dimension")
     return dims
 

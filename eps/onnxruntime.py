@@ -3,8 +3,10 @@ ORT plugin EP library by path (OpenVINO's among them), so that a crash in vendor
 
 GetCapability is the vendor's own decision: ONNX Runtime is asked which nodes the chosen EP takes (with
 session.record_ep_graph_assignment_info), and each subgraph it assigns to that EP becomes a fused group.
-Compile builds one ORT session per partition; Compute binds inputs and outputs to the tensors' own memory
-(IOBinding over shared-memory arrays), so no tensor is copied inside the worker.
+Compile builds one ORT session per partition; Compute binds inputs to the tensors' own memory and large or
+kept outputs to buffers of the output allocator (IOBinding over shared-memory arrays), so ORT reads inputs
+where the client wrote them and writes those outputs where the client reads them. Small outputs that go
+back inline are read out of ORT's memory (one copy of a few bytes). Bindings are kept between runs.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from ephost.eps.library_paths import resolve_library
 from ephost.eps.reference import cpu_device
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
-from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype
+from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype, nbytes_of
 from ephost.values import as_value
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,12 @@ OPTIONS = {
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
 _REGISTRATION = "ephost"
+# Outputs of a known size at least this large are written by ORT straight into the output allocator (for a
+# worker: shared memory its client maps); smaller ones, unless a later partition of the same EP reads them
+# (`keep`), come from ORT's own memory: they travel inline anyway, so an allocation there would be waste.
+PLACE_BYTES = 64 << 10
+# Inputs up to this size are copied into memory kept with the IOBinding rather than bound where they are.
+COPY_BYTES = 16 << 10
 
 
 def _ort():
@@ -114,39 +122,85 @@ def ort_error(what: str, error: Exception) -> EpError:
 
 
 class OrtComputeInfo:
+    """One compiled partition: an ORT session, and the IOBindings kept between its runs (one per caller
+    running it at the same time), so that a steady stream of runs binds and allocates only what changes."""
+
     def __init__(self, graph: FusedGraph, session):
         self.name = graph.name
         self._session = session
         self._inputs = [i.name for i in session.get_inputs()]
         self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
+        # Outputs ORT can write into memory given to it: plain tensors. Others (sequences, maps, strings) go
+        # through session.run.
+        self._bindable = all(o.type.startswith("tensor(") and o.type != "tensor(string)"
+                             for o in session.get_outputs())
+        self._idle: list[_Binding] = []  # list.pop and append are atomic: no lock on the way in or out
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None) -> list[Any]:
         arrays = local_inputs(self.name, self._inputs, inputs)
-        if not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype) for v in arrays.values()):
+        if not self._bindable or not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype)
+                                         for v in arrays.values()):
             return self._run(arrays)  # sequences, strings...: what IOBinding cannot bind
-        binding = self._session.io_binding()
+        try:
+            binding = self._idle.pop()
+        except IndexError:
+            binding = _Binding(self._session.io_binding(), self._outputs)
+        io = binding.io
         for name, array in arrays.items():
-            binding.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-        placed: dict[str, Tensor] = {}
-        for name, static in self._outputs:
-            if allocator is not None and static is not None:
-                # ORT writes the result straight into memory the client maps: no copy anywhere.
+            if array.nbytes <= COPY_BYTES:
+                # Small inputs (inline bytes of a request, new memory every call) are copied into memory kept
+                # with the binding and bound once: a copy of a few bytes costs less than binding anew.
+                kept = binding.copies.get(name)
+                if kept is None or kept[0].shape != array.shape or kept[0].dtype != array.dtype:
+                    copy = np.empty(array.shape, array.dtype)
+                    kept = binding.copies[name] = (copy, (copy.ctypes.data, copy.shape, copy.dtype))
+                np.copyto(kept[0], array)
+                array, where = kept
+            else:
+                where = (array.ctypes.data, array.shape, array.dtype)
+            if binding.inputs.get(name) != where:  # rebound only when the memory moved or changed shape
+                io.bind_input(name, "cpu", 0, array.dtype, array.shape, where[0])
+                binding.inputs[name] = where
+        placed: dict[int, Tensor] = {}
+        for i, (name, static) in enumerate(self._outputs):
+            if static is None:
+                if binding.outputs[i] is not None:
+                    io.bind_output(name, "cpu")  # ORT allocates it (and keeps that memory for the next run)
+                    binding.outputs[i] = None
+                continue
+            if allocator is not None and (i in keep or static[2] >= PLACE_BYTES):
+                # ORT writes the result straight into a buffer of the allocator (shared memory the client
+                # maps, for a worker's client): it leaves by handle, without a copy.
                 tensor = Tensor.empty(static[0], static[1], allocator)
                 array = tensor.local_array()
-                binding.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
-                placed[name] = tensor
+                placed[i] = tensor
             else:
-                binding.bind_output(name, "cpu")
+                # Into memory kept with the binding (bound once), read out after the run: small outputs
+                # travel inline anyway, and an allocation for them would be waste.
+                array = binding.scratch(i, static)
+            address = array.ctypes.data
+            if binding.outputs[i] != address:
+                io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
+                binding.outputs[i] = address
         try:
-            self._session.run_with_iobinding(binding)
+            self._session.run_with_iobinding(io)
         except Exception as e:
+            for tensor in placed.values():
+                tensor.release()
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
-        produced = iter(binding.copy_outputs_to_cpu())
+        # Placed outputs are already where they go; the others are copied out (the binding's memory, and ORT's
+        # own, are written again by the next run).
+        produced = io.get_outputs() if binding.ort_allocated else ()
         out = []
-        for name, static in self._outputs:
-            value = next(produced)
-            out.append(placed[name] if name in placed else as_value(value))
+        for i, (_, static) in enumerate(self._outputs):
+            if i in placed:
+                out.append(placed[i])
+            elif static is not None:
+                out.append(as_value(binding.scratch(i, static).copy()))
+            else:
+                out.append(as_value(produced[i].numpy().copy()))
+        self._idle.append(binding)
         return out
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
@@ -156,15 +210,36 @@ class OrtComputeInfo:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
 
 
-def _static(arg) -> tuple[tuple[int, ...], np.dtype] | None:
-    """(shape, dtype) of an output whose shape and plain type are known before the run."""
+class _Binding:
+    """An IOBinding kept between runs: where each input and output is bound, and the memory kept with it
+    (small inputs are copied into it; small outputs of known shape are written into it)."""
+
+    __slots__ = ("io", "inputs", "copies", "outputs", "_scratch", "ort_allocated")
+
+    def __init__(self, io, outputs: list):
+        self.io = io
+        self.inputs: dict[str, tuple] = {}                     # name -> (address, shape, dtype) bound
+        self.copies: dict[str, tuple[np.ndarray, tuple]] = {}  # name -> (kept array, its binding)
+        self.outputs: list[int | None] = [-1] * len(outputs)  # address bound; None: ORT allocates; -1: unbound
+        self._scratch: dict[int, np.ndarray] = {}
+        self.ort_allocated = any(static is None for _, static in outputs)
+
+    def scratch(self, i: int, static) -> np.ndarray:
+        array = self._scratch.get(i)
+        if array is None:
+            array = self._scratch[i] = np.empty(static[0], static[1])
+        return array
+
+
+def _static(arg) -> tuple[tuple[int, ...], np.dtype, int] | None:
+    """(shape, dtype, nbytes) of an output whose shape and plain type are known before the run."""
     if not arg.type.startswith("tensor(") or not all(isinstance(d, int) and d >= 0 for d in arg.shape or [None]):
         return None
     try:
         dtype = dtype_of(onnx.TensorProto.DataType.Value(arg.type[7:-1].upper()))
     except (ValueError, EpError):
         return None
-    return tuple(arg.shape), dtype
+    return tuple(arg.shape), dtype, nbytes_of(tuple(arg.shape), dtype)
 
 
 def _with_constants(model: onnx.ModelProto, claimed: frozenset[str], groups: list[NodeGroup]) -> list[NodeGroup]:

@@ -46,7 +46,7 @@ class EpService(Servicer):
             resident += here
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
-        outputs = info.compute(inputs, allocator)
+        outputs = info.compute(inputs, allocator, tuple(request.keep))
         self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident)
         keep = set(request.keep)
         return ep_pb2.ComputeResponse(outputs=[

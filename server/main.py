@@ -32,6 +32,7 @@ from ephost.server.allocator_service import AllocatorService
 from ephost.server.contract import SERVICES as CONTRACT
 from ephost.server.ep_service import EpService
 from ephost.server.factory_service import EpFactoryService
+from ephost.server.fastlane import LaneServer, lane_path
 from ephost.server.rpc import Dispatcher
 from ephost.server.security import Security
 from ephost.server.state import Limits, WorkerState
@@ -131,6 +132,9 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
                                total=threads)
     state.dispatcher = dispatcher  # the one entry point for a second transport (the same-host data plane)
     server.add_generic_rpc_handlers(dispatcher.grpc_handlers())
+    if fd_server is not None:  # the fast lane, for clients on this host: the same dispatch, another transport
+        state.lane = LaneServer(lane_path(listen.fd_socket), fd_server, dispatcher.dispatch, state.stats,
+                                export=state.export_region)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Server reflection, so that standard gRPC tools (grpcurl, grpc_cli) can list and call the services.
@@ -177,6 +181,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         os._exit(0)
     for client in state.clients.all():
         state.clients.goodbye(client)
+    if state.lane is not None:
+        state.lane.close()
     factory.close()
     if fd_server is not None:
         fd_server.close()
@@ -202,7 +208,7 @@ def _remove_sockets(listen: Listen) -> None:
         shutil.rmtree(listen.private_dir, ignore_errors=True)
         return
     for path in (listen.address[len("unix://"):] if listen.address.startswith("unix://") else None,
-                 listen.fd_socket):
+                 listen.fd_socket, lane_path(listen.fd_socket) if listen.fd_socket else None):
         if path and not path.startswith("\0"):
             try:
                 os.unlink(path)

@@ -61,6 +61,7 @@ class WorkerState:
             dataclasses.replace(d, ep_metadata={**d.ep_metadata, "onnxruntime_version": self.onnxruntime_version})
             if self.onnxruntime_version else d for d in factory.get_supported_devices()]
         self.fd_server = fd_server
+        self.lane = None  # the fast lane's listener (ephost.server.fastlane.LaneServer) where clients share memory
         self.stats = WorkerStats()
         self.clients = ClientRegistry(self._release, self._left)
         self.started_at = time.time()
@@ -102,6 +103,20 @@ class WorkerState:
             if region is not None:
                 return allocator, region
         raise EpNotFound(f"unknown shared-memory region {region_id} for this client")
+
+    def export_region(self, client_id: str, region_id: int) -> tuple[int, int] | None:
+        """(a duplicate of its descriptor, its size) for a shareable region of this client's; None otherwise."""
+        client = next((c for c in self.clients.all() if c.client_id == client_id), None)
+        if client is None:
+            return None
+        try:
+            _, region = self.region(client, region_id)
+        except EpNotFound:
+            return None
+        try:
+            return (os.dup(region.fd), region.size) if region.fd is not None else None
+        except OSError:  # released meanwhile
+            return None
 
     def model(self, client: ClientState, ref) -> GraphIndex:
         """The model a ModelRef names, parsed and indexed once per client and content hash."""

@@ -84,3 +84,11 @@ class WorkerService(Servicer):
             raise EpInvalidArgument(f"region {request.region} is worker-local (DEFAULT) memory and cannot be shared")
         ticket = self.state.fd_server.issue(region.fd, region.size, owner=client.client_id, group=allocator)
         return worker_pb2.ExportRegionResponse(ticket=ticket, nbytes=region.size)
+
+    @rpc
+    def OpenDataPlane(self, request, call):
+        client = call.client
+        lane = self.state.lane
+        if lane is None:
+            raise EpFailedPrecondition("this worker has no fast lane (it shares no memory with this client)")
+        return worker_pb2.DataPlaneTicket(ticket=lane.issue(client.client_id), socket=lane.path)

@@ -9,9 +9,18 @@ import time
 
 import pytest
 
-import ephost
 from ephost import DeviceMemoryType
-from helpers import RawClient, Worker, device_of
+from helpers import RawClient, Worker, device_of, make_env
+
+
+# Every process this test run starts inherits this mark, so that workers of other runs on the same machine
+# (other checkouts' test suites) are not counted as this run's leaks.
+RUN_MARK = f"EPHOST_TEST_RUN={os.getpid()}-{time.time_ns()}".encode()
+os.environ["EPHOST_TEST_RUN"] = RUN_MARK.split(b"=", 1)[1].decode()
+# Workers this run launches make their private socket directories in a temporary directory of this run's own.
+RUN_TMP = tempfile.mkdtemp(prefix="ephost-run-")
+os.environ["TMPDIR"] = RUN_TMP
+tempfile.tempdir = None
 
 
 def worker_pids() -> set[int]:
@@ -20,10 +29,14 @@ def worker_pids() -> set[int]:
         try:
             with open(cmdline, "rb") as f:
                 args = f.read().split(b"\0")
+            if not (b"ephost" in args and b"worker" in args):
+                continue
+            with open(cmdline[:-len("cmdline")] + "environ", "rb") as f:
+                if RUN_MARK not in f.read().split(b"\0"):
+                    continue
         except OSError:
             continue
-        if b"ephost" in args and b"worker" in args:
-            pids.add(int(cmdline.split("/")[2]))
+        pids.add(int(cmdline.split("/")[2]))
     return pids
 
 
@@ -43,14 +56,13 @@ def nothing_leaks():
     assert worker_pids() - pids_before == set(), "worker processes outlived the test suite"
     assert set(os.listdir("/dev/shm")) - shm_before == set(), "files left in /dev/shm"
     assert private_dirs() - dirs_before == set(), "private socket directories left behind"
+    import shutil
+    shutil.rmtree(RUN_TMP, ignore_errors=True)  # what is left there (pytest's tmp_path) goes too
 
 
 @pytest.fixture(scope="session")
 def env():
-    """One Environment with a launched reference worker ("ref") and an in-process one ("local")."""
-    with ephost.Environment() as environment:
-        environment.register_execution_provider_library("ref", "reference")
-        environment.register_execution_provider_library("local", "inproc:reference")
+    with make_env() as environment:
         yield environment
 
 

@@ -10,6 +10,8 @@ import tempfile
 
 import grpc
 
+import ephost
+
 from ephost.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -85,3 +87,16 @@ class RawClient:
 
     def close(self):
         self.channel.close()
+
+
+# The two transports of the data plane: the fast lane (the default where client and worker share memory) and
+# gRPC alone (`fast_lane=false`). Modules whose tests must hold over both parametrize their fixtures with these.
+TRANSPORTS = {"fast_lane": {}, "grpc": {"fast_lane": "false"}}
+
+
+def make_env(transport: str = "fast_lane") -> ephost.Environment:
+    """An Environment with a launched reference worker ("ref") and an in-process one ("local")."""
+    environment = ephost.Environment()
+    environment.register_execution_provider_library("ref", "reference", TRANSPORTS[transport])
+    environment.register_execution_provider_library("local", "inproc:reference")
+    return environment

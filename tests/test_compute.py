@@ -8,6 +8,7 @@ import ephost
 from ephost import Tensor
 from ephost.eps.base import FusedGraph
 from ephost.graph import GraphIndex, prepare_model
+from helpers import TRANSPORTS, make_env
 
 
 def small_model() -> onnx.ModelProto:
@@ -17,6 +18,13 @@ def small_model() -> onnx.ModelProto:
              helper.make_node("Relu", ["s"], ["r"], name="relu"),
              helper.make_node("Mul", ["r", "x"], ["y"], name="mul")]
     return helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)])
+
+
+# Over both transports of the data plane: the fast lane and gRPC alone.
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def env(request):
+    with make_env(request.param) as environment:
+        yield environment
 
 
 @pytest.fixture(params=["ref", "local"])

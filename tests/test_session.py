@@ -10,15 +10,28 @@ from onnx.reference import ReferenceEvaluator
 import ephost
 from ephost import InferenceSession
 import models
-from helpers import options_for, worker_stats
+from helpers import TRANSPORTS, device_of, make_env, options_for, worker_stats
+
+
+# Every test here runs over both transports of the data plane: the fast lane and gRPC alone.
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def env(request):
+    with make_env(request.param) as environment:
+        yield environment
 
 
 @pytest.fixture(scope="module")
-def split_env():
+def ref_device(env):
+    return device_of(env, "ref")
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def split_env(request):
     """Worker "a" takes Add and Mul (and If), worker "b" takes Relu and Neg; the rest falls back."""
     with ephost.Environment() as env:
-        env.register_execution_provider_library("a", "reference", {"ops": "Add,Mul,If,Loop"})
-        env.register_execution_provider_library("b", "reference", {"ops": "Relu,Neg"})
+        env.register_execution_provider_library("a", "reference", {"ops": "Add,Mul,If,Loop",
+                                                                   **TRANSPORTS[request.param]})
+        env.register_execution_provider_library("b", "reference", {"ops": "Relu,Neg", **TRANSPORTS[request.param]})
         yield env
 
 

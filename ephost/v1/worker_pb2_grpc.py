@@ -75,6 +75,11 @@ class WorkerStub:
                 request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.FromString,
                 _registered_method=True)
+        self.OpenDataPlane = channel.unary_unary(
+                '/ephost.v1.Worker/OpenDataPlane',
+                request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_worker__pb2.DataPlaneTicket.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -138,6 +143,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDataPlane(self, request, context):
+        """A single-use ticket that binds one connection on the worker's data-plane socket (the fast lane: Compute
+        and CopyTensors between processes of one host, over a unix SOCK_SEQPACKET socket) to the calling client.
+        Fails with FAILED_PRECONDITION where the worker has no such socket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +194,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ProbeSharing,
                     request_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.SerializeToString,
+            ),
+            'OpenDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataPlane,
+                    request_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
+                    response_serializer=ephost_dot_v1_dot_worker__pb2.DataPlaneTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +417,33 @@ class Worker:
             '/ephost.v1.Worker/ProbeSharing',
             ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ephost_dot_v1_dot_worker__pb2.ExportRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/OpenDataPlane',
+            ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ephost_dot_v1_dot_worker__pb2.DataPlaneTicket.FromString,
             options,
             channel_credentials,
             insecure,

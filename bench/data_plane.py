@@ -1,0 +1,207 @@
+"""The data plane, side by side in one run: the same calls in process, over the fast lane (a unix
+SOCK_SEQPACKET socket per calling thread) and over gRPC (`fast_lane=false`), each in hot loops, the loops
+interleaved in blocks (in, lane, gRPC, in, lane, gRPC, ...) so that the machine's noise falls on all alike
+without alternating call by call (which inflates the in-process figure several times over).
+
+- tiny model (one Add on 16 floats, ORT CPU EP): overhead per call over a hot in-process ORT run, and what
+  placing both processes on one core, or on two, does to it;
+- a 60-node chain whose nodes alternate between two workers (60 partitions): cost per partition call;
+- squeezenet and shufflenet from the onnx package: out-of-process / in-process ratio;
+- CopyTensors of 4 KiB, 64 KiB and 1 MiB between two buffers of a worker: calls per second, and bytes per
+  second against memcpy of the same size here.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+import ephost
+from ephost import DeviceMemoryType, InferenceSession, SessionOptions, Tensor
+from ephost.run_command import bundled_input, bundled_model
+from bench.session_overhead import SESSION_CONFIG, in_process_session, tiny_model
+
+CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
+TRANSPORTS = {"lane": {}, "grpc": {"fast_lane": "false"}}
+LABELS = {"in": "in process", "lane": "fast lane", "grpc": "gRPC"}
+
+
+def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: int) -> dict[str, float]:
+    """Median seconds per call of each fn, run in hot blocks of `per_block` calls, the blocks interleaved."""
+    for fn in fns.values():
+        for _ in range(max(3, per_block // 4)):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    clock = time.perf_counter
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            block = times[name]
+            for _ in range(per_block):
+                start = clock()
+                fn()
+                block.append(clock() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def options_for(env, *registrations: str) -> SessionOptions:
+    options = SessionOptions()
+    for r in registrations:
+        options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == r])
+    return options
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto these CPUs."""
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(os.path.basename(task)), cpus)
+
+
+def chain_model(n: int) -> onnx.ModelProto:
+    """x -> Relu -> Neg -> Relu -> Neg ... (n nodes), on 16 floats."""
+    names = ["x"] + [f"v{i}" for i in range(n - 1)] + ["y"]
+    nodes = [helper.make_node("Relu" if i % 2 == 0 else "Neg", [names[i]], [names[i + 1]], name=f"n{i}")
+             for i in range(n)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def tiny(env, blocks: int, per_block: int) -> None:
+    x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+    model = tiny_model()
+    inproc = in_process_session(model, "ORT CPU")
+    with InferenceSession(model, options_for(env, "ort-lane"), env=env) as lane, \
+            InferenceSession(model, options_for(env, "ort-grpc"), env=env) as grpc_:
+        fns = {"in": lambda: inproc.run(None, {"x": x}), "lane": lambda: lane.run(None, {"x": x}),
+               "grpc": lambda: grpc_.run(None, {"x": x})}
+        t = interleaved(fns, blocks, per_block)
+        print("Tiny model (one Add on 16 floats), ORT CPU EP: median per run, hot loops in interleaved blocks\n")
+        print("| in process | fast lane | gRPC | fast lane overhead per call | gRPC overhead per call |")
+        print("|---|---|---|---|---|")
+        print(f"| {t['in'] * 1e6:.1f} µs | {t['lane'] * 1e6:.1f} µs | {t['grpc'] * 1e6:.0f} µs | "
+              f"{(t['lane'] - t['in']) * 1e6:.1f} µs | {(t['grpc'] - t['in']) * 1e6:.0f} µs |")
+
+        # Placement: both processes on one core, or each on its own (this machine has os.cpu_count() CPUs).
+        worker = env._registrations["ort-lane"].process.pid
+        everything = os.sched_getaffinity(0)
+        if len(everything) >= 2:
+            a, b = sorted(everything)[:2]
+            rows = []
+            for label, mine, theirs in (("unpinned", everything, everything), ("one core", {a}, {a}),
+                                        ("two cores", {a}, {b})):
+                pin(os.getpid(), mine)
+                pin(worker, theirs)
+                try:
+                    p = interleaved({"in": fns["in"], "lane": fns["lane"]}, max(2, blocks // 2), per_block)
+                finally:
+                    pin(os.getpid(), everything)
+                    pin(worker, everything)
+                rows.append((label, p))
+            print("\nPlacement of the application and the worker (fast lane, tiny model)\n")
+            print("| placement | in process | fast lane | overhead per call |")
+            print("|---|---|---|---|")
+            for label, p in rows:
+                print(f"| {label} | {p['in'] * 1e6:.1f} µs | {p['lane'] * 1e6:.1f} µs | "
+                      f"{(p['lane'] - p['in']) * 1e6:.1f} µs |")
+
+
+def chain(blocks: int, per_block: int, nodes: int = 60) -> None:
+    model = chain_model(nodes)
+    x = np.random.default_rng(1).standard_normal(16).astype(np.float32)
+    with ephost.Environment() as env:
+        for transport, extra in (("in", None), *TRANSPORTS.items()):
+            for op in ("Relu", "Neg"):
+                target = "inproc:reference" if extra is None else "reference"
+                env.register_execution_provider_library(f"{op}-{transport}", target, {"ops": op, **(extra or {})})
+        sessions = {t: InferenceSession(model, options_for(env, f"Relu-{t}", f"Neg-{t}"), env=env)
+                    for t in ("in", *TRANSPORTS)}
+        try:
+            partitions = len(sessions["lane"].get_provider_graph_assignment_info())
+            t = interleaved({k: (lambda s=s: s.run(None, {"x": x})) for k, s in sessions.items()}, blocks,
+                            max(2, per_block // 20))
+        finally:
+            for s in sessions.values():
+                s.close()
+    print(f"\nA chain of {nodes} nodes alternating between two reference workers ({partitions} partitions): "
+          "median per run, and per partition call\n")
+    print("| | per run | per partition call | / in process |")
+    print("|---|---|---|---|")
+    for k in ("in", *TRANSPORTS):
+        print(f"| {LABELS[k]} | {t[k] * 1e3:.2f} ms | {t[k] / partitions * 1e6:.0f} µs | {t[k] / t['in']:.2f} |")
+
+
+def cnns(env, blocks: int, per_block: int) -> None:
+    print("\nCNNs from the onnx package, ORT CPU EP: median per run, out of process / in process\n")
+    print("| model | in process | fast lane | gRPC | fast lane / in | gRPC / in |")
+    print("|---|---|---|---|---|---|")
+    for name in ("squeezenet", "shufflenet"):
+        path, _ = bundled_model(name)
+        model = onnx.load(path)
+        inproc = in_process_session(model, "ORT CPU")
+        with InferenceSession(model, options_for(env, "ort-lane"), env=env) as lane, \
+                InferenceSession(model, options_for(env, "ort-grpc"), env=env) as grpc_:
+            (arg,) = lane.get_inputs()
+            feeds = {arg.name: bundled_input(arg)}
+            t = interleaved({"in": lambda: inproc.run(None, feeds), "lane": lambda: lane.run(None, feeds),
+                             "grpc": lambda: grpc_.run(None, feeds)}, blocks, per_block)
+        print(f"| {name} | {t['in'] * 1e3:.2f} ms | {t['lane'] * 1e3:.2f} ms | {t['grpc'] * 1e3:.2f} ms | "
+              f"{t['lane'] / t['in']:.3f} | {t['grpc'] / t['in']:.3f} |")
+
+
+def copies(env, blocks: int, per_block: int) -> None:
+    print("\nCopyTensors between two buffers of a worker (shared memory -> its private memory): calls per "
+          "second, and bytes per second against memcpy here\n")
+    print("| size | memcpy | fast lane | gRPC | fast lane / memcpy | gRPC / memcpy |")
+    print("|---|---|---|---|---|---|")
+    pairs = {}
+    allocators = []
+    for transport in TRANSPORTS:
+        device = next(d for d in env.get_ep_devices() if d.registration_name == f"ort-{transport}")
+        shared = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
+        private = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
+        allocators.append(device)
+        pairs[transport] = (shared, private)
+    try:
+        for size in (4 << 10, 64 << 10, 1 << 20):
+            host_src, host_dst = np.ones(size, np.uint8), np.empty(size, np.uint8)
+            tensors = {t: (Tensor.from_numpy(host_src, a), Tensor.empty((size,), np.uint8, b))
+                       for t, (a, b) in pairs.items()}
+            fns = {"in": lambda: np.copyto(host_dst, host_src)}
+            for t, (src, dst) in tensors.items():
+                fns[t] = lambda src=src, dst=dst: env.copy_tensors([src], [dst])
+            r = interleaved(fns, blocks, per_block)
+            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            rate = {k: 1 / v for k, v in r.items()}
+            print(f"| {label} | {rate['in'] / 1e3:.0f} k/s, {size * rate['in'] / 1e9:.1f} GB/s | "
+                  f"{rate['lane'] / 1e3:.1f} k/s, {size * rate['lane'] / 1e9:.2f} GB/s | "
+                  f"{rate['grpc'] / 1e3:.2f} k/s, {size * rate['grpc'] / 1e9:.3f} GB/s | "
+                  f"{r['in'] / r['lane']:.3f} | {r['in'] / r['grpc']:.4f} |")
+            for src, dst in tensors.values():
+                src.release()
+                dst.release()
+    finally:
+        for device in allocators:
+            env.release_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
+            env.release_shared_allocator(device, DeviceMemoryType.DEFAULT)
+
+
+def main(quick: bool = False) -> None:
+    import onnxruntime as ort
+    ort.set_default_logger_severity(3)
+    blocks, per_block = (4, 100) if quick else (10, 300)
+    with ephost.Environment() as env:
+        for transport, extra in TRANSPORTS.items():
+            env.register_execution_provider_library(f"ort-{transport}", "onnxruntime",
+                                                    {"session_config": CONFIG, **extra})
+        tiny(env, blocks, per_block)
+        chain(blocks, per_block)
+        cnns(env, max(2, blocks // 2), 5 if quick else 20)
+        copies(env, blocks, per_block)

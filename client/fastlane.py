@@ -1,0 +1,168 @@
+"""The client's end of the fast lane: one SOCK_SEQPACKET connection per calling thread to a worker on this
+host, on which that thread sends a frame and reads the reply itself (no I/O thread, no hand-off).
+
+A connection is opened on a thread's first call with a single-use ticket from Worker.OpenDataPlane (gRPC,
+the control plane), which binds it to this client's id in the worker. The call's deadline is the socket's
+timeout: past it the connection is dropped (its reply can no longer be told from the next one's) and the
+caller gets EpDeadlineExceeded, after which the supervisor ends the worker as it does for gRPC. End of file
+means the worker closed the connection or died: the caller gets what `lost(call)` says (EpWorkerCrashed
+naming the call, for a launched worker that died). In a forked child the parent's connections are dropped
+unused; the child opens its own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import weakref
+from typing import Callable
+
+import grpc
+
+from ephost.errors import EpDeadlineExceeded, EpError, EpPermissionDenied, error_for_status
+from ephost.fastlane import (STATUS_OK, TICKET_OK, FrameError, FrameReader, Method, configure, decode_error,
+                             send_frame)
+
+log = logging.getLogger(__name__)
+
+OPEN_TIMEOUT_S = 5.0
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_LANES: "weakref.WeakSet[FastLane]" = weakref.WeakSet()
+
+
+class LaneUnavailable(Exception):
+    """The lane cannot be opened for this thread: the caller uses gRPC instead."""
+
+
+class _Connection:
+    __slots__ = ("sock", "reader", "timeout", "__weakref__")
+
+    def __init__(self, sock: socket.socket, adopt):
+        self.sock = sock
+        self.reader = FrameReader(sock, adopt)
+        self.timeout = sock.gettimeout()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __del__(self):  # the thread that owned it ended
+        self.sock.close()
+
+
+class FastLane:
+    def __init__(self, ticket: Callable[[], tuple[bytes, str]], lost: Callable[[str], EpError],
+                 adopt: Callable[[int, int, int], None]):
+        self._ticket = ticket  # (ticket, socket path), from Worker.OpenDataPlane
+        self._lost = lost
+        self._adopt = adopt    # (region, size, fd): a region's descriptor, handed over with a reply naming it
+        self._local = threading.local()
+        self._connections: "weakref.WeakSet[_Connection]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._closed = False
+        _LANES.add(self)
+
+    def open(self) -> bool:
+        """Open this thread's connection now; False (and the reason logged) where it cannot be opened."""
+        try:
+            self._connection()
+            return True
+        except LaneUnavailable as e:
+            log.info("no fast lane to the worker: %s", e.__cause__ or e)
+            return False
+
+    def _connection(self) -> _Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        if self._closed:
+            raise LaneUnavailable("the fast lane is closed")
+        try:
+            ticket, path = self._ticket()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # close-on-exec, as Python makes them
+        except (EpError, OSError) as e:
+            raise LaneUnavailable(str(e)) from e
+        try:
+            sock.settimeout(OPEN_TIMEOUT_S)
+            sock.connect(path)
+            configure(sock)
+            sock.send(ticket)
+            answer = sock.recv(len(TICKET_OK))
+        except OSError as e:
+            sock.close()
+            raise LaneUnavailable(f"cannot reach the worker's data-plane socket: {e.strerror or e}") from e
+        if answer != TICKET_OK:
+            sock.close()
+            raise LaneUnavailable("the worker refused the data-plane connection") from \
+                EpPermissionDenied("the worker refused the data-plane connection (ticket unknown or expired)")
+        conn = _Connection(sock, self._adopt)
+        with self._lock:
+            self._connections.add(conn)
+        self._local.conn = conn
+        return conn
+
+    def call(self, method: Method, request, timeout: float):
+        """One call on this thread's connection. Raises LaneUnavailable (nothing was sent) where there is no
+        connection to be had, and the call's typed error otherwise."""
+        conn = self._connection()
+        sock = conn.sock
+        try:
+            if conn.timeout != timeout:
+                sock.settimeout(timeout)
+                conn.timeout = timeout
+            send_frame(sock, method.id, STATUS_OK, timeout, request.SerializeToString())
+            frame = conn.reader.read()
+        except TimeoutError:
+            self._drop(conn)
+            raise EpDeadlineExceeded(f"{method.name} did not finish within its deadline of {timeout:g} s") from None
+        except (OSError, FrameError):
+            frame = None
+        if frame is None:
+            self._drop(conn)
+            raise self._lost(method.name)
+        if frame.status != STATUS_OK:
+            code = _STATUS.get(frame.status, grpc.StatusCode.UNKNOWN)
+            message, reason = decode_error(frame.payload)
+            error = error_for_status(code, message, reason)
+            if frame.method != method.id:  # the worker could not read the frame and closed the connection
+                self._drop(conn)
+            raise error
+        return method.reply.FromString(frame.payload)
+
+    def _drop(self, conn: _Connection) -> None:
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        with self._lock:
+            self._connections.discard(conn)
+        conn.close()
+
+    def _forget(self) -> None:
+        """In a forked child: the parent's connections are the parent's. Close our copies, use none."""
+        self._local = threading.local()
+        for conn in list(self._connections):
+            conn.close()
+        self._connections = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            connections = list(self._connections)
+            self._connections = weakref.WeakSet()
+        for conn in connections:
+            conn.close()
+        self._local = threading.local()
+
+    @property
+    def connections(self) -> int:
+        """Connections open now (one per thread that made a call)."""
+        with self._lock:
+            return len(self._connections)
+
+
+def _after_fork_in_child() -> None:
+    for lane in list(_LANES):
+        lane._forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

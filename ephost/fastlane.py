@@ -1,0 +1,191 @@
+"""The fast lane's frames: the same protobuf messages as the gRPC methods it carries, behind a small fixed
+header, on an AF_UNIX SOCK_SEQPACKET socket between a client thread and a worker thread on one host.
+
+gRPC stays the control plane; the lane carries only the hot calls (one contract, two transports). A frame is
+one header and the message's bytes. The header says which method (its id is its place in `METHODS`, whose
+request and reply classes come from the proto descriptors), the status of a reply (0 = OK; otherwise the gRPC
+status code, and the payload is the error message), the time the caller still gives the call, and the
+payload's length. A frame larger than one packet continues in plain packets until `length` bytes arrived
+(SEQPACKET keeps each packet whole, so no packet boundary is ever guessed).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import message_factory
+
+from ephost.errors import EpInvalidArgument
+from ephost.v1 import allocator_pb2, data_transfer_pb2, ep_pb2
+
+MAGIC = b"EL"
+HEADER = struct.Struct("<2sHHdI")  # magic, method id, status, timeout_s (0 = none), payload length
+PACKET = 64 << 10                  # bytes in one packet, header included
+SOCKET_BUFFER = 1 << 20            # SO_SNDBUF / SO_RCVBUF: room for several packets in flight
+MAX_LENGTH = 1 << 30               # the longest payload either side accepts
+TICKET_OK, TICKET_NO = b"OK", b"NO"
+STATUS_OK = 0
+# A frame of this method id, sent by the worker just before a reply, hands over the descriptors (SCM_RIGHTS)
+# of the shared-memory regions the reply names for the first time on this connection; its payload is one
+# REGION entry (region id, size) per descriptor, in order.
+REGIONS = 0xFFFF
+REGION = struct.Struct("<QQ")
+MAX_FDS = 16
+
+
+@dataclass(frozen=True)
+class Method:
+    id: int
+    name: str         # "Ep/Compute", as the gRPC path names it without its package
+    request: type
+    reply: type
+
+
+def _methods(*pairs) -> dict[str, Method]:
+    out = {}
+    for i, (module, service, method) in enumerate(pairs, 1):
+        descriptor = module.DESCRIPTOR.services_by_name[service].methods_by_name[method]
+        out[f"{service}/{method}"] = Method(i, f"{service}/{method}",
+                                            message_factory.GetMessageClass(descriptor.input_type),
+                                            message_factory.GetMessageClass(descriptor.output_type))
+    return out
+
+
+# The methods the lane carries. Ids are positions here: append, never reorder.
+METHODS: dict[str, Method] = _methods(
+    (ep_pb2, "Ep", "Compute"),
+    (data_transfer_pb2, "DataTransfer", "CopyTensors"),
+    (allocator_pb2, "Allocator", "Alloc"),
+    (allocator_pb2, "Allocator", "Free"),
+)
+BY_ID: dict[int, Method] = {m.id: m for m in METHODS.values()}
+
+
+def _compute_regions(reply) -> list[int]:
+    return [o.tensor.mapped.region for o in reply.outputs
+            if o.WhichOneof("kind") == "tensor" and o.tensor.HasField("mapped")]
+
+
+# The shared-memory regions a reply names, by method: the worker hands their descriptors over the first time.
+REPLY_REGIONS = {
+    METHODS["Allocator/Alloc"].id: lambda reply: [reply.shm.region] if reply.HasField("shm") else [],
+    METHODS["Ep/Compute"].id: _compute_regions,
+}
+
+
+class FrameError(EpInvalidArgument):
+    """A frame that cannot be read: the connection it came on is closed, the peer keeps serving others."""
+
+
+def configure(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+
+
+def send_regions(sock: socket.socket, regions: list[tuple[int, int, int]]) -> None:
+    """Hand over (region id, size, fd) triples, at most MAX_FDS at a time."""
+    for start in range(0, len(regions), MAX_FDS):
+        batch = regions[start:start + MAX_FDS]
+        payload = b"".join(REGION.pack(region, size) for region, size, _ in batch)
+        socket.send_fds(sock, [HEADER.pack(MAGIC, REGIONS, STATUS_OK, 0.0, len(payload)) + payload],
+                        [fd for _, _, fd in batch])
+
+
+def send_frame(sock: socket.socket, method: int, status: int, timeout_s: float, payload: bytes | memoryview) -> None:
+    header = HEADER.pack(MAGIC, method, status, timeout_s, len(payload))
+    first = PACKET - HEADER.size
+    if len(payload) <= first:
+        sock.sendmsg([header, payload])
+        return
+    view = memoryview(payload)
+    sock.sendmsg([header, view[:first]])
+    for start in range(first, len(view), PACKET):
+        sock.sendall(view[start:start + PACKET])
+
+
+def encode_error(message: str, reason: str = "") -> bytes:
+    """An error reply's payload: the structured reason (ephost.errors), a NUL, the message."""
+    return f"{reason}\0{message}".encode()
+
+
+def decode_error(payload) -> tuple[str, str]:
+    """(message, reason) of an error reply's payload."""
+    reason, _, message = bytes(payload).decode("utf-8", "replace").partition("\0")
+    return message, reason
+
+
+@dataclass
+class Frame:
+    method: int
+    status: int
+    timeout_s: float
+    payload: Any  # bytes-like
+
+
+class FrameReader:
+    """Reads whole frames from one socket into a buffer kept between frames. With `adopt`, it takes the
+    descriptors of REGIONS frames (calling `adopt(region, size, fd)` for each) and reads on to the next frame;
+    without it, descriptors a peer attaches are never received (the kernel closes them)."""
+
+    def __init__(self, sock: socket.socket, adopt=None):
+        self._sock = sock
+        self._packet = bytearray(PACKET)
+        self._adopt = adopt
+        self._ancillary = socket.CMSG_SPACE(MAX_FDS * 4) if adopt is not None else 0
+        self._flags = socket.MSG_CMSG_CLOEXEC if adopt is not None else 0  # received descriptors: close-on-exec
+
+    def read(self) -> Frame | None:
+        """The next frame, or None at end of file (the peer closed or died)."""
+        n, ancillary, flags, _ = self._sock.recvmsg_into([self._packet], self._ancillary, self._flags)
+        while ancillary or (self._adopt is not None and n >= HEADER.size
+                            and HEADER.unpack_from(self._packet)[1] == REGIONS):
+            self._take_regions(n, ancillary)
+            n, ancillary, flags, _ = self._sock.recvmsg_into([self._packet], self._ancillary, self._flags)
+        if n == 0:
+            return None
+        if flags & socket.MSG_TRUNC:
+            raise FrameError(f"a packet longer than {PACKET} bytes")
+        if n < HEADER.size:
+            raise FrameError(f"a frame of {n} bytes, shorter than its {HEADER.size}-byte header")
+        magic, method, status, timeout_s, length = HEADER.unpack_from(self._packet)
+        if magic != MAGIC:
+            raise FrameError("a frame without the fast lane's magic bytes")
+        if length > MAX_LENGTH:
+            raise FrameError(f"a frame announcing {length} bytes, more than the {MAX_LENGTH} allowed")
+        got = n - HEADER.size
+        if got > length:
+            raise FrameError(f"a frame carrying {got} bytes after announcing {length}")
+        if got == length:
+            return Frame(method, status, timeout_s, bytes(self._packet[HEADER.size:n]))
+        payload = bytearray(length)
+        payload[:got] = self._packet[HEADER.size:n]
+        view = memoryview(payload)
+        while got < length:
+            k, _, flags, _ = self._sock.recvmsg_into([view[got:got + PACKET]])
+            if k == 0:
+                return None
+            if flags & socket.MSG_TRUNC:
+                raise FrameError("a continuation packet longer than announced")
+            got += k
+        return Frame(method, status, timeout_s, payload)
+
+    def _take_regions(self, n: int, ancillary) -> None:
+        fds: list[int] = []
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += list(struct.unpack(f"{len(data) // 4}i", data[:len(data) - len(data) % 4]))
+        entries = []
+        if n >= HEADER.size and HEADER.unpack_from(self._packet)[1] == REGIONS:
+            length = HEADER.unpack_from(self._packet)[4]
+            body = memoryview(self._packet)[HEADER.size:min(n, HEADER.size + length)]
+            entries = [REGION.unpack_from(body, k) for k in range(0, len(body) - len(body) % REGION.size,
+                                                                   REGION.size)]
+        if len(entries) != len(fds):  # not what a worker sends: keep none of it
+            for fd in fds:
+                os.close(fd)
+            raise FrameError("a descriptor hand-over that does not match its list of regions")
+        for (region, size), fd in zip(entries, fds):
+            self._adopt(region, size, fd)

@@ -1,0 +1,181 @@
+"""The worker's end of the fast lane: a unix SOCK_SEQPACKET listener beside the gRPC socket, for clients on
+this host. Each connection is checked (same uid, by SO_PEERCRED), then bound to one gRPC client by a
+single-use ticket that client got from Worker.OpenDataPlane; a thread of its own then reads a frame, runs the
+call with the same handler the gRPC method runs (same handles, checks, errors, stats, drain, lease) and
+writes the reply. No pool, no hand-off: the thread that reads is the thread that answers.
+
+A frame that cannot be read closes its connection (what follows it cannot be trusted to start a frame); a
+frame that can be read but names an unknown method or carries a bad message gets a typed error back, and
+the connection serves on. Either way the worker keeps serving every other connection.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ephost.errors import EpError
+from ephost.fastlane import (BY_ID, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError, FrameReader,
+                             configure, encode_error, send_frame, send_regions)
+from ephost.fdshare import TICKET_BYTES, DescriptorServer, remove_stale_socket
+from ephost.server.stats import WorkerStats
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+# (method key "Service/Method", request, client id, deadline in time.monotonic() or None) -> reply; raises EpError
+Dispatch = Callable[[str, object, str, "float | None"], object]
+
+
+def lane_path(fd_socket: str) -> str:
+    """The data-plane socket beside a descriptor socket (a file, or a name in the abstract namespace)."""
+    return (fd_socket[:-len(".fds")] if fd_socket.endswith(".fds") else fd_socket) + ".lane"
+
+
+class LaneServer:
+    def __init__(self, path: str, tickets: DescriptorServer, dispatch: Dispatch, stats: WorkerStats,
+                 export: Callable[[str, int], tuple[int, int] | None] | None = None):
+        """`dispatch` runs a call as the gRPC path does. `export(client_id, region)`: a duplicate descriptor of
+        one of that client's shareable regions and its size, or None; the region rides along with the first
+        reply on a connection that names it."""
+        self.path = path
+        self._export = export
+        self._tickets = tickets
+        self._dispatch = dispatch
+        self._stats = stats
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        abstract = path.startswith("\0")
+        if not abstract:
+            remove_stale_socket(path, socket.SOCK_SEQPACKET)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # close-on-exec, as Python makes them
+        self._sock.bind(path)
+        if not abstract:
+            os.chmod(path, 0o600)
+        self._sock.listen(64)
+        threading.Thread(target=self._accept, name="ephost-lane", daemon=True).start()
+
+    def issue(self, client_id: str) -> bytes:
+        """A ticket that binds one connection to this client."""
+        return self._tickets.issue_lane(client_id)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="ephost-lane-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            client_id = self._bind(conn)
+            if client_id is not None:
+                self._stats.add(fast_lane_connections=1)
+                self._loop(conn, client_id)
+        except FrameError as e:
+            log.warning("fast lane: closing a connection that sent %s", e)
+            try:
+                self._error(conn, 0, grpc.StatusCode.INVALID_ARGUMENT, f"fast lane: {e}; connection closed")
+            except OSError:
+                pass
+        except OSError as e:
+            log.debug("fast lane connection ended: %s", e)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _bind(self, conn: socket.socket) -> str | None:
+        """The client a new connection speaks for: same uid, and a ticket issued to that client."""
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        ticket = conn.recv(TICKET_BYTES)
+        client_id = self._tickets.redeem_lane(ticket) if uid == os.getuid() else None
+        if client_id is None:
+            log.warning("fast lane: refused a connection (%s)", "another user" if uid != os.getuid()
+                        else "ticket unknown, used or expired")
+            conn.send(TICKET_NO)
+            return None
+        configure(conn)
+        conn.send(TICKET_OK)
+        conn.settimeout(None)
+        return client_id
+
+    def _loop(self, conn: socket.socket, client_id: str) -> None:
+        reader = FrameReader(conn)
+        dispatch = self._dispatch
+        sent: set[int] = set()  # regions whose descriptors this connection's peer has
+        while True:
+            frame = reader.read()
+            if frame is None:
+                return
+            method = BY_ID.get(frame.method)
+            if method is None:
+                self._error(conn, frame.method, grpc.StatusCode.UNIMPLEMENTED,
+                            f"the fast lane carries no method {frame.method}")
+                continue
+            try:
+                request = method.request.FromString(frame.payload)
+            except DecodeError:
+                self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a {method.name} frame whose message cannot be parsed")
+                continue
+            deadline = time.monotonic() + frame.timeout_s if frame.timeout_s > 0 else None
+            self._stats.add(fast_lane_calls=1)
+            try:
+                reply = dispatch(method.name, request, client_id, deadline)
+            except EpError as e:
+                self._error(conn, frame.method, e.code, str(e), getattr(e, "reason", ""))
+                continue
+            named = REPLY_REGIONS.get(frame.method)
+            if named is not None and self._export is not None:
+                self._hand_over(conn, client_id, [r for r in named(reply) if r not in sent], sent)
+            send_frame(conn, frame.method, STATUS_OK, 0.0, reply.SerializeToString())
+
+    def _hand_over(self, conn: socket.socket, client_id: str, regions: list[int], sent: set[int]) -> None:
+        batch = []
+        try:
+            for region in dict.fromkeys(regions):
+                exported = self._export(client_id, region)
+                if exported is not None:
+                    batch.append((region, exported[1], exported[0]))
+            if batch:
+                send_regions(conn, batch)
+                sent.update(region for region, _, _ in batch)
+        finally:
+            for _, _, fd in batch:
+                os.close(fd)
+
+    @staticmethod
+    def _error(conn: socket.socket, method: int, code: grpc.StatusCode, details: str, reason: str = "") -> None:
+        send_frame(conn, method, code.value[0], 0.0, encode_error(details, reason))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        self._sock.close()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # the connection's thread sees EOF and closes it
+            except OSError:
+                pass
+        if not self.path.startswith("\0"):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,341 @@
+"""The fast lane: Compute, CopyTensors, Alloc and Free over a unix SOCK_SEQPACKET socket per calling thread,
+with everything the gRPC path guarantees (handles per client, typed errors, deadlines, crash detection,
+leases), over real workers, sockets and shared memory."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ephost
+from ephost import InferenceSession, RunOptions
+from ephost.fastlane import HEADER, MAGIC, MAX_LENGTH, METHODS, FrameReader, send_frame
+from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
+import models
+from helpers import RawClient, options_for, worker_stats
+
+SHAPE = (4, 4)
+X = np.arange(16, dtype=np.float32).reshape(SHAPE)
+
+
+def lane_of(env, registration: str):
+    return env._registrations[registration].factory.conn.lane
+
+
+def diamond_session(env, registration, policy="raise", timeout=None):
+    options = options_for(env, registration)
+    options.ep_failure_policy = policy
+    options.compute_timeout_s = timeout
+    return InferenceSession(models.diamond(SHAPE), options, env=env)
+
+
+@pytest.fixture(scope="module")
+def ort_env():
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ort", "onnxruntime", {"intra_op_num_threads": "1"})
+        env.register_execution_provider_library("ort_grpc", "onnxruntime", {"intra_op_num_threads": "1",
+                                                                            "fast_lane": "false"})
+        yield env
+
+
+def test_compute_goes_over_the_fast_lane_and_gives_what_grpc_gives(ort_env):
+    assert lane_of(ort_env, "ort") is not None
+    assert lane_of(ort_env, "ort_grpc") is None, "fast_lane=false keeps every call on gRPC"
+    results = {}
+    for registration in ("ort", "ort_grpc"):
+        before = worker_stats(ort_env, registration)
+        with diamond_session(ort_env, registration) as s:
+            results[registration] = [s.run(None, {"x": X * k})[0] for k in range(5)]
+        after = worker_stats(ort_env, registration)
+        lane_calls = after.fast_lane_calls - before.fast_lane_calls
+        computes = (after.methods["Ep/Compute"].calls - before.methods["Ep/Compute"].calls)
+        assert computes == 5
+        assert lane_calls == (5 if registration == "ort" else 0)
+    for k in range(5):
+        np.testing.assert_array_equal(results["ort"][k], models.diamond_expected(X * k))
+        np.testing.assert_array_equal(results["ort"][k], results["ort_grpc"][k])
+
+
+def test_no_lane_without_shared_memory():
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ref", "reference", {"shared_memory": "false"})
+        assert lane_of(env, "ref") is None
+        with diamond_session(env, "ref") as s:
+            np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+        assert worker_stats(env, "ref").fast_lane_calls == 0
+
+
+def test_large_tensors_cross_in_several_packets(ort_env):
+    """Inline tensors up to the inline limit (512 KiB) travel in frames longer than one packet."""
+    x = np.random.default_rng(1).standard_normal((256, 500)).astype(np.float32)  # 500 KB, inline
+    before = worker_stats(ort_env, "ort").fast_lane_calls
+    with InferenceSession(models.diamond(x.shape), options_for(ort_env, "ort"), env=ort_env) as s:
+        np.testing.assert_allclose(s.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+    assert worker_stats(ort_env, "ort").fast_lane_calls > before
+
+
+def test_copy_tensors_and_alloc_over_the_lane(ort_env):
+    device = next(d for d in ort_env.get_ep_devices() if d.registration_name == "ort")
+    before = worker_stats(ort_env, "ort").fast_lane_calls
+    private = ort_env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+    try:
+        x = np.arange(1024, dtype=np.float32)
+        inside = ephost.Tensor.empty(x.shape, x.dtype, private)                      # Alloc
+        ort_env.copy_tensors([ephost.Tensor.from_numpy(x)], [inside])                 # CopyTensors in
+        out = ephost.Tensor.from_numpy(np.zeros_like(x))
+        ort_env.copy_tensors([inside], [out])                                         # CopyTensors out
+        np.testing.assert_array_equal(out.numpy(), x)
+        inside.release()                                                              # Free
+    finally:
+        ort_env.release_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+    assert worker_stats(ort_env, "ort").fast_lane_calls - before >= 4
+
+
+def test_eight_threads_run_one_session_at_once(ort_env):
+    before = worker_stats(ort_env, "ort").fast_lane_connections
+    errors, counts = [], [0] * 8
+    with diamond_session(ort_env, "ort") as s:
+        def work(i):
+            rng = np.random.default_rng(i)
+            try:
+                for _ in range(40):
+                    x = rng.standard_normal(SHAPE).astype(np.float32)
+                    np.testing.assert_allclose(s.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+                    counts[i] += 1
+            except Exception as e:  # reported below, with the thread's number
+                errors.append((i, e))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert errors == []
+    assert counts == [40] * 8
+    opened = worker_stats(ort_env, "ort").fast_lane_connections - before
+    assert opened == 8, "each calling thread has a connection of its own"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
+def test_worker_killed_while_a_thread_is_blocked_in_a_lane_call(policy):
+    """The call in flight fails within a second with EpWorkerCrashed naming the call (raise), or is made
+    again on the restarted worker (retry) or on the CPU fallback (fallback)."""
+    with ephost.Environment() as env:
+        # The 2nd compute hangs, so that a thread is surely blocked in it when the worker is killed.
+        env.register_execution_provider_library("chaos", "chaos", {"fault": "hang", "at": "compute", "after": "2",
+                                                                    "timeout_s": "30"})
+        pid = env._registrations["chaos"].process.pid
+        with diamond_session(env, "chaos", policy) as s:
+            np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+            assert lane_of(env, "chaos") is not None
+            outcome = {}
+
+            def run():
+                try:
+                    outcome["y"] = s.run(None, {"x": X})[0]
+                except ephost.EpError as e:
+                    outcome["error"] = e
+                outcome["after_kill_s"] = time.monotonic() - killed_at[0]
+
+            killed_at = [0.0]
+            t = threading.Thread(target=run)
+            t.start()
+            time.sleep(0.5)  # blocked in the hanging compute
+            killed_at[0] = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            t.join(30)
+            assert not t.is_alive()
+            if policy == "raise":
+                error = outcome["error"]
+                assert isinstance(error, ephost.EpWorkerCrashed)
+                assert "SIGKILL" in str(error) and "Ep/Compute" in str(error)
+                assert outcome["after_kill_s"] < 1.0
+            else:
+                np.testing.assert_array_equal(outcome["y"], models.diamond_expected(X))
+            # The worker is back (the retry's compute was its 1st: no hang) and runs go on.
+            env._registrations["chaos"].link.wait_healthy(10)
+            np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+
+
+@pytest.mark.timeout(60)
+def test_a_compute_past_its_deadline_is_ended_and_the_worker_replaced():
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("chaos", "chaos", {"fault": "hang", "at": "compute", "after": "1"})
+        first = env._registrations["chaos"].process.pid
+        with diamond_session(env, "chaos") as s:
+            start = time.monotonic()
+            with pytest.raises((ephost.EpDeadlineExceeded, ephost.EpWorkerCrashed)):
+                s.run(None, {"x": X}, run_options=RunOptions(compute_timeout_s=0.5))
+            assert time.monotonic() - start < 5
+            link = env._registrations["chaos"].link
+            assert link.wait_healthy(10)
+            assert env._registrations["chaos"].process.pid != first, "the stuck worker was killed and replaced"
+
+
+# --- the wire itself ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lane_worker():
+    from helpers import Worker
+    w = Worker("--ep", "onnxruntime", "--option", "intra_op_num_threads=1", "--client-lease-s", "1.5")
+    yield w
+    w.stop()
+
+
+def open_lane(raw: RawClient, ticket: bytes | None = None) -> tuple[socket.socket, bytes]:
+    reply = raw(raw.worker.OpenDataPlane, common_pb2.Empty())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(reply.socket)
+    sock.send(ticket if ticket is not None else reply.ticket)
+    return sock, reply.ticket
+
+
+def lane_call(sock, name, request, timeout=10.0):
+    method = METHODS[name]
+    send_frame(sock, method.id, 0, timeout, request.SerializeToString())
+    frame = FrameReader(sock, adopt=lambda region, size, fd: os.close(fd)).read()  # regions: not mapped here
+    return frame, (method.reply.FromString(frame.payload) if frame and frame.status == 0 else None)
+
+
+def host_allocator(raw: RawClient) -> int:
+    return raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
+        device_mem_type=common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE)).allocator
+
+
+def test_a_ticket_binds_one_connection_to_its_client_once(lane_worker):
+    a, b = RawClient(lane_worker.address, "a"), RawClient(lane_worker.address, "b")
+    try:
+        sock_a, ticket = open_lane(a)
+        assert sock_a.recv(2) == b"OK"
+        allocator = host_allocator(a)
+        frame, reply = lane_call(sock_a, "Allocator/Alloc", allocator_pb2.AllocRequest(allocator=allocator, nbytes=64))
+        assert frame.status == 0 and reply.buffer
+        # b presents a's ticket, already used: refused. A made-up one: refused.
+        for stolen in (ticket, os.urandom(32)):
+            sock_b, _ = open_lane(b, ticket=stolen)
+            assert sock_b.recv(2) == b"NO"
+            sock_b.close()
+        # b's own connection cannot name a's handles.
+        sock_b, _ = open_lane(b)
+        assert sock_b.recv(2) == b"OK"
+        frame, _ = lane_call(sock_b, "Allocator/Free", allocator_pb2.FreeRequest(allocator=allocator,
+                                                                                 buffer=reply.buffer))
+        assert frame.status == 5, "NOT_FOUND"  # grpc.StatusCode.NOT_FOUND
+        assert b"unknown allocator handle" in bytes(frame.payload)
+        frame, _ = lane_call(sock_a, "Allocator/Free", allocator_pb2.FreeRequest(allocator=allocator,
+                                                                                 buffer=reply.buffer))
+        assert frame.status == 0, "a's own handle still works for a"
+        sock_a.close()
+        sock_b.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bad_frames_get_an_error_or_a_closed_connection_and_others_are_served(lane_worker):
+    raw = RawClient(lane_worker.address)
+    try:
+        allocator = host_allocator(raw)
+        good = allocator_pb2.AllocRequest(allocator=allocator, nbytes=64)
+
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        # An unknown method: UNIMPLEMENTED, and the connection serves on.
+        send_frame(sock, 999, 0, 5.0, b"")
+        frame = FrameReader(sock).read()
+        assert frame.status == 12 and b"no method 999" in bytes(frame.payload)  # UNIMPLEMENTED
+        # A message that does not parse: INVALID_ARGUMENT, and the connection serves on.
+        send_frame(sock, METHODS["Ep/Compute"].id, 0, 5.0, b"\xff\xff\xff")
+        frame = FrameReader(sock).read()
+        assert frame.status == 3 and b"cannot be parsed" in bytes(frame.payload)
+        frame, reply = lane_call(sock, "Allocator/Alloc", good)
+        assert frame.status == 0 and reply.buffer
+        # A compute naming a partition that does not exist: the typed error the gRPC path gives.
+        frame, _ = lane_call(sock, "Ep/Compute", ep_pb2.ComputeRequest(node_compute_info=12345))
+        assert frame.status == 5 and b"unknown compute info handle" in bytes(frame.payload)
+
+        def closed_after(packet: bytes) -> bool:
+            s, _ = open_lane(raw)
+            assert s.recv(2) == b"OK"
+            s.send(packet)
+            frames = []
+            while (f := FrameReader(s).read()) is not None:
+                frames.append(f)
+            s.close()
+            return all(f.status == 3 for f in frames)  # at most an INVALID_ARGUMENT before the end
+
+        assert closed_after(b"xy"), "shorter than a header"
+        assert closed_after(HEADER.pack(b"??", 1, 0, 1.0, 0)), "wrong magic"
+        assert closed_after(HEADER.pack(MAGIC, 1, 0, 1.0, MAX_LENGTH + 1)), "oversized length"
+        # Truncated: a frame announcing more than ever comes, then the sender stops writing.
+        s, _ = open_lane(raw)
+        assert s.recv(2) == b"OK"
+        s.send(HEADER.pack(MAGIC, METHODS["Allocator/Alloc"].id, 0, 1.0, 100) + b"0123456789")
+        s.shutdown(socket.SHUT_WR)
+        assert FrameReader(s).read() is None, "the worker closed the connection"
+        s.close()
+
+        # The first connection, and the worker, keep serving.
+        frame, reply = lane_call(sock, "Allocator/Alloc", good)
+        assert frame.status == 0 and reply.buffer
+        sock.close()
+        assert lane_worker.proc.poll() is None
+    finally:
+        raw.close()
+
+
+def test_lane_calls_keep_the_clients_lease(lane_worker):
+    """A client whose only calls are on the fast lane is not released when its lease (1.5 s) runs out."""
+    raw = RawClient(lane_worker.address)
+    try:
+        allocator = host_allocator(raw)
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            frame, reply = lane_call(sock, "Allocator/Alloc", allocator_pb2.AllocRequest(allocator=allocator,
+                                                                                         nbytes=64))
+            assert frame.status == 0, bytes(frame.payload)
+            time.sleep(0.3)
+        sock.close()
+    finally:
+        raw.close()
+
+
+def test_a_forked_child_does_not_use_the_parents_connections(ort_env):
+    lane = lane_of(ort_env, "ort")
+    with diamond_session(ort_env, "ort") as s:
+        s.run(None, {"x": X})
+        assert lane.connections >= 1
+        before = worker_stats(ort_env, "ort")
+        pid = os.fork()
+        if pid == 0:  # the child: the connections it inherited are dropped, unused
+            os._exit(0 if lane.connections == 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+        after = worker_stats(ort_env, "ort")
+    assert after.fast_lane_calls - before.fast_lane_calls == 1, "the parent's connection still serves it"
+    assert after.fast_lane_connections == before.fast_lane_connections
+
+
+@pytest.mark.parametrize("transport", ["fast_lane", "grpc"])
+def test_a_new_regions_descriptor_rides_along_with_the_first_reply_naming_it(transport):
+    """Over the lane, the worker hands a region's descriptor over with the first reply that names it (no
+    ExportRegion call, no descriptor socket); over gRPC the client fetches it by ticket."""
+    x = np.random.default_rng(2).standard_normal((512, 512)).astype(np.float32)  # 1 MiB out: shared memory
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ort", "onnxruntime", {"fast_lane": str(transport == "fast_lane")})
+        with InferenceSession(models.chain(["Relu", "Neg"], shape=x.shape), options_for(env, "ort"), env=env) as s:
+            (y,) = s.run(None, {"x": x})
+            np.testing.assert_array_equal(y, -np.maximum(x, 0))
+            exports = worker_stats(env, "ort").methods["Worker/ExportRegion"].calls
+    assert exports == (0 if transport == "fast_lane" else 1)
