@@ -90,7 +90,7 @@ def tiny(env, blocks: int, per_block: int) -> None:
               f"{(t['lane'] - t['in']) * 1e6:.1f} µs | {(t['grpc'] - t['in']) * 1e6:.0f} µs |")
 
         # Placement: both processes on one core, or each on its own (this machine has os.cpu_count() CPUs).
-        worker = env._registrations["ort-lane"].process.pid
+        worker = env.registration("ort-lane").process.pid
         everything = os.sched_getaffinity(0)
         if len(everything) >= 2:
             a, b = sorted(everything)[:2]

@@ -21,9 +21,7 @@ def local_inputs(partition: str, names: Sequence[str], inputs: Sequence[Any]) ->
     feeds = {}
     for name, value in zip(names, inputs):
         if isinstance(value, Tensor):
-            array = value.host_array
-            if array is None:
-                array = value.local_array()
+            array = value.local_array()
             if array is None:
                 raise EpInvalidArgument(f"input {name!r} of {partition} is in memory this EP cannot read")
             value = array
