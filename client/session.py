@@ -2,7 +2,8 @@
 
 A session asks each EP, in the order they were added, which nodes it takes (GetCapability, with the nodes
 already taken marked), groups what each EP took into partitions that can be fused without a cycle, compiles
-them on their EPs, and gives what nobody took to the in-process CPU fallback (the reference EP). A run goes
+them on their EPs, and gives what nobody took to the in-process CPU fallback (client/fallback.py: ONNX
+Runtime's CPU EP, then the reference evaluator for what ORT cannot run). A run goes
 through the partitions in topological order; a value stays where it was made and is only copied when a
 partition elsewhere reads it.
 """
@@ -19,7 +20,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ephost.eps.reference import ReferenceEpFactory
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
@@ -27,11 +27,10 @@ from ephost.values import as_value, to_python
 from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.feeds import check_feed, check_feed_names, shape_of, type_string
+from ephost.client.fallback import CpuFallback, default_fallback
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 
 log = logging.getLogger(__name__)
-
-FALLBACK = "fallback"  # the name the CPU fallback goes by in assignment info
 
 
 class SessionOptions:
@@ -41,12 +40,16 @@ class SessionOptions:
     restart, compile again, run the failed partition once more) or "fallback" (run the failed partition on the
     CPU fallback; once the EP is marked failed, its partitions run there from then on). `compute_timeout_s`:
     the deadline of every Compute (a worker past it is ended, then the policy applies); None: the EP's call
-    deadline."""
+    deadline. `fallback`: what runs the nodes no EP takes (and failed partitions under "fallback"):
+    "onnxruntime" (ONNX Runtime's CPU EP in process, the reference evaluator for what it cannot run; the
+    default where onnxruntime is installed), "reference" (ONNX's reference evaluator only) or None (a node no
+    EP takes fails the session's creation)."""
 
     def __init__(self):
         self._providers: list[tuple[list[EpDevice], dict[str, str]]] = []
         self.ep_failure_policy = "raise"
         self.compute_timeout_s: float | None = None
+        self.fallback: str | None = default_fallback()
 
     def add_provider_for_devices(self, ep_devices: Sequence[EpDevice],
                                  provider_options: Mapping[str, str] | None = None) -> None:
@@ -138,8 +141,7 @@ class InferenceSession:
         options = sess_options or SessionOptions()
         self._timeout = options.compute_timeout_s
         self._runs = itertools.count(1)
-        self._fallback_factory = ReferenceEpFactory()
-        self._fallback = Placement(FALLBACK, self._fallback_factory.get_name(), self._fallback_factory.create_ep([0], {}))
+        self._fallback = CpuFallback(options.fallback)
         self._failures = FailurePolicy(options.ep_failure_policy, self._link_of, self._fallback)
         entries = options.providers + self._provider_shortcuts(providers or [])
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release on close
@@ -192,7 +194,8 @@ class InferenceSession:
                 continue
             claims.append(Claim(Placement(registration.name, devices[0].ep_name, ep), groups))
             claimed.update(n for g in groups for n in g.node_names)
-        return plan_partitions(self._index, claims, self._fallback)
+        fallbacks = self._fallback.claims(self._model, frozenset(claimed)) if set(self._index.nodes) - claimed else []
+        return plan_partitions(self._index, claims, fallbacks)
 
     def _compile(self) -> None:
         by_ep: dict[int, list[Partition]] = {}
@@ -200,10 +203,13 @@ class InferenceSession:
             by_ep.setdefault(id(p.placement.ep), []).append(p)
         for parts in by_ep.values():
             name, ep = parts[0].registration, parts[0].placement.ep
+            if self._fallback.owns(parts[0].placement):
+                for p in parts:  # ORT may still refuse a partition it claimed: the next fallback EP takes it
+                    p.placement, p.compute_info = self._fallback.compile(p.graph, p.placement)
+                continue
             try:
                 infos = self._failures.guarded(name, "Compile", lambda: ep.compile([p.graph for p in parts]))
-                allocator = (self._env.registration(name).session_allocator()
-                             if parts[0].placement is not self._fallback else None)
+                allocator = self._env.registration(name).session_allocator()
             except FellBack:
                 for p in parts:
                     self._failures.to_fallback(p)
