@@ -40,7 +40,7 @@ class SessionOptions:
     restart, compile again, run the failed partition once more) or "fallback" (run the failed partition on the
     CPU fallback; once the EP is marked failed, its partitions run there from then on). `compute_timeout_s`:
     the deadline of every Compute (a worker past it is ended, then the policy applies); None: the EP's call
-    deadline. `fallback`: what runs the nodes no EP takes (and failed partitions under "fallback"):
+    deadline; 0: no deadline. `fallback`: what runs the nodes no EP takes (and failed partitions under "fallback"):
     "onnxruntime" (ONNX Runtime's CPU EP in process, the reference evaluator for what it cannot run; the
     default where onnxruntime is installed), "reference" (ONNX's reference evaluator only) or None (a node no
     EP takes fails the session's creation)."""
@@ -69,7 +69,8 @@ class SessionOptions:
 
 @dataclass
 class RunOptions:
-    """Per-run settings (ONNX Runtime's RunOptions): `compute_timeout_s` overrides the session's."""
+    """Per-run settings (ONNX Runtime's RunOptions): `compute_timeout_s` overrides the session's (None: the
+    session's; 0: no deadline)."""
 
     compute_timeout_s: float | None = None
 
@@ -81,6 +82,27 @@ class NodeArg:
     name: str
     type: str
     shape: list
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """ONNX Runtime's ModelMetadata: what the model says about itself."""
+
+    producer_name: str
+    graph_name: str
+    domain: str
+    description: str
+    graph_description: str
+    version: int
+    custom_metadata_map: dict[str, str]
+
+
+# gRPC takes a deadline in seconds, never none: a century stands for "no deadline" (compute_timeout_s=0).
+NO_DEADLINE_S = 100 * 365 * 86400.0
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return NO_DEADLINE_S if timeout == 0 else timeout
 
 
 @dataclass(frozen=True)
@@ -139,15 +161,18 @@ class InferenceSession:
         self._constants = {t.name: t for t in graph.initializer}
 
         options = sess_options or SessionOptions()
+        self._options = options
         self._timeout = options.compute_timeout_s
+        self._launched: list[str] = []  # registrations this session made itself: unregistered when it closes
         self._runs = itertools.count(1)
         self._fallback = CpuFallback(options.fallback)
         self._failures = FailurePolicy(options.ep_failure_policy, self._link_of, self._fallback)
-        entries = options.providers + self._provider_shortcuts(providers or [])
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release on close
         self._partitions: list[Partition] = []
+        self._entries: list[tuple[list[EpDevice], dict[str, str]]] = []
         try:
-            self._partitions = self._partition(entries)
+            self._entries = options.providers + self._provider_shortcuts(providers or [])
+            self._partitions = self._partition(self._entries)
             self._compile()
         except BaseException:
             self.close()
@@ -175,6 +200,7 @@ class InferenceSession:
             target, options = (entry, {}) if isinstance(entry, str) else entry
             if not self._env.is_registered(target):
                 self._env.register_execution_provider_library(target, target)
+                self._launched.append(target)
             devices = [d for d in self._env.get_ep_devices() if d.registration_name == target]
             out.append((devices, dict(options)))
         return out
@@ -226,6 +252,29 @@ class InferenceSession:
     def get_outputs(self) -> list[NodeArg]:
         return [NodeArg(o.name, type_string(o.type), shape_of(o.type)) for o in self._outputs]
 
+    def get_providers(self) -> list[str]:
+        """The session's EPs by name, in order of preference, the fallback's last (ORT lists its CPU EP last)."""
+        names = [devices[0].ep_name for devices, _ in self._entries]
+        names += [p.ep_name for p in self._fallback.placements]
+        return list(dict.fromkeys(names))
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        """Each EP's options by EP name, as ONNX Runtime's get_provider_options."""
+        out: dict[str, dict[str, str]] = {}
+        for devices, options in self._entries:
+            out.setdefault(devices[0].ep_name, dict(options))
+        for p in self._fallback.placements:
+            out.setdefault(p.ep_name, {})
+        return out
+
+    def get_session_options(self) -> SessionOptions:
+        return self._options
+
+    def get_modelmeta(self) -> ModelMetadata:
+        m = self._model
+        return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
+                             m.model_version, {p.key: p.value for p in m.metadata_props})
+
     def get_provider_graph_assignment_info(self) -> list[AssignedSubgraph]:
         nodes = self._index.nodes
         return [AssignedSubgraph(p.placement.ep_name, p.registration, tuple(
@@ -243,8 +292,8 @@ class InferenceSession:
         values = self._feeds(input_feed)
         keep = set(names)
         run = next(self._runs)
-        timeout = (run_options.compute_timeout_s if run_options is not None and run_options.compute_timeout_s
-                   else self._timeout)
+        timeout = _deadline(run_options.compute_timeout_s if run_options is not None
+                            and run_options.compute_timeout_s is not None else self._timeout)
         self._failures.counters["runs"] += 1
         for p in self._partitions:
             inputs = [values[v] for v in p.graph.inputs]
@@ -294,6 +343,11 @@ class InferenceSession:
                 registration.factory.release_ep(ep)
             except Exception as e:  # the worker may be gone; what it held went with it
                 log.debug("releasing %s's partitions failed: %s", registration.name, e)
+        for name in getattr(self, "_launched", []):  # workers this session launched are its own
+            try:
+                self._env.unregister_execution_provider_library(name)
+            except EpError as e:
+                log.debug("unregistering %s: %s", name, e)
 
     def __enter__(self) -> "InferenceSession":
         return self
