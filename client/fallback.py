@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import onnx
 
 from ephost.eps import load_factory
-from ephost.eps.base import FusedGraph
+from ephost.eps.base import FusedGraph, NodeGroup
 from ephost.errors import EpError, EpInternal, EpInvalidArgument
 from ephost.client.planner import Claim, Placement
 
@@ -53,8 +53,14 @@ class CpuFallback:
     def claims(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[Claim]:
         """GetCapability of each fallback EP in turn, each seeing what the ones before it took."""
         out = []
-        for placement in self.placements:
-            groups = placement.ep.get_capability(model, claimed)
+        for i, placement in enumerate(self.placements):
+            if i == len(self.placements) - 1 and placement.ep_name == "reference":
+                # The last resort tries every node left, beyond the ai.onnx ops its GetCapability vouches for
+                # (ai.onnx.ml, preview training ops, functions): a node it cannot run fails its compile, clearly.
+                rest = tuple(n.name for n in model.graph.node if n.name not in claimed)
+                groups = [NodeGroup(rest, fused=True)] if rest else []
+            else:
+                groups = placement.ep.get_capability(model, claimed)
             out.append(Claim(placement, groups))
             claimed = claimed | {n for g in groups for n in g.node_names}
         return out
