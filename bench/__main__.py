@@ -1,13 +1,15 @@
 import argparse
 
-from bench import copy_bandwidth, data_plane, recovery, session_overhead
+from bench import copy_bandwidth, data_plane, fallback, recovery, session_overhead
+
+BENCHES = (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane", data_plane),
+           ("recovery", recovery), ("fallback", fallback))
 
 parser = argparse.ArgumentParser(prog="python -m bench")
 parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
-parser.add_argument("which", nargs="*", choices=["copy", "session", "dataplane", "recovery"], help="which (default: all)")
+parser.add_argument("which", nargs="*", choices=[name for name, _ in BENCHES], help="which (default: all)")
 args = parser.parse_args()
-for name, module in (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane", data_plane),
-                     ("recovery", recovery)):
+for name, module in BENCHES:
     if not args.which or name in args.which:
         module.main(quick=args.quick)
         print()

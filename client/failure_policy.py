@@ -7,7 +7,7 @@ from collections import Counter, deque
 from typing import Any, Callable
 
 from ephost.errors import EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpWorkerCrashed, EpWorkerUnavailable
-from ephost.client.planner import Partition, Placement
+from ephost.client.planner import Partition
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,10 @@ class FellBack(Exception):
 
 class FailurePolicy:
     """Guarded calls and recovery for one session. `links(registration)` gives a registration's WorkerLink (None
-    for an EP in this process); `fallback` is the session's CPU fallback placement."""
+    for an EP in this process); `fallback` is the session's CPU fallback (a CpuFallback: ORT's CPU EP in process,
+    then the reference evaluator; empty when SessionOptions.fallback is None)."""
 
-    def __init__(self, policy: str, links: Callable[[str], Any], fallback: Placement):
+    def __init__(self, policy: str, links: Callable[[str], Any], fallback):
         if policy not in POLICIES:
             raise EpInvalidArgument(f"ep_failure_policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -48,7 +49,7 @@ class FailurePolicy:
             return call()
         except WORKER_FAILURES as error:
             self.note("crashed" if isinstance(error, EpWorkerCrashed) else "failed", registration, what, error)
-            if self.policy == "raise":
+            if self.policy == "raise" or (self.policy == "fallback" and not self._fallback):
                 raise
             if self.policy == "retry":
                 link = self._links(registration)
@@ -62,7 +63,7 @@ class FailurePolicy:
     def recover(self, run: int, p: Partition, partitions: list[Partition], inputs: list, error: EpError,
                 timeout: float | None) -> list:
         """The outputs of partition `p` after its Compute failed with `error`, as the policy decides."""
-        if not isinstance(error, WORKER_FAILURES) or p.placement is self._fallback:
+        if not isinstance(error, WORKER_FAILURES) or self._fallback.owns(p.placement):
             raise error
         self.note(_EVENTS.get(type(error), "crashed"), p.registration, p.graph.name, error, run)
         if self.policy == "raise":
@@ -76,7 +77,7 @@ class FailurePolicy:
         if self.policy == "retry" and not failed:
             self.note("retried", p.registration, p.graph.name, run=run)
             return p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
-        if self.policy != "fallback":
+        if self.policy != "fallback" or not self._fallback:
             raise error
         if failed:  # from now on its partitions run on the fallback
             self.note("moved to the fallback", p.registration, "all its partitions", run=run)
@@ -84,14 +85,15 @@ class FailurePolicy:
                 self.to_fallback(q)
             return p.compute_info.compute(inputs, None, (), timeout)
         self.note("fell back", p.registration, p.graph.name, run=run)
-        return self._fallback_info(p).compute(inputs)
+        return self._fallback_info(p)[1].compute(inputs)
 
     def _fallback_info(self, p: Partition):
+        """(placement, compute info) of `p` on the fallback: ORT's CPU EP where it can run it."""
         if p.fallback_info is None:
-            (p.fallback_info,) = self._fallback.ep.compile([p.graph])
+            p.fallback_info = self._fallback.compile(p.graph)
         return p.fallback_info
 
     def to_fallback(self, p: Partition) -> None:
         """Run partition `p` on the CPU fallback from now on."""
-        p.compute_info, p.allocator, p.keep = self._fallback_info(p), None, ()
-        p.placement = self._fallback
+        p.placement, p.compute_info = self._fallback_info(p)
+        p.allocator, p.keep = None, ()

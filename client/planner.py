@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ephost.eps.base import FusedGraph, NodeGroup
+from ephost.errors import EpInvalidArgument
 from ephost.graph import GraphIndex, cluster
 
 log = logging.getLogger(__name__)
@@ -37,20 +38,22 @@ class Partition:
     last_reads: tuple[str, ...] = ()  # values no later partition reads: let go of once this one ran
     compute_info: Any = None
     allocator: Any = None
-    fallback_info: Any = None         # the same partition compiled on the CPU fallback, once it was needed
+    fallback_info: Any = None         # (placement, compute info) on the CPU fallback, once it was needed
 
     @property
     def registration(self) -> str:
         return self.placement.registration
 
 
-def plan_partitions(index: GraphIndex, claims: Sequence[Claim], fallback: Placement) -> list[Partition]:
+def plan_partitions(index: GraphIndex, claims: Sequence[Claim], fallbacks: Sequence[Claim] = ()) -> list[Partition]:
     """Partitions in the order they run. A node goes to the first EP that claimed it; nodes no EP claimed go
-    to `fallback`. Claims of unknown or already-claimed nodes are ignored (and logged)."""
+    to the first fallback EP that claimed them (`fallbacks`: the fallback EPs' answers, in the order they were
+    asked, each seeing what was taken before it). A node nobody claimed is an error (EpInvalidArgument naming
+    it). Claims of unknown or already-claimed nodes are ignored (and logged)."""
     key_of: dict[str, tuple] = {}
     fusable: set[tuple] = set()
     placements: dict[tuple, Placement] = {}
-    for position, claim in enumerate(claims):
+    for position, claim in enumerate([*claims, *fallbacks]):
         for g, group in enumerate(claim.groups):
             key = (position, g)
             placements[key] = claim.placement
@@ -62,11 +65,11 @@ def plan_partitions(index: GraphIndex, claims: Sequence[Claim], fallback: Placem
                                 "does not exist" if name not in index.nodes else "was already claimed")
                     continue
                 key_of[name] = key
-    fallback_key = ("fallback",)
-    placements[fallback_key] = fallback
-    fusable.add(fallback_key)
-    for name in index.nodes:
-        key_of.setdefault(name, fallback_key)
+    left = [name for name in index.nodes if name not in key_of]
+    if left:
+        shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
+        asked = ", ".join(dict.fromkeys(c.placement.ep_name for c in fallbacks)) or "none (SessionOptions.fallback is None)"
+        raise EpInvalidArgument(f"no EP takes node(s) {shown}; fallback EPs asked: {asked}")
 
     partitions = []
     for i, c in enumerate(cluster(index, key_of, fusable)):

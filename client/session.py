@@ -2,7 +2,8 @@
 
 A session asks each EP, in the order they were added, which nodes it takes (GetCapability, with the nodes
 already taken marked), groups what each EP took into partitions that can be fused without a cycle, compiles
-them on their EPs, and gives what nobody took to the in-process CPU fallback (the reference EP). A run goes
+them on their EPs, and gives what nobody took to the in-process CPU fallback (client/fallback.py: ONNX
+Runtime's CPU EP, then the reference evaluator for what ORT cannot run). A run goes
 through the partitions in topological order; a value stays where it was made and is only copied when a
 partition elsewhere reads it.
 """
@@ -19,7 +20,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ephost.eps.reference import ReferenceEpFactory
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
@@ -27,11 +27,10 @@ from ephost.values import as_value, to_python
 from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.feeds import check_feed, check_feed_names, shape_of, type_string
+from ephost.client.fallback import CpuFallback, default_fallback
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 
 log = logging.getLogger(__name__)
-
-FALLBACK = "fallback"  # the name the CPU fallback goes by in assignment info
 
 
 class SessionOptions:
@@ -41,12 +40,16 @@ class SessionOptions:
     restart, compile again, run the failed partition once more) or "fallback" (run the failed partition on the
     CPU fallback; once the EP is marked failed, its partitions run there from then on). `compute_timeout_s`:
     the deadline of every Compute (a worker past it is ended, then the policy applies); None: the EP's call
-    deadline."""
+    deadline; 0: no deadline. `fallback`: what runs the nodes no EP takes (and failed partitions under "fallback"):
+    "onnxruntime" (ONNX Runtime's CPU EP in process, the reference evaluator for what it cannot run; the
+    default where onnxruntime is installed), "reference" (ONNX's reference evaluator only) or None (a node no
+    EP takes fails the session's creation)."""
 
     def __init__(self):
         self._providers: list[tuple[list[EpDevice], dict[str, str]]] = []
         self.ep_failure_policy = "raise"
         self.compute_timeout_s: float | None = None
+        self.fallback: str | None = default_fallback()
 
     def add_provider_for_devices(self, ep_devices: Sequence[EpDevice],
                                  provider_options: Mapping[str, str] | None = None) -> None:
@@ -66,7 +69,8 @@ class SessionOptions:
 
 @dataclass
 class RunOptions:
-    """Per-run settings (ONNX Runtime's RunOptions): `compute_timeout_s` overrides the session's."""
+    """Per-run settings (ONNX Runtime's RunOptions): `compute_timeout_s` overrides the session's (None: the
+    session's; 0: no deadline)."""
 
     compute_timeout_s: float | None = None
 
@@ -78,6 +82,27 @@ class NodeArg:
     name: str
     type: str
     shape: list
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """ONNX Runtime's ModelMetadata: what the model says about itself."""
+
+    producer_name: str
+    graph_name: str
+    domain: str
+    description: str
+    graph_description: str
+    version: int
+    custom_metadata_map: dict[str, str]
+
+
+# gRPC takes a deadline in seconds, never none: a century stands for "no deadline" (compute_timeout_s=0).
+NO_DEADLINE_S = 100 * 365 * 86400.0
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return NO_DEADLINE_S if timeout == 0 else timeout
 
 
 @dataclass(frozen=True)
@@ -136,16 +161,18 @@ class InferenceSession:
         self._constants = {t.name: t for t in graph.initializer}
 
         options = sess_options or SessionOptions()
+        self._options = options
         self._timeout = options.compute_timeout_s
+        self._launched: list[str] = []  # registrations this session made itself: unregistered when it closes
         self._runs = itertools.count(1)
-        self._fallback_factory = ReferenceEpFactory()
-        self._fallback = Placement(FALLBACK, self._fallback_factory.get_name(), self._fallback_factory.create_ep([0], {}))
+        self._fallback = CpuFallback(options.fallback)
         self._failures = FailurePolicy(options.ep_failure_policy, self._link_of, self._fallback)
-        entries = options.providers + self._provider_shortcuts(providers or [])
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release on close
         self._partitions: list[Partition] = []
+        self._entries: list[tuple[list[EpDevice], dict[str, str]]] = []
         try:
-            self._partitions = self._partition(entries)
+            self._entries = options.providers + self._provider_shortcuts(providers or [])
+            self._partitions = self._partition(self._entries)
             self._compile()
         except BaseException:
             self.close()
@@ -173,6 +200,7 @@ class InferenceSession:
             target, options = (entry, {}) if isinstance(entry, str) else entry
             if not self._env.is_registered(target):
                 self._env.register_execution_provider_library(target, target)
+                self._launched.append(target)
             devices = [d for d in self._env.get_ep_devices() if d.registration_name == target]
             out.append((devices, dict(options)))
         return out
@@ -192,7 +220,8 @@ class InferenceSession:
                 continue
             claims.append(Claim(Placement(registration.name, devices[0].ep_name, ep), groups))
             claimed.update(n for g in groups for n in g.node_names)
-        return plan_partitions(self._index, claims, self._fallback)
+        fallbacks = self._fallback.claims(self._model, frozenset(claimed)) if set(self._index.nodes) - claimed else []
+        return plan_partitions(self._index, claims, fallbacks)
 
     def _compile(self) -> None:
         by_ep: dict[int, list[Partition]] = {}
@@ -200,10 +229,13 @@ class InferenceSession:
             by_ep.setdefault(id(p.placement.ep), []).append(p)
         for parts in by_ep.values():
             name, ep = parts[0].registration, parts[0].placement.ep
+            if self._fallback.owns(parts[0].placement):
+                for p in parts:  # ORT may still refuse a partition it claimed: the next fallback EP takes it
+                    p.placement, p.compute_info = self._fallback.compile(p.graph, p.placement)
+                continue
             try:
                 infos = self._failures.guarded(name, "Compile", lambda: ep.compile([p.graph for p in parts]))
-                allocator = (self._env.registration(name).session_allocator()
-                             if parts[0].placement is not self._fallback else None)
+                allocator = self._env.registration(name).session_allocator()
             except FellBack:
                 for p in parts:
                     self._failures.to_fallback(p)
@@ -219,6 +251,29 @@ class InferenceSession:
 
     def get_outputs(self) -> list[NodeArg]:
         return [NodeArg(o.name, type_string(o.type), shape_of(o.type)) for o in self._outputs]
+
+    def get_providers(self) -> list[str]:
+        """The session's EPs by name, in order of preference, the fallback's last (ORT lists its CPU EP last)."""
+        names = [devices[0].ep_name for devices, _ in self._entries]
+        names += [p.ep_name for p in self._fallback.placements]
+        return list(dict.fromkeys(names))
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        """Each EP's options by EP name, as ONNX Runtime's get_provider_options."""
+        out: dict[str, dict[str, str]] = {}
+        for devices, options in self._entries:
+            out.setdefault(devices[0].ep_name, dict(options))
+        for p in self._fallback.placements:
+            out.setdefault(p.ep_name, {})
+        return out
+
+    def get_session_options(self) -> SessionOptions:
+        return self._options
+
+    def get_modelmeta(self) -> ModelMetadata:
+        m = self._model
+        return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
+                             m.model_version, {p.key: p.value for p in m.metadata_props})
 
     def get_provider_graph_assignment_info(self) -> list[AssignedSubgraph]:
         nodes = self._index.nodes
@@ -237,8 +292,8 @@ class InferenceSession:
         values = self._feeds(input_feed)
         keep = set(names)
         run = next(self._runs)
-        timeout = (run_options.compute_timeout_s if run_options is not None and run_options.compute_timeout_s
-                   else self._timeout)
+        timeout = _deadline(run_options.compute_timeout_s if run_options is not None
+                            and run_options.compute_timeout_s is not None else self._timeout)
         self._failures.counters["runs"] += 1
         for p in self._partitions:
             inputs = [values[v] for v in p.graph.inputs]
@@ -288,6 +343,11 @@ class InferenceSession:
                 registration.factory.release_ep(ep)
             except Exception as e:  # the worker may be gone; what it held went with it
                 log.debug("releasing %s's partitions failed: %s", registration.name, e)
+        for name in getattr(self, "_launched", []):  # workers this session launched are its own
+            try:
+                self._env.unregister_execution_provider_library(name)
+            except EpError as e:
+                log.debug("unregistering %s: %s", name, e)
 
     def __enter__(self) -> "InferenceSession":
         return self

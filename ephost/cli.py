@@ -110,6 +110,20 @@ def cmd_devices(args) -> int:
     return 0
 
 
+def cmd_stats(args) -> int:
+    """A worker's counters (Environment.get_worker_stats): the totals, then calls per method."""
+    with _registered(args) as env:
+        stats = env.get_worker_stats("target")
+        counters = [f.name for f in stats.DESCRIPTOR.fields if f.name != "methods"]
+        print(format_table([["counter", "value"], *([name, str(getattr(stats, name))] for name in counters)]))
+        rows = [["method", "calls", "errors", "total ms", "max ms"]]
+        for method, m in sorted(stats.methods.items()):
+            rows.append([method, str(m.calls), str(m.errors), f"{m.total_s * 1000:.1f}", f"{m.max_s * 1000:.1f}"])
+        print()
+        print(format_table(rows))
+    return 0
+
+
 def cmd_check(args) -> int:
     from ephost import DeviceMemoryType, Tensor
 
@@ -224,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     w.set_defaults(func=cmd_worker)
 
     for name, func, text in (("devices", cmd_devices, "list the EP devices of a target"),
-                             ("check", cmd_check, "check a target end to end with a tensor round trip")):
+                             ("check", cmd_check, "check a target end to end with a tensor round trip"),
+                             ("stats", cmd_stats, "print a worker's counters (calls per method, resident vs "
+                                                  "transferred inputs, bytes each way, live buffers, clients)")):
         p = sub.add_parser(name, help=text)
         p.add_argument("target", help="EP name to launch, worker address, or inproc:NAME")
         p.add_argument("--option", action="append", metavar="KEY=VALUE", help="EP or connection option")

@@ -200,12 +200,12 @@ def refuse_external_data(message, what: str) -> None:
                 m.data_location == TensorProto.EXTERNAL or len(m.external_data)):
             raise EpInvalidArgument(f"{what} has a tensor ({m.name or 'unnamed'}) whose data is in an external "
                                     "file; send the data with it (external data paths are never read)")
-        for field, value in m.ListFields():
-            if field.type != field.TYPE_MESSAGE:
+        for descriptor, value in m.ListFields():
+            if descriptor.type != descriptor.TYPE_MESSAGE:
                 continue
-            if field.message_type.GetOptions().map_entry:
+            if descriptor.message_type.GetOptions().map_entry:
                 stack.extend(v for v in value.values() if hasattr(v, "DESCRIPTOR"))
-            elif field.is_repeated:
+            elif descriptor.is_repeated:
                 stack.extend(value)
             else:
                 stack.append(value)

@@ -1,4 +1,4 @@
-"""The command line: `ephost devices TARGET` and `ephost check TARGET`."""
+"""The command line: `ephost devices TARGET`, `ephost check TARGET` and `ephost stats TARGET`."""
 import subprocess
 import sys
 
@@ -85,3 +85,17 @@ def test_structured_logs():
     entries = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert any(e["logger"] == "ephost.client.environment" and "registered" in e["message"] for e in entries)
     assert all({"time", "level", "logger", "pid", "message"} <= set(e) for e in entries)
+
+
+def test_stats_of_a_running_worker_as_tables(worker):
+    w = worker("--ep", "reference")
+    assert ephost("check", w.address, "--mib", "1").returncode == 0
+    result = ephost("stats", w.address)
+    assert result.returncode == 0, result.stderr
+    counters, methods = result.stdout.split("\n\n")
+    rows = {line.split()[0]: line.split()[1:] for line in counters.splitlines()[2:]}
+    assert {"bytes_copied", "buffers_live", "clients", "compute_inputs_resident"} <= set(rows)
+    calls = {line.split()[0]: int(line.split()[1]) for line in methods.splitlines()[2:]}
+    assert calls["EpFactory/GetSupportedDevices"] == 2 and calls["Allocator/Alloc"] == 1, "check allocated once"
+    result = ephost("stats", "inproc:reference")
+    assert result.returncode == 1 and "hosted in this process" in result.stderr

@@ -56,7 +56,8 @@ def test_plan_puts_each_node_on_the_first_ep_that_claims_it_and_the_rest_on_the_
     index = GraphIndex.of(models.chain(["Relu", "Neg", "Abs"]))
     a, b, fallback = _placement("a"), _placement("b"), _placement("fallback")
     plan = plan_partitions(index, [Claim(a, [NodeGroup(("n0_Relu", "n1_Neg"), fused=True)]),
-                                   Claim(b, [NodeGroup(("n1_Neg", "nope"), fused=True)])], fallback)
+                                   Claim(b, [NodeGroup(("n1_Neg", "nope"), fused=True)])],
+                          [Claim(fallback, [NodeGroup(("n2_Abs",), fused=True)])])
     assert [(p.registration, p.graph.nodes) for p in plan] == [("a", ("n0_Relu", "n1_Neg")),
                                                                ("fallback", ("n2_Abs",))]
     assert plan[0].graph.inputs == ("x",) and plan[1].graph.outputs == ("y",)
@@ -67,10 +68,29 @@ def test_plan_never_fuses_around_another_eps_node():
     index = GraphIndex.of(models.diamond())
     a, b, fallback = _placement("a"), _placement("b"), _placement("fallback")
     plan = plan_partitions(index, [Claim(a, [NodeGroup(("add", "mul"), fused=True)]),
-                                   Claim(b, [NodeGroup(("relu",), fused=True)])], fallback)
+                                   Claim(b, [NodeGroup(("relu",), fused=True)])], [Claim(fallback, [])])
     assert [(p.registration, p.graph.nodes) for p in plan] == [("a", ("add",)), ("b", ("relu",)), ("a", ("mul",))]
     assert plan[0].keep == (0,), "s is read by a later partition of the same EP: it stays in the worker"
     assert plan[1].last_reads == () and plan[2].last_reads == ("s", "r")
+
+
+def test_plan_gives_the_leftovers_to_the_first_fallback_that_claims_them():
+    """ORT's CPU EP takes what it claimed of the leftovers; the reference evaluator only what ORT did not."""
+    index = GraphIndex.of(models.chain(["Relu", "Neg", "Abs"]))
+    a, ort, ref = _placement("a"), Placement("fallback", "CPUExecutionProvider", object()), \
+        Placement("fallback", "reference", object())
+    plan = plan_partitions(index, [Claim(a, [NodeGroup(("n0_Relu",), fused=True)])],
+                           [Claim(ort, [NodeGroup(("n2_Abs",), fused=True)]),
+                            Claim(ref, [NodeGroup(("n1_Neg", "n2_Abs"), fused=True)])])
+    assert [(p.placement.ep_name, p.graph.nodes) for p in plan] == [
+        ("A", ("n0_Relu",)), ("reference", ("n1_Neg",)), ("CPUExecutionProvider", ("n2_Abs",))]
+    assert {p.registration for p in plan[1:]} == {"fallback"}
+
+
+def test_plan_refuses_nodes_nobody_claimed_naming_them():
+    index = GraphIndex.of(models.chain(["Relu", "Neg", "Abs"]))
+    with pytest.raises(ephost.EpInvalidArgument, match=r"no EP takes node\(s\) n1_Neg, n2_Abs; .*fallback is None"):
+        plan_partitions(index, [Claim(_placement("a"), [NodeGroup(("n0_Relu",), fused=True)])], [])
 
 
 def test_feed_checks_are_onnx_runtimes():

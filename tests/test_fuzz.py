@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ephost import wire
 from ephost.server.contract import SERVICES
-from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2, stream_pb2, worker_pb2
+from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
 
 from helpers import RawClient, Worker
 

@@ -116,7 +116,6 @@ def test_tokens(worker, pki, monkeypatch):
 # --- issue 15: what a hostile client can do to a shared worker ----------------------------------------
 
 import os
-import threading
 import time
 
 import grpc

@@ -159,14 +159,44 @@ def test_a_model_with_300_mb_of_initializers(worker):
 
 
 def test_providers_shortcut_and_the_default_environment():
+    """A worker the session launched for `providers=[...]` is the session's: it goes when the session closes."""
     model = models.chain(["Neg", "Abs"])
-    try:
-        with InferenceSession(model, providers=["reference"]) as session:
-            assert [r for r, _ in assignment(session)] == ["reference"]
-            (y,) = session.run(None, {"x": np.array([1, -2, 3, -4], np.float32)})
-            np.testing.assert_array_equal(y, [1, 2, 3, 4])
-    finally:
-        ephost.unregister_execution_provider_library("reference")
+    env = ephost.get_default_environment()
+    with InferenceSession(model, providers=["reference"]) as session:
+        assert [r for r, _ in assignment(session)] == ["reference"]
+        (y,) = session.run(None, {"x": np.array([1, -2, 3, -4], np.float32)})
+        np.testing.assert_array_equal(y, [1, 2, 3, 4])
+        assert env.is_registered("reference")
+    assert not env.is_registered("reference")
+
+
+def test_a_provider_registered_before_the_session_outlives_it(env):
+    with InferenceSession(models.chain(["Neg"]), env=env, providers=["ref"]):
+        pass
+    assert env.is_registered("ref")
+
+
+def test_providers_options_and_metadata_as_onnx_runtime_gives_them(env):
+    model = models.chain(["Neg", "Abs"])
+    model.producer_name, model.model_version, model.doc_string = "tests", 7, "two nodes"
+    onnx.helper.set_model_props(model, {"owner": "ephost"})
+    options = options_for(env, "ref")
+    with InferenceSession(model, options, env=env) as session:
+        assert session.get_providers() == ["reference", "CPUExecutionProvider"]
+        assert session.get_provider_options() == {"reference": {}, "CPUExecutionProvider": {}}
+        assert session.get_session_options() is options
+        meta = session.get_modelmeta()
+        assert (meta.producer_name, meta.version, meta.description, meta.graph_name) == ("tests", 7, "two nodes", "g")
+        assert meta.custom_metadata_map == {"owner": "ephost"}
+
+
+def test_a_compute_timeout_of_zero_means_no_deadline(env):
+    options = options_for(env, "ref")
+    options.compute_timeout_s = 1e-9  # a deadline no call can meet
+    x = np.array([1, -2, 3, -4], np.float32)
+    with InferenceSession(models.chain(["Neg"]), options, env=env) as session:
+        (y,) = session.run(None, {"x": x}, ephost.RunOptions(compute_timeout_s=0))
+        np.testing.assert_array_equal(y, -x)
 
 
 def test_everything_on_the_fallback_without_providers(env):
