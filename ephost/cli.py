@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -13,6 +14,7 @@ import time
 import numpy as np
 
 from ephost.errors import EpError
+from ephost.wire import MAX_GRACE_S
 
 log = logging.getLogger(__name__)
 from ephost.run_command import add_environment_arguments, environment_options, format_table
@@ -81,7 +83,15 @@ def cmd_worker(args) -> int:
     lease = args.client_lease_s if args.client_lease_s is not None else (0.0 if args.exit_with_parent else 60.0)
     return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure, security.tls),
                  exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security,
-                 client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None)
+                 client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None,
+                 drain_grace_s=args.drain_grace_s)
+
+
+def _grace(text: str) -> float:
+    seconds = float(text)
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_GRACE_S):
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_GRACE_S:g} seconds")
+    return seconds
 
 
 def _registered(args):
@@ -234,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")
     w.add_argument("--max-alloc-mb", type=int, help="largest single allocation a client may ask for, MiB "
                                                     "(default: half the machine's memory)")
+    w.add_argument("--drain-grace-s", type=_grace, default=5.0,
+                   help="on SIGTERM or SIGINT, how long calls under way may take to finish (default 5); keep it "
+                        "under the orchestrator's own grace (Kubernetes: terminationGracePeriodSeconds)")
     add_environment_arguments(w)
     w.set_defaults(func=cmd_worker)
 

@@ -14,6 +14,9 @@ MAX_MESSAGE = 1 << 30
 # One message of a chunked transfer (Allocator.Write / Allocator.Read).
 CHUNK_BYTES = 16 << 20
 
+# The longest drain a worker grants calls under way when it stops (Worker.Shutdown's grace_s, --drain-grace-s).
+MAX_GRACE_S = 600.0
+
 # A failed call may say *why* in its trailing metadata under this key, so that a peer can act on the reason
 # without matching the message text. The values are the REASON_* constants below.
 REASON_KEY = "ephost-reason"

@@ -11,6 +11,7 @@ the connection serves on. Either way the worker keeps serving every other connec
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import struct
@@ -125,14 +126,18 @@ class LaneServer:
                 return
             method = BY_ID.get(frame.method)
             if method is None:
-                self._error(conn, frame.method, grpc.StatusCode.UNIMPLEMENTED,
-                            f"the fast lane carries no method {frame.method}")
+                # Answered as method 0, never echoed: an echoed REGIONS id would read as a descriptor hand-over.
+                self._error(conn, 0, grpc.StatusCode.UNIMPLEMENTED, f"the fast lane carries no method {frame.method}")
                 continue
             try:
                 request = method.request.FromString(frame.payload)
             except DecodeError:
                 self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
                             f"a {method.name} frame whose message cannot be parsed")
+                continue
+            if not (math.isfinite(frame.timeout_s) and frame.timeout_s >= 0):
+                self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a {method.name} frame whose timeout is not a finite number of seconds >= 0")
                 continue
             deadline = time.monotonic() + frame.timeout_s if frame.timeout_s > 0 else None
             self._stats.add(fast_lane_calls=1)

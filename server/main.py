@@ -84,10 +84,11 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
-          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None) -> int:
+          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, drain_grace_s: float = 5.0) -> int:
     limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
     try:
-        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits)
+        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits,
+                      drain_grace_s)
     finally:
         _remove_sockets(listen)
 
@@ -98,7 +99,7 @@ def default_max_alloc() -> int:
 
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
-           security: Security, client_lease_s: float, limits: Limits) -> int:
+           security: Security, client_lease_s: float, limits: Limits, drain_grace_s: float) -> int:
     max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
@@ -110,9 +111,9 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
     state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent)
     stop = threading.Event()
-    grace = [5.0]
+    grace = [drain_grace_s]
 
-    def request_stop(seconds: float = 5.0) -> None:
+    def request_stop(seconds: float = drain_grace_s) -> None:
         grace[0] = seconds
         stop.set()
 
@@ -173,8 +174,10 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     state.draining.set()
     health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + grace[0]
-    dispatcher.admission.wait_idle(grace[0])
-    left = max(0.0, deadline - time.monotonic())
+    # Once no ephost call is under way, what gRPC still holds open is health Watch streams, which never end
+    # by themselves: they get no more of the grace.
+    idle = dispatcher.admission.wait_idle(grace[0])
+    left = 0.0 if idle else max(0.0, deadline - time.monotonic())
     if not server.stop(left).wait(left + STOP_SLACK_S):
         log.warning("the gRPC server did not stop within %.1f s; exiting regardless", grace[0] + STOP_SLACK_S)
         _remove_sockets(listen)

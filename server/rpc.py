@@ -56,7 +56,11 @@ class Call:
     deadline: float | None = None    # time.monotonic() by which the caller stops waiting
 
     def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        """Seconds left, capped where threading's waits still take them (a deadline years away is no deadline
+        to a wait, but an uncapped one overflows it)."""
+        if self.deadline is None:
+            return None
+        return min(max(0.0, self.deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
 @dataclass(frozen=True)

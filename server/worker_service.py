@@ -8,12 +8,10 @@ import threading
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpPermissionDenied
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.state import WorkerState
-from ephost.wire import PROTOCOL
+from ephost.wire import MAX_GRACE_S, PROTOCOL
 from ephost.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
-
-MAX_GRACE_S = 600.0
 
 
 class WorkerService(Servicer):

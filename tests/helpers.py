@@ -43,7 +43,10 @@ class Worker:
             cmd += ["--listen", f"unix://{self.socket}"]
         if exit_with_parent:
             cmd.append("--exit-with-parent")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # Its log goes to a file: a pipe nobody reads fills up and blocks the worker's next log line.
+        self.log_path = os.path.join(self.dir, "worker.log")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self.ready_line = self.proc.stdout.readline().decode()
 
     @property
@@ -58,7 +61,7 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for stream in (self.proc.stdin, self.proc.stdout):
             stream.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         return self.proc.returncode

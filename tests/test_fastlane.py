@@ -14,7 +14,7 @@ import pytest
 
 import ephost
 from ephost import InferenceSession, RunOptions
-from ephost.fastlane import HEADER, MAGIC, MAX_LENGTH, METHODS, FrameReader, send_frame
+from ephost.fastlane import HEADER, MAGIC, MAX_LENGTH, METHODS, FrameReader, decode_error, send_frame
 from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
 import models
 from helpers import RawClient, options_for, worker_stats
@@ -205,6 +205,10 @@ def lane_call(sock, name, request, timeout=10.0):
     return frame, (method.reply.FromString(frame.payload) if frame and frame.status == 0 else None)
 
 
+def fastlane_error(frame) -> str:
+    return decode_error(frame.payload)[0]
+
+
 def host_allocator(raw: RawClient) -> int:
     return raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
         device_mem_type=common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE)).allocator
@@ -258,6 +262,19 @@ def test_bad_frames_get_an_error_or_a_closed_connection_and_others_are_served(la
         assert frame.status == 3 and b"cannot be parsed" in bytes(frame.payload)
         frame, reply = lane_call(sock, "Allocator/Alloc", good)
         assert frame.status == 0 and reply.buffer
+        # A timeout that is no number of seconds: INVALID_ARGUMENT; one centuries away: a deadline like any other
+        # (it once overflowed a wait inside the worker: INTERNAL).
+        for timeout in (float("nan"), float("inf"), -1.0):
+            frame, _ = lane_call(sock, "Allocator/Alloc", good, timeout=timeout)
+            assert frame.status == 3 and b"timeout" in bytes(frame.payload)
+        stream = raw(raw.factory.CreateSyncStreamForDevice, factory_pb2.CreateSyncStreamRequest()).id
+        ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+        (partition,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(
+            ep=ep, model=ep_pb2.ModelRef(model=models.chain(["Relu"]).SerializeToString()),
+            graphs=[ep_pb2.FusedGraph(name="p", nodes=["n0_Relu"], inputs=["x"], outputs=["y"])])).node_compute_infos
+        frame, _ = lane_call(sock, "Ep/Compute", ep_pb2.ComputeRequest(node_compute_info=partition, stream=stream),
+                             timeout=1e300)
+        assert frame.status == 3 and b"input" in bytes(frame.payload), fastlane_error(frame)
         # A compute naming a partition that does not exist: the typed error the gRPC path gives.
         frame, _ = lane_call(sock, "Ep/Compute", ep_pb2.ComputeRequest(node_compute_info=12345))
         assert frame.status == 5 and b"unknown compute info handle" in bytes(frame.payload)

@@ -2,7 +2,10 @@
 fuzzed without anyone adding it here). Requests are random messages built from each method's descriptor (with
 handles biased towards ones that exist, sizes and offsets towards edges, and hostile models and tensors among
 the bytes), mutated valid messages, and bytes that are no message at all; they are sent as the owning client,
-as another client, with a forged client id and with none.
+as another client, with a forged client id and with none. The fast lane's methods are fuzzed again as frames on
+its SOCK_SEQPACKET connections: the same messages, with hostile headers (unknown method ids, the descriptor
+hand-over's id, odd statuses and timeouts), descriptors attached, and broken framing (short headers, wrong
+magic, lengths that lie, packets too long).
 
 What fails the test: the worker dying, a call hanging past its deadline, an INTERNAL or UNKNOWN status (bad
 input must get a status that says what is wrong), a descriptor or memfd mapping left in the worker after the
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 
 import grpc
 import numpy as np
@@ -25,7 +29,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from ephost import wire
+from ephost import fastlane, wire
 from ephost.server.contract import SERVICES
 from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
 
@@ -263,6 +267,133 @@ def test_every_rpc_survives_hostile_input(fuzzed, service, method):
                 client(client.worker.Goodbye, common_pb2.Empty())
             except grpc.RpcError:
                 pass  # the fuzz may have said goodbye for it
+            client.close()
+
+
+# --- the fast lane: the same methods as frames on a SOCK_SEQPACKET socket ----------------------------------
+
+LANE_METHODS = list(fastlane.METHODS.values())
+# What happens to a frame on its way. Well-formed ones must get one reply on a connection that serves on;
+# broken framing may get one INVALID_ARGUMENT, and then the worker closes that connection (never the worker).
+WELL_FORMED = ["good", "good", "good", "mutate", "garbage", "unknown_method", "regions_id", "status", "descriptor"]
+BROKEN = ["short_header", "magic", "announces_less", "announces_more_then_eof", "oversized_length", "long_packet"]
+TIMEOUTS = [0.0, 5.0, -1.0, float("nan"), float("inf"), 1e308, 1e-9]
+
+
+class _Lane:
+    """One data-plane connection of a client, reopened after the worker closes it."""
+
+    def __init__(self, client: RawClient):
+        self.client, self.sock = client, None
+
+    def open(self) -> socket.socket:
+        if self.sock is None:
+            reply = self.client(self.client.worker.OpenDataPlane, common_pb2.Empty())
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.sock.settimeout(DEADLINE_S)
+            self.sock.connect(reply.socket)
+            self.sock.send(reply.ticket)
+            assert self.sock.recv(2) == fastlane.TICKET_OK
+        return self.sock
+
+    def replies(self) -> list[fastlane.Frame]:
+        """Every frame up to the first reply, or to end of file (then the connection is forgotten)."""
+        reader = fastlane.FrameReader(self.sock, adopt=lambda region, size, fd: os.close(fd))
+        try:
+            frame = reader.read()
+        except socket.timeout:
+            raise AssertionError("a fast-lane call hung past its deadline") from None
+        if frame is None:
+            self.close()
+            return []
+        return [frame]
+
+    def close(self):
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def _send_broken(sock: socket.socket, kind: str, method: int, payload: bytes) -> None:
+    header = fastlane.HEADER
+    if kind == "short_header":
+        sock.send(fastlane.MAGIC + b"\x01")
+    elif kind == "magic":
+        sock.send(header.pack(b"??", method, 0, 1.0, len(payload)) + payload)
+    elif kind == "announces_less":
+        sock.send(header.pack(fastlane.MAGIC, method, 0, 1.0, max(0, len(payload) - 1)) + payload + b"!")
+    elif kind == "announces_more_then_eof":
+        sock.send(header.pack(fastlane.MAGIC, method, 0, 1.0, len(payload) + 100) + payload)
+        sock.shutdown(socket.SHUT_WR)
+    elif kind == "oversized_length":
+        sock.send(header.pack(fastlane.MAGIC, method, 0, 1.0, fastlane.MAX_LENGTH + 1))
+    elif kind == "long_packet":
+        sock.send(header.pack(fastlane.MAGIC, method, 0, 1.0, fastlane.PACKET + 8) + bytes(fastlane.PACKET))
+
+
+@pytest.mark.parametrize("method", LANE_METHODS, ids=[m.name for m in LANE_METHODS])
+def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
+    w, _ = fuzzed
+    owner, other = RawClient(w.address, "owner"), RawClient(w.address, "other")
+    handles = _populate(owner)
+    for kind, more in _populate(other).items():
+        handles[kind] = sorted(set(handles[kind] + more))
+    lanes = [_Lane(owner), _Lane(owner), _Lane(other)]
+    request = message_strategy(method.request.DESCRIPTOR, handles)
+
+    @seed(SEED)
+    @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @given(message=request, lane=st.sampled_from(range(len(lanes))), how=st.sampled_from(WELL_FORMED + BROKEN),
+           timeout_s=st.sampled_from(TIMEOUTS), rng=st.randoms(use_true_random=False))
+    def fuzz(message, lane, how, timeout_s, rng):
+        payload = message.SerializeToString()
+        sock = lanes[lane].open()
+        if how in BROKEN:
+            _send_broken(sock, how, method.id, payload)
+            frames = lanes[lane].replies()
+            assert all(f.status == grpc.StatusCode.INVALID_ARGUMENT.value[0] for f in frames), \
+                f"{how}: {[(f.status, bytes(f.payload)) for f in frames]}"
+            if frames:  # then end of file: the worker closed this connection
+                assert lanes[lane].replies() == [], f"{how}: the connection served on after a broken frame"
+            lanes[lane].close()
+        else:
+            method_id = {"unknown_method": rng.randrange(5, 0xFFFF), "regions_id": fastlane.REGIONS}.get(how, method.id)
+            if how == "mutate":
+                payload = _mutate(payload, rng)
+            elif how == "garbage":
+                payload = rng.randbytes(rng.randint(1, 32))
+            if how == "descriptor":  # a descriptor the worker never asked for: the kernel drops it
+                with open(os.devnull, "rb") as f:
+                    socket.send_fds(sock, [fastlane.HEADER.pack(fastlane.MAGIC, method_id, 0, timeout_s, len(payload))
+                                           + payload], [f.fileno()])
+            else:
+                fastlane.send_frame(sock, method_id, rng.randrange(2 ** 16) if how == "status" else 0,
+                                    timeout_s, payload)
+            frames = lanes[lane].replies()
+            assert frames, f"{how}: the worker closed a connection after a well-formed frame"
+            codes = {c.value[0]: c for c in grpc.StatusCode}
+            code = codes.get(frames[0].status)
+            detail = fastlane.decode_error(frames[0].payload)[0] if frames[0].status else ""
+            assert code is not None and code not in BAD or (code == grpc.StatusCode.DEADLINE_EXCEEDED and
+                                                             timeout_s < 1), \
+                f"{method.name} over the fast lane answered {frames[0].status}: {detail}"
+            assert "memfd" not in detail and w.dir not in detail
+        assert w.proc.poll() is None, f"the worker died during {method.name} over the fast lane"
+
+    try:
+        fuzz()
+        health = health_pb2_grpc.HealthStub(owner.channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for lane in lanes:
+            lane.close()
+        for client in (owner, other):
+            try:
+                client(client.worker.Goodbye, common_pb2.Empty())
+            except grpc.RpcError:
+                pass
             client.close()
 
 

@@ -34,7 +34,8 @@ def wait_gone(pid: int, seconds: float) -> bool:
 
 
 def test_sigterm_drains_in_flight_calls_then_exits(worker):
-    w = worker("--ep", "reference")
+    # A grace long enough for the queued copies on a loaded machine (the default 5 s is an operator's choice).
+    w = worker("--ep", "reference", "--drain-grace-s", "120")
     with ephost.Environment() as env:
         env.register_execution_provider_library("w", w.address)
         (device,) = env.get_ep_devices()
@@ -65,6 +66,38 @@ def test_sigterm_drains_in_flight_calls_then_exits(worker):
         assert drained_while_running, "the queued copies outlasted the checks"
         assert w.proc.wait(30) == 0
     assert not os.path.exists(w.socket) and not os.path.exists(w.socket + ".fds")
+
+
+def test_a_call_longer_than_the_drain_grace_is_cut_and_the_worker_exits(worker):
+    w = worker("--ep", "reference", "--drain-grace-s", "0.2")
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", w.address)
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
+        a, b = (Tensor.empty((128 << 20,), np.uint8, allocator) for _ in range(2))
+        stream = device.create_sync_stream()
+        for _ in range(64):
+            env.copy_tensors([a, b], [b, a], stream=stream)
+        errors = []
+
+        def flush():
+            try:
+                stream.flush()
+            except ephost.EpError as e:
+                errors.append(e)
+        thread = threading.Thread(target=flush)
+        thread.start()
+        time.sleep(0.3)
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(60) == 0
+        thread.join(60)
+        assert errors, "the flush outlived a worker that stopped after its 0.2 s grace"
+
+
+def test_a_drain_grace_out_of_range_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "ephost", "worker", "--ep", "reference", "--drain-grace-s", "inf"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--drain-grace-s" in proc.stderr and "between 0 and 600" in proc.stderr
 
 
 def test_worker_dies_with_the_application_that_launched_it(tmp_path):
