@@ -1,0 +1,149 @@
+"""The bridged OrtEp and its OrtNodeComputeInfos: GetCapability, Compile and Compute forwarded to an ephost EP
+(a worker, through ephost's client), with ORT's graphs read as ONNX models and ORT's tensors as numpy views."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import c_int64, c_size_t, c_void_p
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ephost.eps.base import FusedGraph
+from ephost.errors import EpInvalidArgument
+from ephost.graph import GraphIndex
+from ephost.ort import abi as A
+from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
+from ephost.ort.graph_reader import GraphReader
+from ephost.ort.values import tensor_view
+from ephost.tensor import Tensor
+
+if TYPE_CHECKING:
+    from ephost.ort.factory import BridgeFactory
+
+log = logging.getLogger(__name__)
+
+
+class BridgeEp:
+    """OrtEp: one per ORT session that selected the bridged devices; an EP in the worker behind it."""
+
+    def __init__(self, factory: "BridgeFactory", remote):
+        self.factory, self.remote = factory, remote
+        self.abi = factory.abi
+        self.name = factory.name
+        self.guard = Guard(self.abi, self.name)
+        self.reader = GraphReader(self.abi)
+        self._strings = Strings()
+        self.fusion_options = A.OrtNodeFusionOptions(A.STRUCT_VERSION, True)  # initializers stay in the worker
+        self.struct = A.OrtEp()
+        fill(self.struct, A.EP_FUNCTIONS, {
+            "GetName": lambda this: self.guard.quiet("GetName", lambda: self._strings(self.name)),
+            "GetCapability": lambda this, graph, info: self.guard.status(
+                "GetCapability", lambda: self.get_capability(graph, info)),
+            "Compile": lambda this, graphs, fused, count, infos, ctx_nodes: self.guard.status(
+                "Compile", lambda: self.compile(graphs, fused, count, infos)),
+            "ReleaseNodeComputeInfos": lambda this, infos, count: self.guard.quiet(
+                "ReleaseNodeComputeInfos", lambda: self.release_node_compute_infos(infos, count)),
+            "GetCompiledModelCompatibilityInfo": lambda this, graph: self._strings(""),
+        })
+        self.address = keep(self, self.struct)
+
+    # --- GetCapability ---
+
+    def get_capability(self, graph: int, support_info: int) -> None:
+        if self.reader.is_nested(graph):
+            return  # a control-flow node's body: the worker is asked about the whole node in its parent graph
+        read = self.reader.read(graph)
+        claimed = frozenset(name for name, node in read.nodes.items() if self._assigned_elsewhere(node))
+        groups = self.remote.get_capability(read.model, claimed)
+        for group in groups:
+            missing = [n for n in group.node_names if n not in read.nodes]
+            if missing:
+                raise EpInvalidArgument(f"the worker claimed nodes the graph does not have: {missing[:5]}")
+            nodes = (c_void_p * len(group.node_names))(*[read.nodes[n] for n in group.node_names])
+            self.abi.check(self.abi.ep_api.EpGraphSupportInfo_AddNodesToFuse(
+                support_info, nodes, len(group.node_names), ctypes.addressof(self.fusion_options)),
+                "EpGraphSupportInfo_AddNodesToFuse")
+        log.info("%s: GetCapability took %d of %d nodes in %d group(s)", self.name,
+                 sum(len(g.node_names) for g in groups), len(read.nodes), len(groups))
+
+    def _assigned_elsewhere(self, node: int) -> bool:
+        ep = ctypes.c_char_p()
+        self.abi.check(self.abi.api.Node_GetEpName(node, ctypes.byref(ep)), "Node_GetEpName")
+        return bool(ep.value) and ep.value.decode() != self.name
+
+    # --- Compile ---
+
+    def compile(self, graphs, fused_nodes, count: int, infos_out) -> None:
+        api = self.abi.api
+        fused: list[FusedGraph] = []
+        for i in range(count):
+            read = self.reader.read(graphs[i])
+            node = fused_nodes[i]
+            name = self.reader._string(api.Node_GetName, node, "Node_GetName")
+            inputs = [self.reader._string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
+                      for v in self.reader._array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs")]
+            outputs = [self.reader._string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
+                       for v in self.reader._array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs")]
+            fused.append(FusedGraph(name, GraphIndex.of(read.model), tuple(read.nodes), tuple(inputs), tuple(outputs)))
+        compiled = self.remote.compile(fused)
+        made = [BridgeComputeInfo(self, graph, info) for graph, info in zip(fused, compiled)]
+        for i, info in enumerate(made):
+            infos_out[i] = info.address
+
+    def release_node_compute_infos(self, infos, count: int) -> None:
+        owners = [forget(infos[i]) for i in range(count)]
+        remote = [o.remote for o in owners if isinstance(o, BridgeComputeInfo)]
+        if remote:
+            self.remote.release_node_compute_infos(remote)
+
+    def release(self) -> None:
+        forget(self.address)
+        self.remote.release()
+
+
+class BridgeComputeInfo:
+    """OrtNodeComputeInfo of one fused partition: Compute reads the kernel context's inputs (views of ORT's
+    memory), runs the partition in the worker over ephost's data plane, and writes ORT's outputs."""
+
+    def __init__(self, ep: BridgeEp, graph: FusedGraph, remote):
+        self.ep, self.graph, self.remote = ep, graph, remote
+        self.abi = ep.abi
+        guard = ep.guard
+        self.struct = A.OrtNodeComputeInfo()
+        fill(self.struct, A.COMPUTE_INFO_FUNCTIONS, {
+            "CreateState": lambda this, context, state: guard.status("CreateState", lambda: self._state(state)),
+            "Compute": lambda this, state, context: guard.status(f"Compute of {graph.name}",
+                                                                 lambda: self.compute(context)),
+            "ReleaseState": lambda this, state: None,
+        })
+        self.address = keep(self, self.struct)
+
+    def _state(self, state_out) -> None:
+        state_out[0] = self.address
+
+    def compute(self, context: int) -> None:
+        api, check = self.abi.api, self.abi.check
+        n = c_size_t()
+        check(api.KernelContext_GetInputCount(context, ctypes.byref(n)), "KernelContext_GetInputCount")
+        inputs: list[Any] = []
+        for i in range(n.value):
+            value = c_void_p()
+            check(api.KernelContext_GetInput(context, i, ctypes.byref(value)), "KernelContext_GetInput")
+            if not value.value:
+                raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
+            inputs.append(Tensor.from_numpy(tensor_view(self.abi, value.value)))
+        outputs = self.remote.compute(inputs, self.ep.factory.output_allocator())
+        check(api.KernelContext_GetOutputCount(context, ctypes.byref(n)), "KernelContext_GetOutputCount")
+        if n.value != len(outputs):
+            raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects {n.value}")
+        for i, out in enumerate(outputs):
+            array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
+            dims = (c_int64 * array.ndim)(*array.shape)
+            value = c_void_p()
+            check(api.KernelContext_GetOutput(context, i, dims, array.ndim, ctypes.byref(value)),
+                  "KernelContext_GetOutput")
+            if array.size:
+                np.copyto(tensor_view(self.abi, value.value), array, casting="no")
+            if isinstance(out, Tensor):
+                out.release()

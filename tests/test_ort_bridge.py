@@ -1,0 +1,144 @@
+"""ephost as an ONNX Runtime plugin EP library (ephost.ort): ORT's own sessions run nodes in ephost workers.
+
+Each test is an ORT application that knows nothing of ephost beyond `ephost.ort.register`: it selects the
+bridged devices with ORT's `add_provider_for_devices` and compares against ORT alone (its CPU EP in process).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+import ephost.ort
+from ephost.errors import EpFailedPrecondition
+from ephost.ort import abi, build
+from ephost.run_command import bundled_input, bundled_model
+import models
+
+
+@pytest.fixture(scope="module")
+def npu():
+    """'npu' in ORT: a worker hosting ORT's CPU EP, behind the bridge."""
+    ephost.ort.register("npu", "onnxruntime")
+    yield "npu"
+    ephost.ort.unregister("npu")
+
+
+def session_on(name: str, model, **config) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    for key, value in config.items():
+        options.add_session_config_entry(key, value)
+    options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == name], {})
+    source = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(source, options)
+
+
+def owners(session: ort.InferenceSession) -> dict[str, str]:
+    return {n.name: s.ep_name for s in session.get_provider_graph_assignment_info() for n in s.get_nodes()}
+
+
+def test_library_path_is_a_shim_built_with_the_system_compiler():
+    path = ephost.ort.library_path()
+    assert os.path.isfile(path) and f"ort{ort.__version__}" in path
+    lib = ctypes.CDLL(path)
+    assert lib.CreateEpFactories and lib.ReleaseEpFactory and lib.ephost_ort_set_callbacks
+
+
+def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(EpFailedPrecondition, match="none of cc, gcc, clang is on PATH"):
+        build.built_library(ort.__version__)
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(EpFailedPrecondition, match="no-such-cc"):
+        build.built_library(ort.__version__)
+
+
+def test_an_unchecked_onnx_runtime_is_refused():
+    with pytest.raises(EpFailedPrecondition, match=r"checked against ONNX Runtime 1\.32\.0, not 1\.31\.1"):
+        abi.check_version("1.31.1")
+    abi.check_version(ort.__version__)
+
+
+def test_devices_are_the_workers_under_the_registration_name(npu):
+    (device,) = [d for d in ort.get_ep_devices() if d.ep_name == npu]
+    (cpu,) = [d for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider"]
+    assert device.ep_vendor == cpu.ep_vendor  # the worker's EP is ORT's CPU EP
+    assert device.device.type == cpu.device.type
+    metadata = dict(device.ep_metadata)
+    assert metadata["ephost.worker_ep"] == "CPUExecutionProvider" and metadata["ephost.target"] == "onnxruntime"
+    assert metadata["onnxruntime_version"] == ort.__version__
+
+
+def test_a_small_model_runs_in_the_worker(npu):
+    model = models.diamond()
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    session = session_on(npu, model)
+    (y,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
+    assert set(owners(session).values()) == {npu}
+
+
+@pytest.mark.parametrize("name", ["squeezenet"])
+def test_a_real_model_matches_onnx_runtime_alone(npu, name):
+    path, _ = bundled_model(name)
+    alone = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (arg,) = alone.get_inputs()
+    x = bundled_input(arg)
+    (expected,) = alone.run(None, {arg.name: x})
+    session = session_on(npu, path)
+    for _ in range(2):  # the second run reuses what the first compiled and staged
+        (y,) = session.run(None, {arg.name: x})
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-6)
+    assert set(owners(session).values()) == {npu}  # every node ORT kept after its own optimizations
+
+
+def test_attributes_and_initializers_cross_the_bridge(npu):
+    """Conv (ints attributes), a Constant (tensor attribute), LeakyRelu (float), weights as an initializer."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1], strides=[1, 1]),
+             helper.make_node("Constant", [], ["k"], name="k", value=numpy_helper.from_array(np.float32([2.0]))),
+             helper.make_node("Mul", ["c", "k"], ["m"], name="mul"),
+             helper.make_node("LeakyRelu", ["m"], ["y"], name="leaky", alpha=0.25)]
+    model = models.model(nodes, [models.tensor("x", [1, 3, 5, 5])], [models.tensor("y", [1, 4, 5, 5])],
+                         [numpy_helper.from_array(w, "w")])
+    x = rng.standard_normal((1, 3, 5, 5)).astype(np.float32)
+    (expected,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    session = session_on(npu, model)
+    (y,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert npu in set(owners(session).values())
+
+
+def test_the_bridge_needs_no_ephost_import_beyond_register(tmp_path):
+    """An unchanged ORT script: only the register line is ephost's."""
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, onnxruntime as ort
+        import ephost.ort
+        ephost.ort.register("vendor_npu", "onnxruntime")
+        devices = [d for d in ort.get_ep_devices() if d.ep_name == "vendor_npu"]
+        options = ort.SessionOptions()
+        options.add_provider_for_devices(devices, {})
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        session = ort.InferenceSession(sys_argv_model, options)
+        x = np.ones((2, 3), np.float32)
+        (y,) = session.run(None, {"x": x})
+        print(float(y.sum()), sorted({s.ep_name for s in session.get_provider_graph_assignment_info()}))
+    """).replace("sys_argv_model", repr(str(tmp_path / "m.onnx"))))
+    onnx.save(models.diamond(), str(tmp_path / "m.onnx"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] == str(float(models.diamond_expected(np.ones((2, 3), np.float32)).sum()))
+    assert "['vendor_npu']" in done.stdout
