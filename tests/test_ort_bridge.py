@@ -142,3 +142,67 @@ def test_the_bridge_needs_no_ephost_import_beyond_register(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[0] == str(float(models.diamond_expected(np.ones((2, 3), np.float32)).sum()))
     assert "['vendor_npu']" in done.stdout
+
+
+def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct():
+    """The chaos EP segfaults (a real SIGSEGV) in its second Compute: ORT raises naming the EP, the call and the
+    signal; supervision restarts the worker and the bridge compiles again from what it recorded."""
+    ephost.ort.register("crashy", "chaos", {"wrap": "onnxruntime", "fault": "segfault", "at": "compute",
+                                            "after": "2"})
+    try:
+        session = session_on("crashy", models.diamond())
+        session.disable_fallback()  # ORT's Python API would otherwise retry the run on its CPU EP alone
+        x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        with pytest.raises(Exception, match=r"crashy: Compute of .*(SIGSEGV|signal 11)") as failure:
+            session.run(None, {"x": x})
+        assert "EP_FAIL" in str(failure.value) or "EPFail" in type(failure.value).__name__
+        for _ in range(1):  # the restarted worker's first Compute is fine again
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert set(owners(session).values()) == {"crashy"}
+        del session
+    finally:
+        ephost.ort.unregister("crashy")
+
+
+def test_eight_threads_on_one_session_are_correct(npu):
+    import threading
+    path, _ = bundled_model("squeezenet")
+    session = session_on(npu, path)
+    (arg,) = session.get_inputs()
+    rng = np.random.default_rng(2)
+    feeds = [rng.random((1, 3, 224, 224), dtype=np.float32) for _ in range(8)]
+    alone = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    expected = [alone.run(None, {arg.name: f})[0] for f in feeds]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(5):
+                (y,) = session.run(None, {arg.name: feeds[i]})
+                np.testing.assert_allclose(y, expected[i], rtol=1e-4, atol=1e-6)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_a_get_capability_failure_leaves_the_nodes_to_ort_cpu(caplog):
+    ephost.ort.register("capfail", "chaos", {"wrap": "onnxruntime", "fault": "raise", "at": "get_capability",
+                                             "every": "1"})
+    try:
+        session = session_on("capfail", models.diamond())
+        x = np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert set(owners(session).values()) == {"CPUExecutionProvider"}
+        # the worker's error came back to ORT as a status (ORT logs it and moves on), not as an exception in C
+        assert any("capfail: GetCapability failed" in r.getMessage() and "chaos" in r.getMessage()
+                   for r in caplog.records)
+        del session
+    finally:
+        ephost.ort.unregister("capfail")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ephost.eps.base import FusedGraph
-from ephost.errors import EpInvalidArgument
+from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.graph import GraphIndex
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
@@ -95,7 +95,10 @@ class BridgeEp:
         owners = [forget(infos[i]) for i in range(count)]
         remote = [o.remote for o in owners if isinstance(o, BridgeComputeInfo)]
         if remote:
-            self.remote.release_node_compute_infos(remote)
+            try:
+                self.remote.release_node_compute_infos(remote)
+            except EpNotFound as e:  # made on a worker that has since died: gone with it
+                log.debug("%s: releasing compute infos: %s", self.name, e)
 
     def release(self) -> None:
         forget(self.address)
