@@ -84,9 +84,14 @@ def test_a_small_model_runs_in_the_worker(npu):
     model = models.diamond()
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
     session = session_on(npu, model)
+    before = ephost.ort.stats(npu)
     (y,) = session.run(None, {"x": x})
+    after = ephost.ort.stats(npu)
     np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
     assert set(owners(session).values()) == {npu}
+    # one Compute; ORT's input copied toward the worker, the worker's output into ORT's tensor
+    assert (after.computes - before.computes, after.bytes_in_copied - before.bytes_in_copied,
+            after.bytes_out_copied - before.bytes_out_copied) == (1, x.nbytes, y.nbytes)
 
 
 @pytest.mark.parametrize("name", ["squeezenet"])

@@ -19,7 +19,7 @@ from ephost.ort.abi import CHECKED_VERSIONS, check_version
 from ephost.ort.build import built_library
 from ephost.ort.library import Binding, loaded_library
 
-__all__ = ["library_path", "register", "unregister", "CHECKED_VERSIONS"]
+__all__ = ["library_path", "register", "unregister", "stats", "environment", "CHECKED_VERSIONS"]
 
 
 def _ort():
@@ -43,7 +43,8 @@ def register(ort_name: str, target: str, options: Mapping[str, str] | None = Non
     ort = _ort()
     lib = loaded_library(ort.__version__)
     from ephost.client.environment import Environment
-    binding = Binding(ort_name, target, {str(k): str(v) for k, v in (options or {}).items()})
+    from ephost.ort.factory import BridgeStats
+    binding = Binding(ort_name, target, {str(k): str(v) for k, v in (options or {}).items()}, stats=BridgeStats())
     lib.add(binding)
     try:
         binding.environment = Environment()
@@ -68,3 +69,21 @@ def unregister(ort_name: str) -> None:
         lib.remove(ort_name)
         binding.close()
 
+
+
+def stats(ort_name: str):
+    """What crossed the bridge for `ort_name` so far (BridgeStats: computes, bytes copied in and out)."""
+    binding = loaded_library(_ort().__version__).binding(ort_name)
+    if binding is None:
+        from ephost.errors import EpNotFound
+        raise EpNotFound(f"{ort_name!r} is not registered with ephost.ort")
+    return binding.stats.snapshot()
+
+
+def environment(ort_name: str):
+    """The ephost Environment holding the worker behind `ort_name` (its stats, its registration)."""
+    binding = loaded_library(_ort().__version__).binding(ort_name)
+    if binding is None:
+        from ephost.errors import EpNotFound
+        raise EpNotFound(f"{ort_name!r} is not registered with ephost.ort")
+    return binding.environment

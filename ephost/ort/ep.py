@@ -140,6 +140,7 @@ class BridgeComputeInfo:
         check(api.KernelContext_GetOutputCount(context, ctypes.byref(n)), "KernelContext_GetOutputCount")
         if n.value != len(outputs):
             raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects {n.value}")
+        out_bytes = 0
         for i, out in enumerate(outputs):
             array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
             dims = (c_int64 * array.ndim)(*array.shape)
@@ -148,5 +149,7 @@ class BridgeComputeInfo:
                   "KernelContext_GetOutput")
             if array.size:
                 np.copyto(tensor_view(self.abi, value.value), array, casting="no")
+                out_bytes += array.nbytes
             if isinstance(out, Tensor):
                 out.release()
+        self.ep.factory.stats.count(sum(t.nbytes for t in inputs), out_bytes)

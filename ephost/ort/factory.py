@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from ctypes import c_void_p
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ephost.errors import EpNotFound
@@ -20,9 +22,31 @@ log = logging.getLogger(__name__)
 RESERVED_METADATA = frozenset({"version", "library_path"})
 
 
+@dataclass
+class BridgeStats:
+    """What crossed the bridge: Compute calls, and the bytes this process copied for them (ORT's input tensors
+    into the worker's memory or the call, the worker's outputs into ORT's output tensors)."""
+
+    computes: int = 0
+    bytes_in_copied: int = 0
+    bytes_out_copied: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, bytes_in: int, bytes_out: int) -> None:
+        with self._lock:
+            self.computes += 1
+            self.bytes_in_copied += bytes_in
+            self.bytes_out_copied += bytes_out
+
+    def snapshot(self) -> "BridgeStats":
+        with self._lock:
+            return BridgeStats(self.computes, self.bytes_in_copied, self.bytes_out_copied)
+
+
 class BridgeFactory:
     def __init__(self, binding: "Binding", abi: A.OrtAbi):
         self.binding, self.abi = binding, abi
+        self.stats = binding.stats
         self.name = binding.ort_name
         self.registration = binding.registration
         self.guard = Guard(abi, self.name)

@@ -28,6 +28,7 @@ class Binding:
     options: dict[str, str]
     environment: object = None
     factories: list = field(default_factory=list)
+    stats: object = None  # BridgeStats, shared by the factories ORT makes for this name
 
     @property
     def registration(self):
