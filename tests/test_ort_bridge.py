@@ -94,7 +94,7 @@ def test_a_small_model_runs_in_the_worker(npu):
             after.bytes_out_copied - before.bytes_out_copied) == (1, x.nbytes, y.nbytes)
 
 
-@pytest.mark.parametrize("name", ["squeezenet"])
+@pytest.mark.parametrize("name", ["squeezenet", "resnet50"])
 def test_a_real_model_matches_onnx_runtime_alone(npu, name):
     path, _ = bundled_model(name)
     alone = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
@@ -124,6 +124,27 @@ def test_attributes_and_initializers_cross_the_bridge(npu):
     (y,) = session.run(None, {"x": x})
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
     assert npu in set(owners(session).values())
+
+
+def test_control_flow_goes_whole_with_its_subgraphs_and_profiling_names_the_bridged_ep(npu, tmp_path):
+    """If reads x2 and the initializer w from the outer scope inside its branches; the worker gets the node
+    with both branches (read through Node_GetSubgraphs) and ORT's profile names the bridged EP."""
+    import json
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == npu], {})
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    session = ort.InferenceSession(models.with_if().SerializeToString(), options)
+    session.disable_fallback()
+    x = np.array([-1.0, 2.0, 3.0], np.float32)
+    w = np.array([1.0, 2.0, 3.0], np.float32)
+    for cond, expected in ((True, np.maximum(x, 0) + w), (False, np.maximum(x, 0) - w)):
+        np.testing.assert_allclose(session.run(None, {"x": x, "cond": np.array(cond)})[0], expected)
+    assert owners(session) == {"relu": npu, "if": npu}
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    assert {e["args"].get("provider") for e in events if e.get("cat") == "Node"} == {npu}
 
 
 def test_the_bridge_needs_no_ephost_import_beyond_register(tmp_path):
