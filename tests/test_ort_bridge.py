@@ -147,6 +147,21 @@ def test_control_flow_goes_whole_with_its_subgraphs_and_profiling_names_the_brid
     assert {e["args"].get("provider") for e in events if e.get("cat") == "Node"} == {npu}
 
 
+def test_string_tensors_cross_the_bridge(npu):
+    """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
+    worker's with FillStringTensor."""
+    nodes = [helper.make_node("StringConcat", ["a", "b"], ["y"], name="concat")]
+    model = models.model(nodes, [models.tensor("a", [3], onnx.TensorProto.STRING),
+                                 models.tensor("b", [3], onnx.TensorProto.STRING)],
+                         [models.tensor("y", [3], onnx.TensorProto.STRING)], opset=[helper.make_opsetid("", 20)])
+    session = session_on(npu, model)
+    session.disable_fallback()
+    a, b = np.array(["ab", "é", ""], dtype=object), np.array(["c", "ü", ""], dtype=object)
+    (y,) = session.run(None, {"a": a, "b": b})
+    assert y.tolist() == ["abc", "éü", ""]
+    assert owners(session) == {"concat": npu}
+
+
 def test_the_bridge_needs_no_ephost_import_beyond_register(tmp_path):
     """An unchanged ORT script: only the register line is ephost's."""
     script = tmp_path / "app.py"

@@ -15,7 +15,7 @@ from ephost.graph import GraphIndex
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
 from ephost.ort.graph_reader import GraphReader
-from ephost.ort.values import tensor_view
+from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -135,7 +135,8 @@ class BridgeComputeInfo:
             check(api.KernelContext_GetInput(context, i, ctypes.byref(value)), "KernelContext_GetInput")
             if not value.value:
                 raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
-            inputs.append(Tensor.from_numpy(tensor_view(self.abi, value.value)))
+            array = tensor_view(self.abi, value.value)
+            inputs.append(array if array.dtype == object else Tensor.from_numpy(array))
         outputs = self.remote.compute(inputs, self.ep.factory.output_allocator())
         check(api.KernelContext_GetOutputCount(context, ctypes.byref(n)), "KernelContext_GetOutputCount")
         if n.value != len(outputs):
@@ -147,9 +148,11 @@ class BridgeComputeInfo:
             value = c_void_p()
             check(api.KernelContext_GetOutput(context, i, dims, array.ndim, ctypes.byref(value)),
                   "KernelContext_GetOutput")
-            if array.size:
+            if array.dtype == object:
+                write_strings(self.abi, value.value, array)
+            elif array.size:
                 np.copyto(tensor_view(self.abi, value.value), array, casting="no")
                 out_bytes += array.nbytes
             if isinstance(out, Tensor):
                 out.release()
-        self.ep.factory.stats.count(sum(t.nbytes for t in inputs), out_bytes)
+        self.ep.factory.stats.count(sum(t.nbytes for t in inputs if isinstance(t, Tensor)), out_bytes)

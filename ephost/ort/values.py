@@ -25,8 +25,12 @@ def shape_of(abi: OrtAbi, tensor_info: int) -> tuple[int, list[int], list[str]]:
     return elem.value, list(dims), [(n or b"").decode() for n in names]
 
 
+STRING = 8  # ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING
+
+
 def tensor_view(abi: OrtAbi, value: int) -> np.ndarray:
-    """A numpy array over a tensor OrtValue's own memory (valid while ORT keeps the value)."""
+    """A numpy array over a tensor OrtValue's own memory (valid while ORT keeps the value); a string tensor is
+    read into an array of str (ORT keeps its strings as C++ objects)."""
     api = abi.api
     info = c_void_p()
     abi.check(api.GetTensorTypeAndShape(value, ctypes.byref(info)), "GetTensorTypeAndShape")
@@ -34,7 +38,32 @@ def tensor_view(abi: OrtAbi, value: int) -> np.ndarray:
         elem, dims, _ = shape_of(abi, info.value)
     finally:
         api.ReleaseTensorTypeAndShapeInfo(info)
+    if elem == STRING:
+        return read_strings(abi, value, dims)
     return array_at(abi, value, elem, dims)
+
+
+def read_strings(abi: OrtAbi, value: int, dims: list[int]) -> np.ndarray:
+    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    total = c_size_t()
+    abi.check(abi.api.GetStringTensorDataLength(value, ctypes.byref(total)), "GetStringTensorDataLength")
+    data = ctypes.create_string_buffer(max(total.value, 1))
+    offsets = (c_size_t * max(count, 1))()
+    if count:
+        abi.check(abi.api.GetStringTensorContent(value, data, total.value, offsets, count), "GetStringTensorContent")
+    ends = list(offsets[1:count]) + [total.value]
+    raw = data.raw
+    strings = [raw[offsets[i]:ends[i]].decode("utf-8", errors="surrogateescape") for i in range(count)]
+    return np.array(strings, dtype=object).reshape(dims)
+
+
+def write_strings(abi: OrtAbi, value: int, array: np.ndarray) -> None:
+    """Fill a string OrtValue (made by ORT with the array's shape) with the array's strings."""
+    items = [s.encode("utf-8", errors="surrogateescape") if isinstance(s, str) else bytes(s)
+             for s in array.reshape(-1)]
+    if items:
+        abi.check(abi.api.FillStringTensor(value, (ctypes.c_char_p * len(items))(*items), len(items)),
+                  "FillStringTensor")
 
 
 def array_at(abi: OrtAbi, value: int, elem: int, dims: list[int]) -> np.ndarray:
