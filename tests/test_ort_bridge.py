@@ -247,3 +247,19 @@ def test_a_get_capability_failure_leaves_the_nodes_to_ort_cpu(caplog):
         del session
     finally:
         ephost.ort.unregister("capfail")
+
+
+def test_the_library_loaded_without_ephost_fails_with_a_status_not_a_crash(tmp_path):
+    """What a C++ or C# application would see: ORT loads the shim, and with no Python behind it
+    CreateEpFactories returns an error status naming what to do."""
+    path = ephost.ort.library_path()
+    code = f"""
+import onnxruntime as ort
+try:
+    ort.register_execution_provider_library("alone", {path!r})
+except Exception as e:
+    print("refused:", e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "register this library with ephost.ort.register()" in done.stdout
