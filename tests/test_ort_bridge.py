@@ -147,6 +147,22 @@ def test_control_flow_goes_whole_with_its_subgraphs_and_profiling_names_the_brid
     assert {e["args"].get("provider") for e in events if e.get("cat") == "Node"} == {npu}
 
 
+def test_a_group_that_would_make_a_cycle_is_split_not_lost():
+    """A reference worker that takes Add and Mul claims {add, mul} as one group, with Relu (left to ORT's CPU EP)
+    on the path between them. ORT refuses such a group whole (every node would go to its CPU EP); the bridge
+    splits it with ephost's own rule, so both nodes still run in the worker."""
+    ephost.ort.register("refnpu", "reference", {"ops": "Add,Mul"})
+    try:
+        session = session_on("refnpu", models.diamond())
+        session.disable_fallback()
+        x = np.random.default_rng(5).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert owners(session) == {"add": "refnpu", "mul": "refnpu", "relu": "CPUExecutionProvider"}
+        del session
+    finally:
+        ephost.ort.unregister("refnpu")
+
+
 def test_string_tensors_cross_the_bridge(npu):
     """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
     worker's with FillStringTensor."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from ephost.eps.base import FusedGraph
 from ephost.errors import EpInvalidArgument, EpNotFound
-from ephost.graph import GraphIndex
+from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
 from ephost.ort.graph_reader import GraphReader
@@ -60,12 +60,14 @@ class BridgeEp:
             missing = [n for n in group.node_names if n not in read.nodes]
             if missing:
                 raise EpInvalidArgument(f"the worker claimed nodes the graph does not have: {missing[:5]}")
-            nodes = (c_void_p * len(group.node_names))(*[read.nodes[n] for n in group.node_names])
+        fused = acyclic_groups(GraphIndex.of(read.model), [g.node_names for g in groups])
+        for names in fused:
+            nodes = (c_void_p * len(names))(*[read.nodes[n] for n in names])
             self.abi.check(self.abi.ep_api.EpGraphSupportInfo_AddNodesToFuse(
-                support_info, nodes, len(group.node_names), ctypes.addressof(self.fusion_options)),
+                support_info, nodes, len(names), ctypes.addressof(self.fusion_options)),
                 "EpGraphSupportInfo_AddNodesToFuse")
-        log.info("%s: GetCapability took %d of %d nodes in %d group(s)", self.name,
-                 sum(len(g.node_names) for g in groups), len(read.nodes), len(groups))
+        log.info("%s: GetCapability took %d of %d nodes in %d group(s) (the worker said %d)", self.name,
+                 sum(map(len, fused)), len(read.nodes), len(fused), len(groups))
 
     def _assigned_elsewhere(self, node: int) -> bool:
         ep = ctypes.c_char_p()
@@ -103,6 +105,17 @@ class BridgeEp:
     def release(self) -> None:
         forget(self.address)
         self.remote.release()
+
+
+def acyclic_groups(index: GraphIndex, groups: list[tuple[str, ...]]) -> list[list[str]]:
+    """The worker's groups, each split where fusing it whole would put a node outside it on a path between two of
+    its nodes (ephost's own rule, ephost.graph.cluster): ORT fuses what it is given without that check."""
+    key_of: dict[str, object] = {node: ("other", node) for node in index.order}
+    for i, names in enumerate(groups):
+        for name in names:
+            key_of[name] = i
+    clusters = cluster(index, key_of, set(range(len(groups))))
+    return [c.nodes for c in clusters if isinstance(c.key, int)]
 
 
 class BridgeComputeInfo:
