@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
+import ephost
 import ephost.ort
 from ephost.errors import EpFailedPrecondition
 from ephost.ort import abi, build
@@ -161,6 +162,34 @@ def test_a_group_that_would_make_a_cycle_is_split_not_lost():
         del session
     finally:
         ephost.ort.unregister("refnpu")
+
+
+def test_a_running_worker_by_address_and_a_plugin_library_by_path():
+    """The other two kinds of target: a worker an operator started (by its address), and a vendor's ORT plugin EP
+    library by path (OpenVINO's: it loads in the worker and, without Intel hardware, offers no device, so ORT
+    lists none under the name, as it would in process)."""
+    from helpers import Worker
+    worker = Worker("--ep", "onnxruntime")
+    try:
+        ephost.ort.register("remote_npu", worker.address)
+        try:
+            session = session_on("remote_npu", models.diamond())
+            session.disable_fallback()
+            x = np.random.default_rng(6).standard_normal((2, 3)).astype(np.float32)
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+            assert set(owners(session).values()) == {"remote_npu"}
+            del session
+        finally:
+            ephost.ort.unregister("remote_npu")
+    finally:
+        worker.stop()
+    import onnxruntime_ep_openvino
+    ephost.ort.register("ov", onnxruntime_ep_openvino.get_library_path())
+    try:
+        assert "ov" not in {d.ep_name for d in ort.get_ep_devices()}
+        assert ephost.ort.environment("ov").registration("ov").devices == []
+    finally:
+        ephost.ort.unregister("ov")
 
 
 def test_string_tensors_cross_the_bridge(npu):
