@@ -94,6 +94,7 @@ ORT_API: dict[str, tuple[int, Any, tuple]] = {
     "Graph_GetNumNodes": (344, _S, (_P, _PSZ)),
     "Graph_GetNodes": (345, _S, (_P, _PP, c_size_t)),
     "Graph_GetParentNode": (346, _S, (_P, _PP)),
+    "Node_GetId": (348, _S, (_P, _PSZ)),
     "Node_GetName": (349, _S, (_P, _STR)),
     "Node_GetOperatorType": (350, _S, (_P, _STR)),
     "Node_GetDomain": (351, _S, (_P, _STR)),

@@ -35,6 +35,7 @@ class BridgeEp:
         self.reader = GraphReader(self.abi)
         self._strings = Strings()
         self.fusion_options = A.OrtNodeFusionOptions(A.STRUCT_VERSION, True)  # initializers stay in the worker
+        self._capability = None  # (ReadGraph, GraphIndex) of the last top-level GetCapability
         self.struct = A.OrtEp()
         fill(self.struct, A.EP_FUNCTIONS, {
             "GetName": lambda this: self.guard.quiet("GetName", lambda: self._strings(self.name)),
@@ -54,13 +55,15 @@ class BridgeEp:
         if self.reader.is_nested(graph):
             return  # a control-flow node's body: the worker is asked about the whole node in its parent graph
         read = self.reader.read(graph)
+        index = GraphIndex.of(read.model)
+        self._capability = (read, index)
         claimed = frozenset(name for name, node in read.nodes.items() if self._assigned_elsewhere(node))
         groups = self.remote.get_capability(read.model, claimed)
         for group in groups:
             missing = [n for n in group.node_names if n not in read.nodes]
             if missing:
                 raise EpInvalidArgument(f"the worker claimed nodes the graph does not have: {missing[:5]}")
-        fused = acyclic_groups(GraphIndex.of(read.model), [g.node_names for g in groups])
+        fused = acyclic_groups(index, [g.node_names for g in groups])
         for names in fused:
             nodes = (c_void_p * len(names))(*[read.nodes[n] for n in names])
             self.abi.check(self.abi.ep_api.EpGraphSupportInfo_AddNodesToFuse(
@@ -79,19 +82,42 @@ class BridgeEp:
     def compile(self, graphs, fused_nodes, count: int, infos_out) -> None:
         api = self.abi.api
         fused: list[FusedGraph] = []
+        reused = 0
         for i in range(count):
-            read = self.reader.read(graphs[i])
             node = fused_nodes[i]
-            name = self.reader._string(api.Node_GetName, node, "Node_GetName")
-            inputs = [self.reader._string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
-                      for v in self.reader._array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs")]
-            outputs = [self.reader._string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
-                       for v in self.reader._array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs")]
-            fused.append(FusedGraph(name, GraphIndex.of(read.model), tuple(read.nodes), tuple(inputs), tuple(outputs)))
+            name = self.reader.string(api.Node_GetName, node, "Node_GetName")
+            inputs = [self.reader.string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
+                      for v in self.reader.array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs")]
+            outputs = [self.reader.string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
+                       for v in self.reader.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs")]
+            source, nodes = self._in_capability_model(graphs[i])
+            reused += source is not None
+            if source is None:  # not the graph GetCapability read: read this one
+                read = self.reader.read(graphs[i])
+                source, nodes = GraphIndex.of(read.model), tuple(read.nodes)
+            fused.append(FusedGraph(name, source, nodes, tuple(inputs), tuple(outputs)))
+        log.info("%s: Compile of %d partition(s), %d of them cut from the model GetCapability sent", self.name,
+                 count, reused)
         compiled = self.remote.compile(fused)
         made = [BridgeComputeInfo(self, graph, info) for graph, info in zip(fused, compiled)]
         for i, info in enumerate(made):
             infos_out[i] = info.address
+
+    def _in_capability_model(self, graph: int) -> tuple[GraphIndex | None, tuple[str, ...]]:
+        """The fused graph's nodes as names in the model GetCapability sent, which the worker already holds (so
+        Compile sends no weights again), where every node is one GetCapability read, by id and operator."""
+        if self._capability is None:
+            return None, ()
+        read, index = self._capability
+        api = self.abi.api
+        names = []
+        for node in self.reader.array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
+            name = read.ids.get(self.reader.node_id(node))
+            op = self.reader.string(api.Node_GetOperatorType, node, "Node_GetOperatorType")
+            if name is None or index.nodes[name].op_type != op:
+                return None, ()
+            names.append(name)
+        return index, tuple(names)
 
     def release_node_compute_infos(self, infos, count: int) -> None:
         owners = [forget(infos[i]) for i in range(count)]

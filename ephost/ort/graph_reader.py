@@ -21,6 +21,7 @@ from ephost.ort.values import shape_of, tensor_view
 class ReadGraph:
     model: onnx.ModelProto
     nodes: dict[str, int] = field(default_factory=dict)  # node name in `model` -> OrtNode*
+    ids: dict[int, str] = field(default_factory=dict)    # OrtNode id (Node_GetId) -> node name in `model`
     constant_initializers: set[str] = field(default_factory=set)
 
 
@@ -33,12 +34,14 @@ class GraphReader:
 
     # --- small helpers ---
 
-    def _string(self, fn, obj: int, what: str) -> str:
+    def string(self, fn, obj: int, what: str) -> str:
+        """A string an OrtApi getter returns through an out parameter."""
         out = c_char_p()
         self.abi.check(fn(obj, ctypes.byref(out)), what)
         return (out.value or b"").decode()
 
-    def _array(self, count_fn, get_fn, obj: int, what: str) -> list[int | None]:
+    def array(self, count_fn, get_fn, obj: int, what: str) -> list[int | None]:
+        """The pointers an OrtApi count/get pair returns (a NULL entry is None)."""
         n = c_size_t()
         self.abi.check(count_fn(obj, ctypes.byref(n)), what)
         items = (c_void_p * n.value)()
@@ -70,14 +73,14 @@ class GraphReader:
 
     def _graph(self, graph: int, read: ReadGraph, top: bool) -> onnx.GraphProto:
         api = self.api
-        name = self._string(api.Graph_GetName, graph, "Graph_GetName") or "graph"
-        inputs = [self._value_info(v) for v in self._array(api.Graph_GetNumInputs, api.Graph_GetInputs, graph,
+        name = self.string(api.Graph_GetName, graph, "Graph_GetName") or "graph"
+        inputs = [self._value_info(v) for v in self.array(api.Graph_GetNumInputs, api.Graph_GetInputs, graph,
                                                              "Graph_GetInputs")]
-        outputs = [self._value_info(v) for v in self._array(api.Graph_GetNumOutputs, api.Graph_GetOutputs, graph,
+        outputs = [self._value_info(v) for v in self.array(api.Graph_GetNumOutputs, api.Graph_GetOutputs, graph,
                                                               "Graph_GetOutputs")]
         initializers = []
-        for v in self._array(api.Graph_GetNumInitializers, api.Graph_GetInitializers, graph, "Graph_GetInitializers"):
-            tensor_name = self._string(api.GetValueInfoName, v, "GetValueInfoName")
+        for v in self.array(api.Graph_GetNumInitializers, api.Graph_GetInitializers, graph, "Graph_GetInitializers"):
+            tensor_name = self.string(api.GetValueInfoName, v, "GetValueInfoName")
             value = c_void_p()
             self.abi.check(api.ValueInfo_GetInitializerValue(v, ctypes.byref(value)), "ValueInfo_GetInitializerValue")
             if value.value:
@@ -89,7 +92,7 @@ class GraphReader:
                 read.constant_initializers.add(tensor_name)
         nodes, value_infos, seen = [], [], set()
         declared = {i.name for i in inputs} | {o.name for o in outputs}
-        for node in self._array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
+        for node in self.array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
             proto = self._node(node, read)
             base, k = proto.name or proto.op_type, 0
             while proto.name in seen or not proto.name:
@@ -98,8 +101,9 @@ class GraphReader:
             seen.add(proto.name)
             if top:
                 read.nodes[proto.name] = node
+                read.ids[self.node_id(node)] = proto.name
             nodes.append(proto)
-            for v in self._array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs"):
+            for v in self.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs"):
                 if v:
                     info = self._value_info(v, required=False)
                     if info is not None and info.name not in declared:
@@ -107,11 +111,16 @@ class GraphReader:
                         declared.add(info.name)
         return helper.make_graph(nodes, name, inputs, outputs, initializer=initializers, value_info=value_infos)
 
+    def node_id(self, node: int) -> int:
+        out = c_size_t()
+        self.abi.check(self.api.Node_GetId(node, ctypes.byref(out)), "Node_GetId")
+        return out.value
+
     # --- values ---
 
     def _value_info(self, v: int, required: bool = True) -> onnx.ValueInfoProto | None:
         api = self.api
-        name = self._string(api.GetValueInfoName, v, "GetValueInfoName")
+        name = self.string(api.GetValueInfoName, v, "GetValueInfoName")
         type_info = c_void_p()
         self.abi.check(api.GetValueInfoTypeInfo(v, ctypes.byref(type_info)), "GetValueInfoTypeInfo")
         kind = c_int()
@@ -131,14 +140,14 @@ class GraphReader:
 
     def _node(self, node: int, read: ReadGraph) -> onnx.NodeProto:
         api = self.api
-        names = lambda values: [self._string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""  # noqa: E731
+        names = lambda values: [self.string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""  # noqa: E731
                                 for v in values]
-        inputs = names(self._array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs"))
-        outputs = names(self._array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs"))
-        proto = helper.make_node(self._string(api.Node_GetOperatorType, node, "Node_GetOperatorType"), inputs, outputs,
-                                 name=self._string(api.Node_GetName, node, "Node_GetName"),
-                                 domain=self._string(api.Node_GetDomain, node, "Node_GetDomain") or None)
-        for attr in self._array(api.Node_GetNumAttributes, api.Node_GetAttributes, node, "Node_GetAttributes"):
+        inputs = names(self.array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs"))
+        outputs = names(self.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs"))
+        proto = helper.make_node(self.string(api.Node_GetOperatorType, node, "Node_GetOperatorType"), inputs, outputs,
+                                 name=self.string(api.Node_GetName, node, "Node_GetName"),
+                                 domain=self.string(api.Node_GetDomain, node, "Node_GetDomain") or None)
+        for attr in self.array(api.Node_GetNumAttributes, api.Node_GetAttributes, node, "Node_GetAttributes"):
             read_attr = self._attribute(attr)
             if read_attr is not None:
                 proto.attribute.append(read_attr)
@@ -156,7 +165,7 @@ class GraphReader:
 
     def _attribute(self, attr: int) -> onnx.AttributeProto | None:
         api = self.api
-        name = self._string(api.OpAttr_GetName, attr, "OpAttr_GetName")
+        name = self.string(api.OpAttr_GetName, attr, "OpAttr_GetName")
         kind = c_int()
         self.abi.check(api.OpAttr_GetType(attr, ctypes.byref(kind)), "OpAttr_GetType")
         kind = kind.value
