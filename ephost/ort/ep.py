@@ -35,7 +35,7 @@ class BridgeEp:
         self.reader = GraphReader(self.abi)
         self._strings = Strings()
         self.fusion_options = A.OrtNodeFusionOptions(A.STRUCT_VERSION, True)  # initializers stay in the worker
-        self._capability = None  # (ReadGraph, GraphIndex) of the last top-level GetCapability
+        self._capability = None  # (ReadGraph, GraphIndex, value types) of the last top-level GetCapability
         self.struct = A.OrtEp()
         fill(self.struct, A.EP_FUNCTIONS, {
             "GetName": lambda this: self.guard.quiet("GetName", lambda: self._strings(self.name)),
@@ -56,7 +56,8 @@ class BridgeEp:
             return  # a control-flow node's body: the worker is asked about the whole node in its parent graph
         read = self.reader.read(graph)
         index = GraphIndex.of(read.model)
-        self._capability = (read, index)
+        g = read.model.graph
+        self._capability = (read, index, {v.name: tensor_kind(v) for v in [*g.input, *g.output, *g.value_info]})
         claimed = frozenset(name for name, node in read.nodes.items() if self._assigned_elsewhere(node))
         groups = self.remote.get_capability(read.model, claimed)
         for group in groups:
@@ -93,7 +94,7 @@ class BridgeEp:
             source, nodes = self._in_capability_model(graphs[i])
             reused += source is not None
             if source is None:  # not the graph GetCapability read: read this one
-                read = self.reader.read(graphs[i])
+                read = self.reader.read(graphs[i], exact_edges=False)
                 source, nodes = GraphIndex.of(read.model), tuple(read.nodes)
             fused.append(FusedGraph(name, source, nodes, tuple(inputs), tuple(outputs)))
         log.info("%s: Compile of %d partition(s), %d of them cut from the model GetCapability sent", self.name,
@@ -108,8 +109,15 @@ class BridgeEp:
         Compile sends no weights again), where every node is one GetCapability read, by id and operator."""
         if self._capability is None:
             return None, ()
-        read, index = self._capability
+        read, index, types = self._capability
         api = self.abi.api
+        # the partition's edges must carry the element types the compile graph gives them
+        edges = self.reader.array(api.Graph_GetNumInputs, api.Graph_GetInputs, graph, "Graph_GetInputs") + \
+            self.reader.array(api.Graph_GetNumOutputs, api.Graph_GetOutputs, graph, "Graph_GetOutputs")
+        for v in edges:
+            info = self.reader.value_info(v, required=False) if v else None
+            if info is None or types.get(info.name) != tensor_kind(info):
+                return None, ()
         names = []
         for node in self.reader.array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
             name = read.ids.get(self.reader.node_id(node))
@@ -131,6 +139,12 @@ class BridgeEp:
     def release(self) -> None:
         forget(self.address)
         self.remote.release()
+
+
+def tensor_kind(info) -> int:
+    """The element type of a tensor ValueInfoProto: what a partition edge must agree on (ORT's shapes of
+    intermediate values are not trusted, see GraphReader.value_info)."""
+    return info.type.tensor_type.elem_type
 
 
 def acyclic_groups(index: GraphIndex, groups: list[tuple[str, ...]]) -> list[list[str]]:

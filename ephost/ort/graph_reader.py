@@ -56,10 +56,12 @@ class GraphReader:
         self.abi.check(self.api.Graph_GetParentNode(graph, ctypes.byref(parent)), "Graph_GetParentNode")
         return bool(parent.value)
 
-    def read(self, graph: int) -> ReadGraph:
+    def read(self, graph: int, exact_edges: bool = True) -> ReadGraph:
+        """The graph as a model. `exact_edges`: its inputs and outputs keep ORT's shapes (a model's own edges);
+        otherwise (a fused subgraph, whose edges are intermediate values) only their element type."""
         api = self.api
         read = ReadGraph(onnx.ModelProto())
-        g = self._graph(graph, read, top=True)
+        g = self._graph(graph, read, top=True, exact_edges=exact_edges)
         n = c_size_t()
         self.abi.check(api.Graph_GetNumOperatorSets(graph, ctypes.byref(n)), "Graph_GetNumOperatorSets")
         domains, versions = (c_char_p * n.value)(), (c_int64 * n.value)()
@@ -71,13 +73,15 @@ class GraphReader:
             ir_version=ir.value, producer_name="ephost.ort")
         return read
 
-    def _graph(self, graph: int, read: ReadGraph, top: bool) -> onnx.GraphProto:
+    def _graph(self, graph: int, read: ReadGraph, top: bool, exact_edges: bool = True,
+               exact_inputs: bool | None = None) -> onnx.GraphProto:
         api = self.api
         name = self.string(api.Graph_GetName, graph, "Graph_GetName") or "graph"
-        inputs = [self._value_info(v) for v in self.array(api.Graph_GetNumInputs, api.Graph_GetInputs, graph,
-                                                             "Graph_GetInputs")]
-        outputs = [self._value_info(v) for v in self.array(api.Graph_GetNumOutputs, api.Graph_GetOutputs, graph,
-                                                              "Graph_GetOutputs")]
+        exact_inputs = exact_edges if exact_inputs is None else exact_inputs
+        inputs = [self.value_info(v, dims=exact_inputs) for v in self.array(
+            api.Graph_GetNumInputs, api.Graph_GetInputs, graph, "Graph_GetInputs")]
+        outputs = [self.value_info(v, dims=exact_edges) for v in self.array(
+            api.Graph_GetNumOutputs, api.Graph_GetOutputs, graph, "Graph_GetOutputs")]
         initializers = []
         for v in self.array(api.Graph_GetNumInitializers, api.Graph_GetInitializers, graph, "Graph_GetInitializers"):
             tensor_name = self.string(api.GetValueInfoName, v, "GetValueInfoName")
@@ -105,7 +109,7 @@ class GraphReader:
             nodes.append(proto)
             for v in self.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs"):
                 if v:
-                    info = self._value_info(v, required=False)
+                    info = self.value_info(v, required=False, dims=False)
                     if info is not None and info.name not in declared:
                         value_infos.append(info)
                         declared.add(info.name)
@@ -118,7 +122,10 @@ class GraphReader:
 
     # --- values ---
 
-    def _value_info(self, v: int, required: bool = True) -> onnx.ValueInfoProto | None:
+    def value_info(self, v: int, required: bool = True, dims: bool = True) -> onnx.ValueInfoProto | None:
+        """The value's name and tensor type; with `dims` false without a shape: ORT's graph may carry a shape for an
+        intermediate value (rank included) that a run does not have, and the worker binds a partition's outputs
+        by the shape it infers from the declared ones."""
         api = self.api
         name = self.string(api.GetValueInfoName, v, "GetValueInfoName")
         type_info = c_void_p()
@@ -132,8 +139,8 @@ class GraphReader:
             return None
         tensor_info = c_void_p()
         self.abi.check(api.CastTypeInfoToTensorInfo(type_info, ctypes.byref(tensor_info)), "CastTypeInfoToTensorInfo")
-        elem, dims, symbols = shape_of(self.abi, tensor_info.value)
-        shape = [d if d >= 0 else (s or None) for d, s in zip(dims, symbols)]
+        elem, shape_dims, symbols = shape_of(self.abi, tensor_info.value)
+        shape = [d if d >= 0 else (s or None) for d, s in zip(shape_dims, symbols)] if dims else None
         return helper.make_tensor_value_info(name, elem, shape)
 
     # --- nodes ---
@@ -160,7 +167,9 @@ class GraphReader:
             for g, attr_name in zip(graphs, attr_names):
                 name = (attr_name or b"").decode()
                 if name not in present:
-                    proto.attribute.append(helper.make_attribute(name, self._graph(g, read, top=False)))
+                    # a body's inputs keep their shapes (Loop needs its iteration count's), its outputs do not
+                    proto.attribute.append(helper.make_attribute(
+                        name, self._graph(g, read, top=False, exact_edges=False, exact_inputs=True)))
         return proto
 
     def _attribute(self, attr: int) -> onnx.AttributeProto | None:
