@@ -223,6 +223,26 @@ def test_node_cases_whose_intermediate_shapes_ort_gets_wrong(npu, case_name):
     assert set(owners(session).values()) == {npu}
 
 
+def test_provider_options_reach_the_workers_ep(npu, monkeypatch):
+    """add_provider_for_devices(devices, options): ORT keeps them as `ep.<name>.<key>` session entries; the
+    bridge reads them (GetSessionOptionsConfigEntries) and creates the worker's EP with them."""
+    from ephost.ort.factory import provider_options
+    assert provider_options({"ep.npu.a": "1", "ep.NPU.b": "2", "ep.other.c": "3", "session.d": "4"}, "npu") == \
+        {"a": "1", "b": "2"}
+    factory = ephost.ort.environment(npu).registration(npu).factory
+    seen = []
+    create_ep = factory.create_ep
+    monkeypatch.setattr(factory, "create_ep", lambda indices, options: seen.append(dict(options)) or
+                        create_ep(indices, options))
+    options = ort.SessionOptions()
+    options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == npu],
+                                     {"intra_op_num_threads": "1"})
+    session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+    assert seen == [{"intra_op_num_threads": "1"}]
+
+
 def test_string_tensors_cross_the_bridge(npu):
     """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
     worker's with FillStringTensor."""

@@ -110,6 +110,7 @@ ORT_API: dict[str, tuple[int, Any, tuple]] = {
     "Node_GetNumSubgraphs": (365, _S, (_P, _PSZ)),
     "Node_GetSubgraphs": (366, _S, (_P, _PP, c_size_t, _STR)),
     "Node_GetEpName": (368, _S, (_P, _STR)),
+    "GetSessionOptionsConfigEntries": (379, _S, (_P, _PP)),
 }
 
 # OrtEpApi (onnxruntime_ep_c_api.h), same rule.

@@ -43,6 +43,13 @@ class BridgeStats:
             return BridgeStats(self.computes, self.bytes_in_copied, self.bytes_out_copied)
 
 
+def provider_options(config_entries: dict[str, str], ep_name: str) -> dict[str, str]:
+    """The options the application gave `add_provider_for_devices` for this EP: ORT keeps them in the session's
+    config entries as `ep.<ep name>.<key>` (the EP name lowercased), and they go to the worker's EP."""
+    prefix = f"ep.{ep_name.lower()}."
+    return {k[len(prefix):]: v for k, v in config_entries.items() if k.lower().startswith(prefix)}
+
+
 class BridgeFactory:
     def __init__(self, binding: "Binding", abi: A.OrtAbi):
         self.binding, self.abi = binding, abi
@@ -63,7 +70,7 @@ class BridgeFactory:
             "GetSupportedDevices": lambda this, hw, n_hw, out, max_out, n_out: self.guard.status(
                 "GetSupportedDevices", lambda: self.get_supported_devices(hw, n_hw, out, max_out, n_out)),
             "CreateEp": lambda this, hw, metadata, n, session_options, logger, ep_out: self.guard.status(
-                "CreateEp", lambda: self.create_ep(hw, n, ep_out)),
+                "CreateEp", lambda: self.create_ep(hw, n, session_options, ep_out)),
             "ReleaseEp": lambda this, ep: self.guard.quiet("ReleaseEp", lambda: self.release_ep(ep)),
             "ValidateCompiledModelCompatibilityInfo": lambda this, hw, n, info, out: self.guard.status(
                 "ValidateCompiledModelCompatibilityInfo", lambda: self._set_int(out, 0)),  # EP_NOT_APPLICABLE
@@ -135,14 +142,27 @@ class BridgeFactory:
 
     # --- EPs ---
 
-    def create_ep(self, hw_devices, n: int, ep_out) -> None:
+    def create_ep(self, hw_devices, n: int, session_options: int, ep_out) -> None:
         indices = []
         for i in range(n):
             if hw_devices[i] not in self._device_of:
                 raise EpNotFound(f"{self.name} was given a device it did not offer")
             indices.append(self._device_of[hw_devices[i]])
-        remote = self.registration.factory.create_ep(indices, {})
+        options = provider_options(self._config_entries(session_options), self.name)
+        remote = self.registration.factory.create_ep(indices, options)
         ep_out[0] = BridgeEp(self, remote).address
+
+    def _config_entries(self, session_options: int) -> dict[str, str]:
+        api = self.abi.api
+        kvps = c_void_p()
+        self.abi.check(api.GetSessionOptionsConfigEntries(session_options, ctypes.byref(kvps)),
+                       "GetSessionOptionsConfigEntries")
+        try:
+            keys, values, n = A.POINTER(ctypes.c_char_p)(), A.POINTER(ctypes.c_char_p)(), ctypes.c_size_t()
+            api.GetKeyValuePairs(kvps, ctypes.byref(keys), ctypes.byref(values), ctypes.byref(n))
+            return {keys[i].decode(): (values[i] or b"").decode() for i in range(n.value)}
+        finally:
+            api.ReleaseKeyValuePairs(kvps)
 
     def release_ep(self, address: int) -> None:
         ep = owner_of(address)
