@@ -8,6 +8,7 @@ import logging
 
 import onnxruntime as ort
 
+import ephost
 import ephost.ort
 from bench.data_plane import interleaved
 from bench.session_overhead import SESSION_CONFIG, tiny_model
@@ -40,21 +41,28 @@ def main(quick: bool = False) -> None:
             alone, bridged = session(model, False), session(model, True)
             feeds = {i.name: (bundled_input(i) if isinstance(model, str) else np.ones((1, 16), np.float32))
                      for i in alone.get_inputs()}
+            env = ephost.ort.environment("bench_bridge")  # the same worker, through ephost's own session
+            options = ephost.SessionOptions()
+            options.add_provider_for_devices(env.get_ep_devices())
+            own = ephost.InferenceSession(model, options, env=env)
             before = ephost.ort.stats("bench_bridge")
-            times = interleaved({"alone": lambda: alone.run(None, feeds), "bridge": lambda: bridged.run(None, feeds)},
-                                blocks, per_block)
+            times = interleaved({"alone": lambda: alone.run(None, feeds), "bridge": lambda: bridged.run(None, feeds),
+                                 "ephost": lambda: own.run(None, feeds)}, blocks, per_block)
+            own.close()
             after = ephost.ort.stats("bench_bridge")
             runs = after.computes - before.computes
             copied = (after.bytes_in_copied - before.bytes_in_copied + after.bytes_out_copied -
                       before.bytes_out_copied) / max(runs, 1)
-            rows.append((label, times["alone"], times["bridge"], copied))
+            rows.append((label, times["alone"], times["bridge"], times["ephost"], copied))
             del alone, bridged
         print("ORT session, nodes on ORT's CPU EP in process vs through ephost.ort into a worker hosting it; "
               "median per run\n")
-        print("| model | ORT CPU EP in process | ORT + bridge | overhead per run | ratio | bytes copied per run |")
-        print("|---|---|---|---|---|---|")
-        for label, t_alone, t_bridge, copied in rows:
+        print("| model | ORT CPU EP in process | ORT + bridge | overhead per run | ratio | ephost session, same worker "
+              "| bytes copied per run |")
+        print("|---|---|---|---|---|---|---|")
+        for label, t_alone, t_bridge, t_own, copied in rows:
             print(f"| {label} | {t_alone * 1e6:.1f} µs | {t_bridge * 1e6:.1f} µs | "
-                  f"{(t_bridge - t_alone) * 1e6:.1f} µs | {t_bridge / t_alone:.2f}x | {copied:,.0f} B |")
+                  f"{(t_bridge - t_alone) * 1e6:.1f} µs | {t_bridge / t_alone:.2f}x | {t_own * 1e6:.1f} µs | "
+                  f"{copied:,.0f} B |")
     finally:
         ephost.ort.unregister("bench_bridge")
