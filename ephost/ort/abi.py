@@ -15,7 +15,7 @@ import ctypes
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_bool, c_char_p, c_int, c_int64, c_size_t, c_uint32,
                     c_void_p)
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ephost.errors import EpFailedPrecondition, EpInternal
 
@@ -201,14 +201,8 @@ class FunctionTable:
         if missing:
             raise EpFailedPrecondition(f"ONNX Runtime's {name} has no function at the slots of {missing}: its "
                                        f"layout is not the one ephost.ort was checked against")
-        self._functions: dict[str, Callable] = {
-            n: CFUNCTYPE(restype, *argtypes)(slots[i]) for n, (i, restype, argtypes) in entries.items()}
-
-    def __getattr__(self, name: str) -> Callable:
-        try:
-            return self.__dict__["_functions"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+        for n, (i, restype, argtypes) in entries.items():  # plain attributes: the hot path looks them up often
+            setattr(self, n, CFUNCTYPE(restype, *argtypes)(slots[i]))
 
 
 @dataclass

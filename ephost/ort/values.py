@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 from ctypes import c_int, c_int64, c_size_t, c_void_p
 
 import numpy as np
@@ -11,17 +12,21 @@ from ephost.ort.abi import OrtAbi
 from ephost.types import dtype_of
 
 
-def shape_of(abi: OrtAbi, tensor_info: int) -> tuple[int, list[int], list[str]]:
-    """(element type, dims, symbolic dims) of an OrtTensorTypeAndShapeInfo. Unknown dims are negative."""
+def shape_of(abi: OrtAbi, tensor_info: int, symbols: bool = True) -> tuple[int, list[int], list[str]]:
+    """(element type, dims, symbolic dims) of an OrtTensorTypeAndShapeInfo. Unknown dims are negative; symbolic
+    names are read only where asked (a value's shape has none)."""
     api = abi.api
     elem, rank = c_int(), c_size_t()
     abi.check(api.GetTensorElementType(tensor_info, ctypes.byref(elem)), "GetTensorElementType")
     abi.check(api.GetDimensionsCount(tensor_info, ctypes.byref(rank)), "GetDimensionsCount")
     dims = (c_int64 * rank.value)()
+    if not rank.value:
+        return elem.value, [], []
+    abi.check(api.GetDimensions(tensor_info, dims, rank.value), "GetDimensions")
+    if not symbols:
+        return elem.value, list(dims), []
     names = (ctypes.c_char_p * rank.value)()
-    if rank.value:
-        abi.check(api.GetDimensions(tensor_info, dims, rank.value), "GetDimensions")
-        abi.check(api.GetSymbolicDimensions(tensor_info, names, rank.value), "GetSymbolicDimensions")
+    abi.check(api.GetSymbolicDimensions(tensor_info, names, rank.value), "GetSymbolicDimensions")
     return elem.value, list(dims), [(n or b"").decode() for n in names]
 
 
@@ -35,7 +40,7 @@ def tensor_view(abi: OrtAbi, value: int) -> np.ndarray:
     info = c_void_p()
     abi.check(api.GetTensorTypeAndShape(value, ctypes.byref(info)), "GetTensorTypeAndShape")
     try:
-        elem, dims, _ = shape_of(abi, info.value)
+        elem, dims, _ = shape_of(abi, info.value, symbols=False)
     finally:
         api.ReleaseTensorTypeAndShapeInfo(info)
     if elem == STRING:
@@ -44,7 +49,7 @@ def tensor_view(abi: OrtAbi, value: int) -> np.ndarray:
 
 
 def read_strings(abi: OrtAbi, value: int, dims: list[int]) -> np.ndarray:
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    count = math.prod(dims)
     total = c_size_t()
     abi.check(abi.api.GetStringTensorDataLength(value, ctypes.byref(total)), "GetStringTensorDataLength")
     data = ctypes.create_string_buffer(max(total.value, 1))
@@ -74,7 +79,7 @@ def array_at(abi: OrtAbi, value: int, elem: int, dims: list[int]) -> np.ndarray:
             from None
     if dtype == np.dtype(object):
         raise EpInvalidArgument("string tensors cannot cross the bridge")
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    count = math.prod(dims)
     if count == 0:
         return np.empty(dims, dtype)
     data = c_void_p()
