@@ -73,6 +73,16 @@ def test_an_unchecked_onnx_runtime_is_refused():
     abi.check_version(ort.__version__)
 
 
+def test_register_refuses_a_taken_name_and_a_bad_target_leaves_nothing(npu):
+    with pytest.raises(ephost.EpAlreadyExists, match="npu"):
+        ephost.ort.register(npu, "onnxruntime")
+    with pytest.raises(ephost.EpError, match="no-such-ep"):
+        ephost.ort.register("broken", "no-such-ep")
+    assert "broken" not in {d.ep_name for d in ort.get_ep_devices()}
+    with pytest.raises(ephost.EpNotFound, match="broken"):
+        ephost.ort.unregister("broken")
+
+
 def test_devices_are_the_workers_under_the_registration_name(npu):
     (device,) = [d for d in ort.get_ep_devices() if d.ep_name == npu]
     (cpu,) = [d for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider"]
