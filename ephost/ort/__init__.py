@@ -12,14 +12,16 @@ Python (ctypes) behind it, so it serves Python applications only (README: "ONNX 
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Mapping
 
+from ephost.client.environment import Environment
+from ephost.errors import EpNotFound
 from ephost.ort.abi import CHECKED_VERSIONS, check_version
 from ephost.ort.build import built_library
 from ephost.ort.library import Binding, loaded_library
+from ephost.ort.stats import BridgeStats
 
-__all__ = ["library_path", "register", "unregister", "stats", "environment", "CHECKED_VERSIONS"]
+__all__ = ["library_path", "register", "unregister", "stats", "environment", "BridgeStats", "CHECKED_VERSIONS"]
 
 
 def _ort():
@@ -42,9 +44,7 @@ def register(ort_name: str, target: str, options: Mapping[str, str] | None = Non
     The devices ORT then lists under `ort_name` are the worker's; the EP's name in ORT is `ort_name`."""
     ort = _ort()
     lib = loaded_library(ort.__version__)
-    from ephost.client.environment import Environment
-    from ephost.ort.factory import BridgeStats
-    binding = Binding(ort_name, target, {str(k): str(v) for k, v in (options or {}).items()}, stats=BridgeStats())
+    binding = Binding(ort_name, target, {str(k): str(v) for k, v in (options or {}).items()})
     lib.add(binding)
     try:
         binding.environment = Environment()
@@ -60,9 +60,7 @@ def unregister(ort_name: str) -> None:
     """Unregister from ORT (no session using the EP may remain) and end the worker."""
     ort = _ort()
     lib = loaded_library(ort.__version__)
-    binding = lib.binding(ort_name)
-    if binding is None:
-        lib.remove(ort_name)  # raises EpNotFound
+    binding = _binding(ort_name)
     try:
         ort.unregister_execution_provider_library(ort_name)
     finally:
@@ -71,19 +69,18 @@ def unregister(ort_name: str) -> None:
 
 
 
-def stats(ort_name: str):
-    """What crossed the bridge for `ort_name` so far (BridgeStats: computes, bytes copied in and out)."""
+def _binding(ort_name: str) -> Binding:
     binding = loaded_library(_ort().__version__).binding(ort_name)
     if binding is None:
-        from ephost.errors import EpNotFound
         raise EpNotFound(f"{ort_name!r} is not registered with ephost.ort")
-    return binding.stats.snapshot()
+    return binding
 
 
-def environment(ort_name: str):
+def stats(ort_name: str) -> BridgeStats:
+    """What crossed the bridge for `ort_name` so far: Compute calls, bytes copied in and out."""
+    return _binding(ort_name).stats.snapshot()
+
+
+def environment(ort_name: str) -> Environment:
     """The ephost Environment holding the worker behind `ort_name` (its stats, its registration)."""
-    binding = loaded_library(_ort().__version__).binding(ort_name)
-    if binding is None:
-        from ephost.errors import EpNotFound
-        raise EpNotFound(f"{ort_name!r} is not registered with ephost.ort")
-    return binding.environment
+    return _binding(ort_name).environment

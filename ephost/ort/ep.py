@@ -13,7 +13,7 @@ from ephost.eps.base import FusedGraph
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
-from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
+from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
 from ephost.ort.graph_reader import GraphReader
 from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor

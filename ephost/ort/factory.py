@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from ctypes import c_void_p
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ephost.errors import EpNotFound
@@ -20,27 +18,6 @@ log = logging.getLogger(__name__)
 
 # EP metadata keys ORT sets itself (from GetVersion and the library's path) and refuses from a factory.
 RESERVED_METADATA = frozenset({"version", "library_path"})
-
-
-@dataclass
-class BridgeStats:
-    """What crossed the bridge: Compute calls, and the bytes this process copied for them (ORT's input tensors
-    into the worker's memory or the call, the worker's outputs into ORT's output tensors)."""
-
-    computes: int = 0
-    bytes_in_copied: int = 0
-    bytes_out_copied: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def count(self, bytes_in: int, bytes_out: int) -> None:
-        with self._lock:
-            self.computes += 1
-            self.bytes_in_copied += bytes_in
-            self.bytes_out_copied += bytes_out
-
-    def snapshot(self) -> "BridgeStats":
-        with self._lock:
-            return BridgeStats(self.computes, self.bytes_in_copied, self.bytes_out_copied)
 
 
 def provider_options(config_entries: dict[str, str], ep_name: str) -> dict[str, str]:

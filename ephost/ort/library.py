@@ -10,10 +10,13 @@ from ctypes import c_void_p
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ephost.client.environment import Environment
 from ephost.errors import EpAlreadyExists, EpNotFound
 from ephost.ort import abi as A
 from ephost.ort import callbacks
 from ephost.ort.build import built_library
+from ephost.ort.factory import BridgeFactory
+from ephost.ort.stats import BridgeStats
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +29,9 @@ class Binding:
     ort_name: str
     target: str
     options: dict[str, str]
-    environment: object = None
+    environment: Environment | None = None
     factories: list = field(default_factory=list)
-    stats: object = None  # BridgeStats, shared by the factories ORT makes for this name
+    stats: BridgeStats = field(default_factory=BridgeStats)  # shared by the factories ORT makes for this name
 
     @property
     def registration(self):
@@ -85,7 +88,6 @@ class Library:
             if binding is None:
                 raise EpNotFound(f"{name.decode()!r} was registered with ONNX Runtime directly; register it with "
                                  "ephost.ort.register(name, target) instead")
-            from ephost.ort.factory import BridgeFactory
             factory = BridgeFactory(binding, self._abi)
             binding.factories.append(factory)
             factories[0] = factory.address
