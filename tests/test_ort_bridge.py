@@ -42,7 +42,9 @@ def session_on(name: str, model, **config) -> ort.InferenceSession:
         options.add_session_config_entry(key, value)
     options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == name], {})
     source = model if isinstance(model, str) else model.SerializeToString()
-    return ort.InferenceSession(source, options)
+    session = ort.InferenceSession(source, options)
+    session.disable_fallback()  # a failure through the bridge must fail the test, not rerun on ORT's CPU EP
+    return session
 
 
 def owners(session: ort.InferenceSession) -> dict[str, str]:
@@ -170,7 +172,6 @@ def test_a_group_that_would_make_a_cycle_is_split_not_lost():
     ephost.ort.register("refnpu", "reference", {"ops": "Add,Mul"})
     try:
         session = session_on("refnpu", models.diamond())
-        session.disable_fallback()
         x = np.random.default_rng(5).standard_normal((2, 3)).astype(np.float32)
         np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
         assert owners(session) == {"add": "refnpu", "mul": "refnpu", "relu": "CPUExecutionProvider"}
@@ -189,7 +190,6 @@ def test_a_running_worker_by_address_and_a_plugin_library_by_path():
         ephost.ort.register("remote_npu", worker.address)
         try:
             session = session_on("remote_npu", models.diamond())
-            session.disable_fallback()
             x = np.random.default_rng(6).standard_normal((2, 3)).astype(np.float32)
             np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
             assert set(owners(session).values()) == {"remote_npu"}
@@ -225,7 +225,6 @@ def test_node_cases_whose_intermediate_shapes_ort_gets_wrong(npu, case_name):
     from ephost.eps.onnxruntime import readable_model
     case = node_cases()[case_name]
     session = session_on(npu, readable_model(case.model))
-    session.disable_fallback()
     names = [i.name for i in case.model.graph.input]
     for inputs, expected in case.data_sets:
         outputs = session.run(None, dict(zip(names, inputs)))
@@ -261,7 +260,6 @@ def test_string_tensors_cross_the_bridge(npu):
                                  models.tensor("b", [3], onnx.TensorProto.STRING)],
                          [models.tensor("y", [3], onnx.TensorProto.STRING)], opset=[helper.make_opsetid("", 20)])
     session = session_on(npu, model)
-    session.disable_fallback()
     a, b = np.array(["ab", "é", ""], dtype=object), np.array(["c", "ü", ""], dtype=object)
     (y,) = session.run(None, {"a": a, "b": b})
     assert y.tolist() == ["abc", "éü", ""]
@@ -297,8 +295,7 @@ def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct()
     ephost.ort.register("crashy", "chaos", {"wrap": "onnxruntime", "fault": "segfault", "at": "compute",
                                             "after": "2"})
     try:
-        session = session_on("crashy", models.diamond())
-        session.disable_fallback()  # ORT's Python API would otherwise retry the run on its CPU EP alone
+        session = session_on("crashy", models.diamond())  # without fallback: ORT's Python API would rerun on CPU
         x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
         np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
         with pytest.raises(Exception, match=r"crashy: Compute of .*(SIGSEGV|signal 11)") as failure:
