@@ -252,6 +252,20 @@ def test_provider_options_reach_the_workers_ep(npu, monkeypatch):
     assert seen == [{"intra_op_num_threads": "1"}]
 
 
+def test_dynamic_options_reach_the_workers_ep(npu, monkeypatch):
+    """InferenceSession.set_ep_dynamic_options -> OrtEp::SetDynamicOptions -> the worker's EP."""
+    from ephost.client.remote import RemoteEp
+    seen = []
+    original = RemoteEp.set_dynamic_options
+    monkeypatch.setattr(RemoteEp, "set_dynamic_options",
+                        lambda self, options: seen.append(dict(options)) or original(self, options))
+    session = session_on(npu, models.diamond())
+    session.set_ep_dynamic_options({"ep.dynamic.workload_type": "Efficient"})
+    assert seen == [{"ep.dynamic.workload_type": "Efficient"}]
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+
+
 def test_string_tensors_cross_the_bridge(npu):
     """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
     worker's with FillStringTensor."""

@@ -80,7 +80,6 @@ ORT_API: dict[str, tuple[int, Any, tuple]] = {
     "GetTensorSizeInBytes": (318, _S, (_P, _PSZ)),
     "CreateMemoryInfo_V2": (320, _S, (c_char_p, c_int, c_uint32, ctypes.c_int32, c_int, c_size_t, c_int, _PP)),
     "ValueInfo_GetInitializerValue": (326, _S, (_P, _PP)),
-    "ValueInfo_IsConstantInitializer": (331, _S, (_P, POINTER(c_bool))),
     "Graph_GetName": (333, _S, (_P, _STR)),
     "Graph_GetOnnxIRVersion": (335, _S, (_P, POINTER(c_int64))),
     "Graph_GetNumOperatorSets": (336, _S, (_P, _PSZ)),

@@ -45,6 +45,9 @@ class BridgeEp:
                 "Compile", lambda: self.compile(graphs, fused, count, infos)),
             "ReleaseNodeComputeInfos": lambda this, infos, count: self.guard.quiet(
                 "ReleaseNodeComputeInfos", lambda: self.release_node_compute_infos(infos, count)),
+            "SetDynamicOptions": lambda this, keys, values, count: self.guard.status(
+                "SetDynamicOptions", lambda: self.remote.set_dynamic_options(
+                    {keys[i].decode(): (values[i] or b"").decode() for i in range(count)})),
             "GetCompiledModelCompatibilityInfo": lambda this, graph: self._strings(""),
         })
         self.address = keep(self, self.struct)

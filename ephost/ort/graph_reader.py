@@ -4,7 +4,7 @@ each node of the model is."""
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_bool, c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
+from ctypes import c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +22,6 @@ class ReadGraph:
     model: onnx.ModelProto
     nodes: dict[str, int] = field(default_factory=dict)  # node name in `model` -> OrtNode*
     ids: dict[int, str] = field(default_factory=dict)    # OrtNode id (Node_GetId) -> node name in `model`
-    constant_initializers: set[str] = field(default_factory=set)
 
 
 class GraphReader:
@@ -89,11 +88,6 @@ class GraphReader:
             self.abi.check(api.ValueInfo_GetInitializerValue(v, ctypes.byref(value)), "ValueInfo_GetInitializerValue")
             if value.value:
                 initializers.append(numpy_helper.from_array(np.array(tensor_view(self.abi, value.value)), tensor_name))
-            constant = c_bool()
-            self.abi.check(api.ValueInfo_IsConstantInitializer(v, ctypes.byref(constant)),
-                           "ValueInfo_IsConstantInitializer")
-            if top and constant.value:
-                read.constant_initializers.add(tensor_name)
         nodes, value_infos, seen = [], [], set()
         declared = {i.name for i in inputs} | {o.name for o in outputs}
         for node in self.array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
