@@ -25,6 +25,7 @@ from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.library_paths import resolve_library
 from ephost.eps.reference import cpu_device
+from ephost.graph import BUILTIN_DOMAINS
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype, nbytes_of
@@ -43,6 +44,10 @@ OPTIONS = {
     "inter_op_num_threads": "threads across operators",
     "graph_optimization_level": "disable, basic, extended or all (default all)",
     "session_config": "ONNX Runtime session config entries, KEY=VALUE pairs separated by ';'",
+    "custom_ops_library": "custom op libraries registered in every ONNX Runtime session of the worker "
+                          "(SessionOptions.register_custom_ops_library): paths, or `module:function` returning one "
+                          "in the worker's environment (e.g. onnxruntime_extensions:get_library_path), separated "
+                          "by ';'",
 }
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
@@ -283,6 +288,8 @@ class OrtEp(EpDefaults):
             options.add_session_config_entry(key, value)
         level = "disable" if capability else f.options.get("graph_optimization_level", "all")
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+        for library in f.custom_ops_libraries:
+            options.register_custom_ops_library(library)
         if capability:
             options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
             options.log_severity_level = 4  # asking is allowed to fail; that is an answer, not an error
@@ -307,11 +314,16 @@ class OrtEp(EpDefaults):
         # cycle. (ORT reports the CPU EP's nodes one subgraph each; a partition of them is one ORT session.)
         provider = self._factory.provider
         model_nodes = {n.name for n in model.graph.node}
+        # Nodes of a custom op library's domains run on ORT's CPU EP whatever the chosen EP is: they are this
+        # worker's too (the library is loaded here, and nowhere else).
+        custom = {n.name for n in model.graph.node if n.domain not in BUILTIN_DOMAINS} \
+            if self._factory.custom_ops_libraries else set()
         reported, names = set(), []
         for subgraph in session.get_provider_graph_assignment_info():
             for node in subgraph.get_nodes():
                 reported.add(node.name)
-                if subgraph.ep_name == provider and node.name in model_nodes and node.name not in claimed:
+                ours = subgraph.ep_name == provider or (subgraph.ep_name == CPU and node.name in custom)
+                if ours and node.name in model_nodes and node.name not in claimed:
                     names.append(node.name)
         # Nodes ORT rewrote before assigning (ops it runs through their function body) are reported under
         # other names, or none: ask about each of them alone. Constants become initializers, reported as no
@@ -337,7 +349,9 @@ class OrtEp(EpDefaults):
                 session = self._session(single.model, capability=True)
             except Exception:
                 continue
-            if any(s.ep_name == self._factory.provider for s in session.get_provider_graph_assignment_info()):
+            custom = self._factory.custom_ops_libraries and index.nodes[name].domain not in BUILTIN_DOMAINS
+            if any(s.ep_name == self._factory.provider or (s.ep_name == CPU and custom)
+                   for s in session.get_provider_graph_assignment_info()):
                 taken.append(name)
         return [NodeGroup(tuple(taken), fused=True)] if taken else []
 
@@ -376,6 +390,7 @@ class OrtEpFactory(HostMemoryFactory):
                 ort.register_execution_provider_library(_REGISTRATION, library)
             except Exception as e:
                 raise EpInvalidArgument(f"ONNX Runtime cannot load the EP library {library}: {e}") from None
+        self.custom_ops_libraries = custom_ops_libraries(options.get("custom_ops_library", ""))
         added = sorted({d.ep_name for d in ort.get_ep_devices()} - before)
         self.provider = options.get("provider") or (added[0] if added else _library_ep_name(library) or CPU)
         self.ort_devices = [d for d in ort.get_ep_devices() if d.ep_name == self.provider]
@@ -425,6 +440,25 @@ class OrtEpFactory(HostMemoryFactory):
 
     def close(self) -> None:
         pass
+
+
+def custom_ops_libraries(value: str) -> tuple[str, ...]:
+    """The custom op libraries `value` names (paths or `module:function`, separated by ';'), resolved in this
+    process and each loaded once by ONNX Runtime here, so that a library it cannot load stops the worker at
+    start with an error naming it (RegisterCustomOps runs then: a library that crashes there crashes the worker
+    before it serves anything)."""
+    ort = _ort()
+    libraries = []
+    for entry in filter(None, (e.strip() for e in value.split(";"))):
+        path = resolve_library(entry)
+        if not os.path.isfile(path):
+            raise EpNotFound(f"custom_ops_library: no custom op library at {path}")
+        try:
+            ort.SessionOptions().register_custom_ops_library(path)
+        except Exception as e:
+            raise EpInvalidArgument(f"custom_ops_library: ONNX Runtime cannot load {path}: {e}") from None
+        libraries.append(path)
+    return tuple(libraries)
 
 
 def _library_ep_name(library: str | None) -> str | None:
