@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_chec
 
 import onnx
 
+from ephost.eps.kernel_info import KernelInfo, TypeInfo, ValueInfo  # noqa: F401 (part of the EP interface)
 from ephost.graph import GraphIndex, extract
 from ephost.memory import Buffer
 from ephost.types import EpDeviceInfo, MemoryInfo
@@ -42,6 +43,11 @@ class FusedGraph:
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
         return extract(self.source, self.name, self.nodes, self.inputs, self.outputs)
+
+    def kernel_info(self, options: Mapping[str, str] | None = None) -> KernelInfo:
+        """What the partition's compute sees of itself (ORT's OrtKernelInfo): its inputs' and outputs' names,
+        element types and shapes, in the order compute takes and returns them, and the EP's `options`."""
+        return KernelInfo.of(self.model, self.name, options)
 
 
 @runtime_checkable
