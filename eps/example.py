@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from ephost.eps import check_options
-from ephost.eps.base import EpDefaults, FusedGraph, KernelInfo, NodeGroup
+from ephost.eps.base import EpDefaults, FusedGraph, KernelInfo, NodeGroup, split_session_options
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.reference import cpu_device
 from ephost.errors import EpInvalidArgument
@@ -75,9 +75,10 @@ class ExampleComputeInfo:
 
 
 class ExampleEp(EpDefaults):
-    def __init__(self, options: Mapping[str, str]):
+    def __init__(self, session_options: Mapping[str, str]):
+        options, _ = split_session_options(session_options)  # its provider options; session config aside
         check_options(EP_NAME, options, PROVIDER_OPTIONS)
-        self.options = dict(options)
+        self.options = options
 
     def get_name(self) -> str:
         return EP_NAME

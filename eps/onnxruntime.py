@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+import tempfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -21,7 +22,9 @@ import onnx
 from onnx import helper
 
 from ephost.eps import check_options
-from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
+from ephost import ep_context
+from ephost.ep_context import EpContext
+from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, split_session_options
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.library_paths import resolve_library
 from ephost.eps.reference import cpu_device
@@ -52,6 +55,9 @@ OPTIONS = {
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
 _REGISTRATION = "ephost"
+# The compiled forms of the onnxruntime EP (see OrtEp._context).
+CONTEXT_OPTIMIZED = "onnxruntime_optimized_model"
+CONTEXT_ORT = "onnxruntime_ep_context_model"
 # Outputs of a known size at least this large are written by ORT straight into the output allocator (for a
 # worker: shared memory its client maps); smaller ones, unless a later partition of the same EP reads them
 # (`keep`), come from ORT's own memory: they travel inline anyway, so an allocation there would be waste.
@@ -130,9 +136,10 @@ class OrtComputeInfo:
     """One compiled partition: an ORT session, and the IOBindings kept between its runs (one per caller
     running it at the same time), so that a steady stream of runs binds and allocates only what changes."""
 
-    def __init__(self, graph: FusedGraph, session):
+    def __init__(self, graph: FusedGraph, session, ep_context: EpContext | None = None, restored: bool = False):
         self.name = graph.name
         self._session = session
+        self.ep_context, self.restored = ep_context, restored
         self._inputs = [i.name for i in session.get_inputs()]
         self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
         # Outputs ORT can write into memory given to it: plain tensors. Others (sequences, maps, strings) go
@@ -269,15 +276,20 @@ def _with_constants(model: onnx.ModelProto, claimed: frozenset[str], groups: lis
 
 
 class OrtEp(EpDefaults):
-    def __init__(self, factory: "OrtEpFactory", devices: list, provider_options: dict[str, str]):
+    def __init__(self, factory: "OrtEpFactory", devices: list, session_options: Mapping[str, str]):
         self._factory = factory
         self._devices = devices
-        self._provider_options = provider_options
+        self._provider_options, config = split_session_options(session_options)
+        self._keep_context = config.get(EP_CONTEXT_ENABLE) == "1"
 
     def get_name(self) -> str:
         return self._factory.get_name()
 
-    def _session(self, model: onnx.ModelProto, *, capability: bool = False):
+    def _session(self, model: onnx.ModelProto | bytes, *, capability: bool = False, restore: bool = False,
+                 context_path: str | None = None):
+        """An ORT session of `model`: asking which nodes the EP takes (`capability`), compiling (writing the
+        compiled form to `context_path` where given), or restoring a compiled form (`restore`: the model is
+        that form, already optimized)."""
         ort = _ort()
         options = ort.SessionOptions()
         f = self._factory
@@ -286,8 +298,15 @@ class OrtEp(EpDefaults):
                 setattr(options, key, int(f.options[key]))
         for key, value in f.session_config.items():
             options.add_session_config_entry(key, value)
-        level = "disable" if capability else f.options.get("graph_optimization_level", "all")
+        level = "disable" if capability or restore else f.options.get("graph_optimization_level", "all")
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+        if context_path is not None:
+            if self._factory.provider == CPU:
+                options.optimized_model_filepath = context_path
+            else:  # a vendor EP makes its own EPContext model where it can (OpenVINO's does)
+                for key, value in (("ep.context_enable", "1"), ("ep.context_file_path", context_path),
+                                   ("ep.context_embed_mode", "1")):
+                    options.add_session_config_entry(key, value)
         for library in f.custom_ops_libraries:
             options.register_custom_ops_library(library)
         if capability:
@@ -298,9 +317,19 @@ class OrtEp(EpDefaults):
             providers = None
         else:
             providers = [(f.provider, self._provider_options)]
-        return ort.InferenceSession(readable_model(model).SerializeToString(), options, providers=providers)
+        data = model if isinstance(model, bytes) else readable_model(model).SerializeToString()
+        return ort.InferenceSession(data, options, providers=providers)
 
     def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+        # Its own EPContext nodes are partitions to restore, each its own; ORT is asked about the rest.
+        restore = [NodeGroup((n.name,), fused=True) for n in ep_context.own_nodes(model, self.get_name(), claimed)]
+        claimed = claimed | {g.node_names[0] for g in restore}
+        return restore + self._capability(model, claimed)
+
+    def _capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+        if any(ep_context.is_ep_context(n) for n in model.graph.node):
+            # ORT runs no EPContext node of another EP: ask node by node about the others.
+            return _with_constants(model, claimed, self._capability_by_node(model, claimed))
         try:
             session = self._session(model, capability=True)
         except EpError as e:
@@ -358,14 +387,46 @@ class OrtEp(EpDefaults):
     def compile(self, graphs: Sequence[FusedGraph]) -> list[OrtComputeInfo]:
         infos = []
         for graph in graphs:
+            node = graph.ep_context_node
+            if node is not None and ep_context.source_of(node) == self.get_name():
+                infos.append(self._restore(graph, node))
+                continue
             try:
-                session = self._session(graph.model)
+                with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
+                    path = os.path.join(tmp, "partition.onnx") if self._keep_context else None
+                    session = self._session(graph.model, context_path=path)
+                    context = self._context(path) if path else None
             except EpError:
                 raise
             except Exception as e:
                 raise ort_error(f"ONNX Runtime cannot compile {graph.name!r}", e) from None
-            infos.append(OrtComputeInfo(graph, session))
+            infos.append(OrtComputeInfo(graph, session, context))
         return infos
+
+    def _context(self, path: str) -> EpContext | None:
+        """The compiled form ORT wrote while compiling: for its CPU EP the graph-optimized partition model (what
+        `optimized_model_filepath` saves: restoring skips graph optimization, not kernel creation); for a vendor
+        EP the EPContext model ORT made for it, where the EP makes one."""
+        if not os.path.isfile(path):
+            return None  # the vendor EP makes no EP context
+        with open(path, "rb") as f:
+            blob = f.read()
+        form = CONTEXT_OPTIMIZED if self._factory.provider == CPU else CONTEXT_ORT
+        return EpContext(form, blob, _ort().__version__)
+
+    def _restore(self, graph: FusedGraph, node: onnx.NodeProto) -> OrtComputeInfo:
+        context = ep_context.read(node, _ort().__version__)
+        if context.form not in (CONTEXT_OPTIMIZED, CONTEXT_ORT):
+            raise EpInvalidArgument(f"EPContext node {node.name!r}: form {context.form!r} is not ONNX Runtime's")
+        try:
+            # An optimized model is loaded without optimizing it again; ORT's own EPContext model as ORT loads it.
+            session = self._session(context.blob, restore=context.form == CONTEXT_OPTIMIZED)
+        except EpError:
+            raise
+        except Exception as e:
+            raise EpInvalidArgument(f"EPContext node {node.name!r}: ONNX Runtime cannot restore its compiled form: "
+                                    f"{e}") from None
+        return OrtComputeInfo(graph, session, context if self._keep_context else None, restored=True)
 
 
 class OrtEpFactory(HostMemoryFactory):
