@@ -65,16 +65,13 @@ class CompiledPartition:
 
 
 def embed_files(model: onnx.ModelProto, model_dir: str | None) -> onnx.ModelProto:
-    """The model with the compiled forms its EPContext nodes keep in files beside it read into the nodes, so
-    that workers (maybe on other hosts) are sent them and never read the application's files."""
-    if not any(ep_context.is_ep_context(n) for n in model.graph.node):
-        return model
-    nodes = [ep_context.embed(n, model_dir) if ep_context.is_ep_context(n) else n for n in model.graph.node]
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+    """Read the compiled forms the model's EPContext nodes keep in files beside it into the nodes (in place: the
+    model must be the caller's own copy), so that workers (maybe on other hosts) are sent them and never read
+    the application's files. Returns the model."""
+    for node in model.graph.node:
+        if ep_context.is_ep_context(node):
+            ep_context.embed(node, model_dir)
+    return model
 
 
 def write_context_model(index: GraphIndex, partitions: Iterable[CompiledPartition],

@@ -176,8 +176,9 @@ class InferenceSession:
         self._closed = False
         self._lock = threading.Lock()
         path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
-        # Compiled forms kept in files beside a context model are read here: workers never read our files.
-        self._model = prepare_model(embed_files(_load(model), os.path.dirname(os.path.abspath(path)) if path else None))
+        # Compiled forms kept in files beside a context model are read into our prepared copy of it (after shape
+        # inference, which need not see them): workers never read the application's files.
+        self._model = embed_files(prepare_model(_load(model)), os.path.dirname(os.path.abspath(path)) if path else None)
         self._index = GraphIndex.of(self._model)
         graph = self._model.graph
         self._inputs = [i for i in graph.input if i.name not in self._index.initializers]

@@ -76,12 +76,12 @@ def make_node(name: str, inputs: Iterable[str], outputs: Iterable[str], source: 
         notes=f"form={context.form};sha256={digest}")
 
 
-def embed(node: onnx.NodeProto, model_dir: str | None) -> onnx.NodeProto:
-    """The node with a blob kept in a file beside the model read into it (embed_mode=1), so that a worker, which
-    may be on another host, never reads the application's files. The file must lie inside `model_dir`."""
+def embed(node: onnx.NodeProto, model_dir: str | None) -> None:
+    """Read a blob kept in a file beside the model into the node (which becomes embed_mode=1), so that a worker,
+    which may be on another host, never reads the application's files. The file must lie inside `model_dir`."""
     attrs = _attrs(node)
     if int(attrs.get("embed_mode", 1)) != 0:
-        return node
+        return
     name = _text(attrs.get("ep_cache_context", b""))
     if model_dir is None:
         raise EpInvalidArgument(f"EPContext node {node.name!r} keeps its compiled form in a file ({name!r}) beside "
@@ -97,14 +97,11 @@ def embed(node: onnx.NodeProto, model_dir: str | None) -> onnx.NodeProto:
     except OSError as e:
         raise EpNotFound(f"EPContext node {node.name!r}: its compiled form {name!r} cannot be read: "
                          f"{e.strerror}") from None
-    out = onnx.NodeProto()
-    out.CopyFrom(node)
-    for a in out.attribute:
+    for a in node.attribute:
         if a.name == "embed_mode":
             a.i = 1
         elif a.name == "ep_cache_context":
             a.s = blob
-    return out
 
 
 def read(node: onnx.NodeProto, expected_sdk_version: str | None = None) -> EpContext:
