@@ -53,7 +53,17 @@ class EpContext:
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    try:
+        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    except Exception as e:  # a malformed attribute, from a peer
+        raise EpInvalidArgument(f"EPContext node {node.name!r} has an unreadable attribute: {e}") from None
+
+
+def _int(node: onnx.NodeProto, attrs: dict, key: str, default: int) -> int:
+    value = attrs.get(key, default)
+    if not isinstance(value, int):
+        raise EpInvalidArgument(f"EPContext node {node.name!r}: attribute {key} must be an int")
+    return value
 
 
 def _text(value) -> str:
@@ -80,7 +90,7 @@ def embed(node: onnx.NodeProto, model_dir: str | None) -> None:
     """Read a blob kept in a file beside the model into the node (which becomes embed_mode=1), so that a worker,
     which may be on another host, never reads the application's files. The file must lie inside `model_dir`."""
     attrs = _attrs(node)
-    if int(attrs.get("embed_mode", 1)) != 0:
+    if _int(node, attrs, "embed_mode", 1) != 0:
         return
     name = _text(attrs.get("ep_cache_context", b""))
     if model_dir is None:
@@ -109,9 +119,11 @@ def read(node: onnx.NodeProto, expected_sdk_version: str | None = None) -> EpCon
     is an EpInvalidArgument naming the node; one made by another version of the EP's SDK, an
     EpFailedPrecondition."""
     attrs = _attrs(node)
-    if int(attrs.get("embed_mode", 1)) != 1:
+    if _int(node, attrs, "embed_mode", 1) != 1:
         raise EpInvalidArgument(f"EPContext node {node.name!r} was not given its compiled form (embed_mode=0)")
     blob = attrs.get("ep_cache_context", b"")
+    if not isinstance(blob, bytes):
+        raise EpInvalidArgument(f"EPContext node {node.name!r}: attribute ep_cache_context must be a string")
     notes = dict(item.partition("=")[::2] for item in _text(attrs.get("notes", b"")).split(";") if item)
     if "sha256" not in notes or "form" not in notes:
         raise EpInvalidArgument(f"EPContext node {node.name!r} was not written by ephost (no form and SHA-256 "
@@ -124,6 +136,24 @@ def read(node: onnx.NodeProto, expected_sdk_version: str | None = None) -> EpCon
         raise EpFailedPrecondition(f"EPContext node {node.name!r} was compiled by version {sdk_version!r}, and "
                                    f"this EP runs {expected_sdk_version!r}; compile the model again")
     return EpContext(notes["form"], blob, sdk_version)
+
+
+def model_of(node: onnx.NodeProto, context: EpContext) -> onnx.ModelProto:
+    """The ONNX model a compiled form is (for EPs whose form is one), parsed and checked as any model from a
+    peer: no tensor whose data is in an external file, no EPContext node that names a file (a restore must
+    never make this process read a path)."""
+    from ephost.types import refuse_external_data
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(context.blob)
+    except Exception as e:
+        raise EpInvalidArgument(f"EPContext node {node.name!r}: its compiled form is no ONNX model: {e}") from None
+    refuse_external_data(model, f"EPContext node {node.name!r}'s compiled form")
+    for inner in model.graph.node:
+        if is_ep_context(inner) and _int(inner, _attrs(inner), "embed_mode", 1) != 1:
+            raise EpInvalidArgument(f"EPContext node {node.name!r}'s compiled form names a file; it must carry "
+                                    "its data")
+    return model
 
 
 def own_nodes(model: onnx.ModelProto, source: str, claimed: frozenset[str]) -> list[onnx.NodeProto]:

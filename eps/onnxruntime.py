@@ -418,6 +418,7 @@ class OrtEp(EpDefaults):
         context = ep_context.read(node, _ort().__version__)
         if context.form not in (CONTEXT_OPTIMIZED, CONTEXT_ORT):
             raise EpInvalidArgument(f"EPContext node {node.name!r}: form {context.form!r} is not ONNX Runtime's")
+        ep_context.model_of(node, context)  # checked as any model from a peer: it names no file
         try:
             # An optimized model is loaded without optimizing it again; ORT's own EPContext model as ORT loads it.
             session = self._session(context.blob, restore=context.form == CONTEXT_OPTIMIZED)

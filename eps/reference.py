@@ -83,15 +83,9 @@ class ReferenceComputeInfo:
     @classmethod
     def restore(cls, graph: FusedGraph, node: onnx.NodeProto, keep_context: bool) -> "ReferenceComputeInfo":
         context = ep_context.read(node, VERSION)
-        model = onnx.ModelProto()
-        try:
-            if context.form != CONTEXT_FORM:
-                raise ValueError(f"form {context.form!r} is not the reference EP's")
-            model.ParseFromString(context.blob)
-        except Exception as e:
-            raise EpInvalidArgument(f"EPContext node {node.name!r}: the reference EP cannot restore its compiled "
-                                    f"form: {e}") from None
-        return cls(graph.name, model, keep_context, restored=True)
+        if context.form != CONTEXT_FORM:
+            raise EpInvalidArgument(f"EPContext node {node.name!r}: form {context.form!r} is not the reference EP's")
+        return cls(graph.name, ep_context.model_of(node, context), keep_context, restored=True)
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None) -> list[Any]:

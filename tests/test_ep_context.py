@@ -214,3 +214,25 @@ def test_ephost_compile_then_ephost_run(tmp_path):
             with InferenceSession(path, options_for(env, "ort"), env=env) as session:
                 outputs.append(session.run(None, {"x": x})[0])
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_a_compiled_form_that_names_a_file_is_refused(ctx_env):
+    """A compiled form comes from a peer like any model: one whose weights are in an external file (here
+    /etc/passwd) is refused before the EP sees it, naming the node; the worker stays up."""
+    part = models.model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [models.tensor("x", [2])],
+                        [models.tensor("y", [2])])
+    weights = numpy_helper.from_array(np.zeros(2, np.float32), "w")
+    onnx.external_data_helper.set_external_data(weights, "/etc/passwd")
+    weights.data_location = TensorProto.EXTERNAL
+    weights.ClearField("raw_data")
+    part.graph.initializer.append(weights)
+    from ephost.eps.reference import CONTEXT_FORM, VERSION
+    node = ep_context.make_node("EPContext_hostile", ["x"], ["y"], "reference",
+                                ep_context.EpContext(CONTEXT_FORM, part.SerializeToString(), VERSION), "p")
+    hostile = models.model([node], [models.tensor("x", [2])], [models.tensor("y", [2])],
+                           opset=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    options = options_for(ctx_env, "ref")
+    options.fallback = None
+    with pytest.raises(ephost.EpInvalidArgument, match="EPContext node 'EPContext_hostile'.*external file"):
+        InferenceSession(hostile, options, env=ctx_env)
+    assert ctx_env.get_worker_stats("ref").clients >= 1, "the worker is up"
