@@ -15,7 +15,9 @@ import onnx
 
 from ephost.eps import load_factory
 from ephost.eps.base import FusedGraph, NodeGroup
-from ephost.errors import EpError, EpInternal, EpInvalidArgument
+from ephost import ep_context
+from ephost.graph import BUILTIN_DOMAINS
+from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.client.planner import Claim, Placement
 
 log = logging.getLogger(__name__)
@@ -23,6 +25,34 @@ log = logging.getLogger(__name__)
 FALLBACK = "fallback"  # the registration name the fallback's placements go by in assignment info
 # Each fallback: the in-process EPs it chains, in the order they are asked.
 CHAINS: dict[str, tuple[str, ...]] = {"onnxruntime": ("onnxruntime", "reference"), "reference": ("reference",)}
+
+
+def check_domains(model: onnx.ModelProto, names) -> None:
+    """Raise EpNotFound naming these nodes' domains where one is a custom op library's: the fallback loads no
+    custom op library (that is vendor code, which runs in workers: the onnxruntime EP's custom_ops_library), so
+    no fallback EP has a kernel for it. Functions the model defines are no custom ops: they run by their body."""
+    names = set(names)
+    functions = {(f.domain, f.name) for f in model.functions}
+    vendor = [n for n in model.graph.node if n.name in names and n.domain not in BUILTIN_DOMAINS
+              and (n.domain, n.op_type) not in functions]
+    if not vendor:
+        return
+    domains = ", ".join(repr(d) for d in dict.fromkeys(n.domain for n in vendor))
+    shown = ", ".join(f"{n.name!r} ({n.domain}:{n.op_type})" for n in vendor[:5])
+    more = ", ..." if len(vendor) > 5 else ""
+    raise EpNotFound(f"no EP of this session runs operator domain {domains} (node(s) {shown}{more}):"
+                     f" they need a custom op library, and the CPU fallback loads none (vendor code runs in "
+                     f"workers). Register an onnxruntime worker with the option custom_ops_library=PATH or "
+                     f"module:function (e.g. onnxruntime_extensions:get_library_path for ai.onnx.contrib)")
+
+
+def _check_ep_contexts(model: onnx.ModelProto, claimed: frozenset[str]) -> None:
+    """Raise EpNotFound naming the EPContext nodes no EP claimed: only the EP that compiled one restores it."""
+    left = [n for n in model.graph.node if ep_context.is_ep_context(n) and n.name not in claimed]
+    if left:
+        shown = ", ".join(f"{n.name!r} (source {ep_context.source_of(n)!r})" for n in left[:5])
+        raise EpNotFound(f"no EP of this session restores EPContext node(s) {shown}: add the EP each names as its "
+                         "source to the session, or run the model it was compiled from")
 
 
 def default_fallback() -> str:
@@ -52,13 +82,20 @@ class CpuFallback:
 
     def claims(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[Claim]:
         """GetCapability of each fallback EP in turn, each seeing what the ones before it took."""
+        if self.placements:
+            check_domains(model, (n.name for n in model.graph.node if n.name not in claimed))
         out = []
         for i, placement in enumerate(self.placements):
             if i == len(self.placements) - 1 and placement.ep_name == "reference":
-                # The last resort tries every node left, beyond the ai.onnx ops its GetCapability vouches for
-                # (ai.onnx.ml, preview training ops, functions): a node it cannot run fails its compile, clearly.
+                # The last resort restores its own EPContext nodes, and tries every node left, beyond the
+                # ai.onnx ops its GetCapability vouches for (ai.onnx.ml, preview training ops, functions): a
+                # node it cannot run fails its compile, clearly.
+                groups = [NodeGroup((n.name,), fused=True)
+                          for n in ep_context.own_nodes(model, placement.ep_name, claimed)]
+                claimed = claimed | {g.node_names[0] for g in groups}
+                _check_ep_contexts(model, claimed)
                 rest = tuple(n.name for n in model.graph.node if n.name not in claimed)
-                groups = [NodeGroup(rest, fused=True)] if rest else []
+                groups += [NodeGroup(rest, fused=True)] if rest else []
             else:
                 groups = placement.ep.get_capability(model, claimed)
             out.append(Claim(placement, groups))
@@ -68,6 +105,7 @@ class CpuFallback:
     def compile(self, graph: FusedGraph, placement: Placement | None = None) -> tuple[Placement, Any]:
         """`graph` compiled on `placement` (default: the first fallback EP), or on the next one where it
         cannot compile it, e.g. a partition with an op ORT lacks moved here after its EP failed."""
+        check_domains(graph.source.model, graph.nodes)
         chain = list(self.placements)
         if placement is not None:
             chain = chain[chain.index(placement):]

@@ -9,12 +9,14 @@ import numpy as np
 import onnx
 
 from ephost import values
+from ephost.ep_context import EpContext
 from ephost.eps.base import FusedGraph, NodeGroup
 from ephost.errors import EpNotFound
 from ephost.memory import Buffer
 from ephost.tensor import Tensor
 from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, nbytes_of
 from ephost.client.allocator import FreeQueue, RemoteAllocator
+from ephost.client.context_model import restore_graph
 from ephost.client.handles import RemoteHandle
 from ephost.client.streams import RemoteStream
 from ephost.client.supervisor import WorkerLink
@@ -28,13 +30,20 @@ class RemoteComputeInfo(RemoteHandle):
     """A partition compiled in a worker. Values it makes stay in the worker's memory (mapped here when it is
     shared); values that already live in that worker are handed back by handle, without a copy."""
 
-    def __init__(self, ep: "RemoteEp", graph: FusedGraph, handle: int, stager: Stager):
+    def __init__(self, ep: "RemoteEp", graph: FusedGraph, handle: int, stager: Stager,
+                 context: EpContext | None = None):
         super().__init__(ep.link, handle)
         self._ep, self._graph, self._stager = ep, graph, stager
         self.name = graph.name
+        self.ep_context = context  # the partition's compiled form, where the EP made one
 
     def _make(self) -> int:
-        return self._ep.compile_handles([self._graph])[0]
+        """The partition in a worker that does not have it (restarted): restored from its compiled form where
+        there is one, else compiled again."""
+        graph = self._graph
+        if self.ep_context is not None and graph.ep_context_node is None:
+            graph = restore_graph(graph, self._ep.get_name(), self.ep_context)
+        return self._ep.compile_handles([graph])[0][0]
 
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None) -> list[Any]:
@@ -97,9 +106,10 @@ class RemoteEp(RemoteHandle):
                 ep=handle, model=ref, claimed_nodes=sorted(claimed)), conn=conn)
         return [NodeGroup(tuple(g.node_names), fused=g.kind == ep_pb2.NodeGroup.KIND_FUSED) for g in reply.groups]
 
-    def compile_handles(self, graphs: Sequence[FusedGraph]) -> list[int]:
-        """Compile on the worker that runs now; the compute infos' handles there, in order."""
-        handles: list[int] = []
+    def compile_handles(self, graphs: Sequence[FusedGraph]) -> list[tuple[int, EpContext | None]]:
+        """Compile on the worker that runs now; the compute infos' handles there, in order, each with the
+        partition's compiled form where the EP made one."""
+        handles: list[tuple[int, EpContext | None]] = []
         handle, conn = self.handle, self.link.conn
         for source in dict.fromkeys(g.source for g in graphs):  # one call per model they come from
             batch = [g for g in graphs if g.source is source]
@@ -107,11 +117,13 @@ class RemoteEp(RemoteHandle):
                 reply = self.link.call(lambda c: c.ep.Compile, ep_pb2.CompileRequest(ep=handle, model=ref, graphs=[
                     ep_pb2.FusedGraph(name=g.name, nodes=g.nodes, inputs=g.inputs, outputs=g.outputs) for g in batch]),
                     conn=conn)
-            handles += list(reply.node_compute_infos)
+            contexts = list(reply.ep_contexts) or [b""] * len(reply.node_compute_infos)
+            handles += [(h, EpContext.decode(c) if c else None) for h, c in zip(reply.node_compute_infos, contexts)]
         return handles
 
     def compile(self, graphs: Sequence[FusedGraph]) -> list[RemoteComputeInfo]:
-        return [RemoteComputeInfo(self, g, h, self._stager) for g, h in zip(graphs, self.compile_handles(graphs))]
+        compiled = self.compile_handles(graphs)
+        return [RemoteComputeInfo(self, g, h, self._stager, c) for g, (h, c) in zip(graphs, compiled)]
 
     def release_node_compute_infos(self, infos: Sequence[RemoteComputeInfo]) -> None:
         current = [h for h in (i.current_handle for i in infos) if h]

@@ -28,6 +28,7 @@ from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.feeds import check_feed, check_feed_names, shape_of, type_string
 from ephost.client.fallback import CpuFallback, default_fallback
+from ephost.client.context_model import ENABLE, CompiledPartition, ContextSettings, embed_files, write_context_model
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,27 @@ class SessionOptions:
         self.ep_failure_policy = "raise"
         self.compute_timeout_s: float | None = None
         self.fallback: str | None = default_fallback()
+        # Keep each partition's compiled form (where its EP makes one) in this process, so that a restarted
+        # worker restores the partition instead of compiling it. Costs the forms' memory; ep.context_enable=1
+        # implies it.
+        self.keep_compiled = False
+        self._config: dict[str, str] = {}
+
+    def add_session_config_entry(self, key: str, value: str) -> None:
+        """A session config entry, by ONNX Runtime's names. ephost acts on `ep.context_enable` (1: write the
+        model with each partition an EP compiled as an EPContext node, after compiling),
+        `ep.context_file_path` (where; default MODEL_ctx.onnx beside the model) and `ep.context_embed_mode`
+        (1: the compiled forms inside the model; 0, the default: each in a file beside it)."""
+        self._config[str(key)] = str(value)
+
+    def get_session_config_entry(self, key: str) -> str:
+        if key not in self._config:
+            raise EpInvalidArgument(f"no session config entry {key!r}")
+        return self._config[key]
+
+    @property
+    def session_config(self) -> dict[str, str]:
+        return dict(self._config)
 
     def add_provider_for_devices(self, ep_devices: Sequence[EpDevice],
                                  provider_options: Mapping[str, str] | None = None) -> None:
@@ -153,7 +175,10 @@ class InferenceSession:
         self._env = env
         self._closed = False
         self._lock = threading.Lock()
-        self._model = prepare_model(_load(model))
+        path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+        # Compiled forms kept in files beside a context model are read into our prepared copy of it (after shape
+        # inference, which need not see them): workers never read the application's files.
+        self._model = embed_files(prepare_model(_load(model)), os.path.dirname(os.path.abspath(path)) if path else None)
         self._index = GraphIndex.of(self._model)
         graph = self._model.graph
         self._inputs = [i for i in graph.input if i.name not in self._index.initializers]
@@ -162,7 +187,9 @@ class InferenceSession:
 
         options = sess_options or SessionOptions()
         self._options = options
+        self._context = ContextSettings.of(options.session_config, path)
         self._timeout = options.compute_timeout_s
+        self.ep_context_files: list[str] = []  # what ep.context_enable=1 wrote: the context model, its files
         self._launched: list[str] = []  # registrations this session made itself: unregistered when it closes
         self._runs = itertools.count(1)
         self._fallback = CpuFallback(options.fallback)
@@ -174,6 +201,8 @@ class InferenceSession:
             self._entries = options.providers + self._provider_shortcuts(providers or [])
             self._partitions = self._partition(self._entries)
             self._compile()
+            if self._context.enabled:
+                self._write_context_model()
         except BaseException:
             self.close()
             raise
@@ -210,6 +239,8 @@ class InferenceSession:
         claimed: set[str] = set()
         for devices, options in entries:
             registration = self._env.registration_of(devices[0])
+            if self._context.enabled or self._options.keep_compiled:  # the EP hands over each compiled form
+                options = {**options, ENABLE: "1"}
             try:
                 ep = self._failures.guarded(registration.name, "CreateEp", lambda: registration.factory.create_ep(
                     [d.index for d in devices], options))
@@ -243,6 +274,15 @@ class InferenceSession:
             for p, info in zip(parts, infos):
                 p.compute_info, p.allocator = info, allocator
             log.info("compiled %d partition(s) on %s", len(parts), name)
+
+    def _write_context_model(self) -> None:
+        """The model with each partition an EP compiled as an EPContext node carrying its compiled form; what
+        the fallback runs, and partitions of EPs that make no compiled form, keep their nodes."""
+        kept = []
+        for p in self._partitions:
+            context = None if self._fallback.owns(p.placement) else getattr(p.compute_info, "ep_context", None)
+            kept.append(CompiledPartition(p.graph, p.placement.ep_name, context))
+        self.ep_context_files = write_context_model(self._index, kept, self._context)
 
     # --- ONNX Runtime's session API ------------------------------------------------------------
 

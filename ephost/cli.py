@@ -280,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     h.set_defaults(func=cmd_health)
 
-    from ephost import run_command
+    from ephost import compile_command, run_command
     run_command.add_parser(sub)  # `ephost run` lives with its helpers
+    compile_command.add_parser(sub)
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

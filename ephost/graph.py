@@ -17,6 +17,13 @@ from ephost.errors import EpInvalidArgument
 log = logging.getLogger(__name__)
 
 
+# Operator domains ONNX and ONNX Runtime implement themselves (ONNX Runtime's contrib and internal ones too). A
+# node of any other domain needs a custom op library, unless its model defines it as a function.
+BUILTIN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "ai.onnx.training",
+                             "com.microsoft", "com.microsoft.nchwc", "com.microsoft.experimental",
+                             "com.ms.internal.nhwc", "org.pytorch.aten"})
+
+
 def prepare_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy whose nodes all have unique names (GetCapability and Compile speak of nodes by name), with
     the value types shape inference can find (partitions need the types of their inputs and outputs)."""

@@ -33,12 +33,12 @@ class EpArg:
     options: dict[str, str] = field(default_factory=dict)
 
 
-class _AddEp(argparse.Action):
+class AddEp(argparse.Action):
     def __call__(self, parser, namespace, value, option_string=None):
         namespace.ep.append(EpArg(value))
 
 
-class _AddOption(argparse.Action):
+class AddOption(argparse.Action):
     """--option KEY=VALUE belongs to the --ep before it."""
 
     def __call__(self, parser, namespace, value, option_string=None):
@@ -50,7 +50,7 @@ class _AddOption(argparse.Action):
         namespace.ep[-1].options[key] = val
 
 
-class _AddEnvironmentOption(argparse.Action):
+class AddEnvironmentOption(argparse.Action):
     """--python/--requirements/--find-links/--no-index belong to the --ep before it, as its environment."""
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -102,10 +102,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a model across EPs and show who ran what",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help=f"an .onnx file (default: the onnx package's {DEFAULT_MODEL})")
-    p.add_argument("--ep", action=_AddEp, default=[], metavar="TARGET",
+    p.add_argument("--ep", action=AddEp, default=[], metavar="TARGET",
                    help="an EP name, worker address or inproc:NAME; repeat to add EPs in order of preference")
-    p.add_argument("--option", action=_AddOption, metavar="KEY=VALUE", help="an option of the --ep before it")
-    add_environment_arguments(p, _AddEnvironmentOption)
+    p.add_argument("--option", action=AddOption, metavar="KEY=VALUE", help="an option of the --ep before it")
+    add_environment_arguments(p, AddEnvironmentOption)
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--runs", type=int, default=10, help="timed runs after one warm-up (default 10)")
     p.add_argument("--on-failure", choices=["raise", "retry", "fallback"], default="raise",

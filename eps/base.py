@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_chec
 
 import onnx
 
+from ephost import ep_context
+from ephost.eps.kernel_info import KernelInfo, TypeInfo, ValueInfo  # noqa: F401 (part of the EP interface)
 from ephost.graph import GraphIndex, extract
 from ephost.memory import Buffer
 from ephost.types import EpDeviceInfo, MemoryInfo
@@ -42,6 +44,16 @@ class FusedGraph:
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
         return extract(self.source, self.name, self.nodes, self.inputs, self.outputs)
+
+    @property
+    def ep_context_node(self) -> onnx.NodeProto | None:
+        """The EPContext node this graph consists of, where it is one (a compiled partition to restore)."""
+        return ep_context.single(self.source.nodes[n] for n in self.nodes)
+
+    def kernel_info(self, options: Mapping[str, str] | None = None) -> KernelInfo:
+        """What the partition's compute sees of itself (ORT's OrtKernelInfo): its inputs' and outputs' names,
+        element types and shapes, in the order compute takes and returns them, and the EP's `options`."""
+        return KernelInfo.of(self.model, self.name, options)
 
 
 @runtime_checkable
@@ -77,6 +89,18 @@ class DataTransfer(Protocol):
                      stream: SyncStream | None = None) -> None: ...
 
 
+# Session config entries (ONNX Runtime's names) that reach an EP among CreateEp's session options, beside its
+# provider options: with ep.context_enable=1 the EP gives each compute info it compiles an `ep_context`.
+EP_CONTEXT_ENABLE = "ep.context_enable"
+SESSION_CONFIG_PREFIXES = ("ep.context_", "session.")
+
+
+def split_session_options(options: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(provider options, session config entries) of what CreateEp was given."""
+    config = {k: v for k, v in options.items() if k.startswith(SESSION_CONFIG_PREFIXES)}
+    return {k: v for k, v in options.items() if k not in config}, config
+
+
 @runtime_checkable
 class NodeComputeInfo(Protocol):
     """A compiled partition. Inputs and outputs are graph values: a Tensor for plain tensors; a list, None,
@@ -84,7 +108,11 @@ class NodeComputeInfo(Protocol):
     when one is given (the caller can hand that memory on without a copy), else in host memory; `keep`
     names the outputs (by position) that must stay in `allocator`'s memory because the same EP reads them
     next. `timeout` is the call's deadline in seconds: an EP in another process is abandoned (and its worker
-    ended) past it; code running in this process cannot be interrupted and ignores it."""
+    ended) past it; code running in this process cannot be interrupted and ignores it.
+
+    Optional attributes: `ep_context` (an ephost.ep_context.EpContext: the partition's compiled form, made when
+    the EP was created with ep.context_enable=1; None where the EP has none) and `restored` (True where the
+    EP restored the partition from an EPContext node of its own instead of compiling it)."""
 
     name: str
 

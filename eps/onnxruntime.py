@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+import tempfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -21,10 +22,13 @@ import onnx
 from onnx import helper
 
 from ephost.eps import check_options
-from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
+from ephost import ep_context
+from ephost.ep_context import EpContext
+from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, split_session_options
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.library_paths import resolve_library
 from ephost.eps.reference import cpu_device
+from ephost.graph import BUILTIN_DOMAINS
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype, nbytes_of
@@ -43,10 +47,17 @@ OPTIONS = {
     "inter_op_num_threads": "threads across operators",
     "graph_optimization_level": "disable, basic, extended or all (default all)",
     "session_config": "ONNX Runtime session config entries, KEY=VALUE pairs separated by ';'",
+    "custom_ops_library": "custom op libraries registered in every ONNX Runtime session of the worker "
+                          "(SessionOptions.register_custom_ops_library): paths, or `module:function` returning one "
+                          "in the worker's environment (e.g. onnxruntime_extensions:get_library_path), separated "
+                          "by ';'",
 }
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
 _REGISTRATION = "ephost"
+# The compiled forms of the onnxruntime EP (see OrtEp._context).
+CONTEXT_OPTIMIZED = "onnxruntime_optimized_model"
+CONTEXT_ORT = "onnxruntime_ep_context_model"
 # Outputs of a known size at least this large are written by ORT straight into the output allocator (for a
 # worker: shared memory its client maps); smaller ones, unless a later partition of the same EP reads them
 # (`keep`), come from ORT's own memory: they travel inline anyway, so an allocation there would be waste.
@@ -125,9 +136,10 @@ class OrtComputeInfo:
     """One compiled partition: an ORT session, and the IOBindings kept between its runs (one per caller
     running it at the same time), so that a steady stream of runs binds and allocates only what changes."""
 
-    def __init__(self, graph: FusedGraph, session):
+    def __init__(self, graph: FusedGraph, session, ep_context: EpContext | None = None, restored: bool = False):
         self.name = graph.name
         self._session = session
+        self.ep_context, self.restored = ep_context, restored
         self._inputs = [i.name for i in session.get_inputs()]
         self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
         # Outputs ORT can write into memory given to it: plain tensors. Others (sequences, maps, strings) go
@@ -264,15 +276,20 @@ def _with_constants(model: onnx.ModelProto, claimed: frozenset[str], groups: lis
 
 
 class OrtEp(EpDefaults):
-    def __init__(self, factory: "OrtEpFactory", devices: list, provider_options: dict[str, str]):
+    def __init__(self, factory: "OrtEpFactory", devices: list, session_options: Mapping[str, str]):
         self._factory = factory
         self._devices = devices
-        self._provider_options = provider_options
+        self._provider_options, config = split_session_options(session_options)
+        self._keep_context = config.get(EP_CONTEXT_ENABLE) == "1"
 
     def get_name(self) -> str:
         return self._factory.get_name()
 
-    def _session(self, model: onnx.ModelProto, *, capability: bool = False):
+    def _session(self, model: onnx.ModelProto | bytes, *, capability: bool = False, restore: bool = False,
+                 context_path: str | None = None):
+        """An ORT session of `model`: asking which nodes the EP takes (`capability`), compiling (writing the
+        compiled form to `context_path` where given), or restoring a compiled form (`restore`: the model is
+        that form, already optimized)."""
         ort = _ort()
         options = ort.SessionOptions()
         f = self._factory
@@ -281,8 +298,17 @@ class OrtEp(EpDefaults):
                 setattr(options, key, int(f.options[key]))
         for key, value in f.session_config.items():
             options.add_session_config_entry(key, value)
-        level = "disable" if capability else f.options.get("graph_optimization_level", "all")
+        level = "disable" if capability or restore else f.options.get("graph_optimization_level", "all")
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+        if context_path is not None:
+            if self._factory.provider == CPU:
+                options.optimized_model_filepath = context_path
+            else:  # a vendor EP makes its own EPContext model where it can (OpenVINO's does)
+                for key, value in (("ep.context_enable", "1"), ("ep.context_file_path", context_path),
+                                   ("ep.context_embed_mode", "1")):
+                    options.add_session_config_entry(key, value)
+        for library in f.custom_ops_libraries:
+            options.register_custom_ops_library(library)
         if capability:
             options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
             options.log_severity_level = 4  # asking is allowed to fail; that is an answer, not an error
@@ -291,9 +317,19 @@ class OrtEp(EpDefaults):
             providers = None
         else:
             providers = [(f.provider, self._provider_options)]
-        return ort.InferenceSession(readable_model(model).SerializeToString(), options, providers=providers)
+        data = model if isinstance(model, bytes) else readable_model(model).SerializeToString()
+        return ort.InferenceSession(data, options, providers=providers)
 
     def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+        # Its own EPContext nodes are partitions to restore, each its own; ORT is asked about the rest.
+        restore = [NodeGroup((n.name,), fused=True) for n in ep_context.own_nodes(model, self.get_name(), claimed)]
+        claimed = claimed | {g.node_names[0] for g in restore}
+        return restore + self._capability(model, claimed)
+
+    def _capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+        if any(ep_context.is_ep_context(n) for n in model.graph.node):
+            # ORT runs no EPContext node of another EP: ask node by node about the others.
+            return _with_constants(model, claimed, self._capability_by_node(model, claimed))
         try:
             session = self._session(model, capability=True)
         except EpError as e:
@@ -307,11 +343,16 @@ class OrtEp(EpDefaults):
         # cycle. (ORT reports the CPU EP's nodes one subgraph each; a partition of them is one ORT session.)
         provider = self._factory.provider
         model_nodes = {n.name for n in model.graph.node}
+        # Nodes of a custom op library's domains run on ORT's CPU EP whatever the chosen EP is: they are this
+        # worker's too (the library is loaded here, and nowhere else).
+        custom = {n.name for n in model.graph.node if n.domain not in BUILTIN_DOMAINS} \
+            if self._factory.custom_ops_libraries else set()
         reported, names = set(), []
         for subgraph in session.get_provider_graph_assignment_info():
             for node in subgraph.get_nodes():
                 reported.add(node.name)
-                if subgraph.ep_name == provider and node.name in model_nodes and node.name not in claimed:
+                ours = subgraph.ep_name == provider or (subgraph.ep_name == CPU and node.name in custom)
+                if ours and node.name in model_nodes and node.name not in claimed:
                     names.append(node.name)
         # Nodes ORT rewrote before assigning (ops it runs through their function body) are reported under
         # other names, or none: ask about each of them alone. Constants become initializers, reported as no
@@ -337,21 +378,56 @@ class OrtEp(EpDefaults):
                 session = self._session(single.model, capability=True)
             except Exception:
                 continue
-            if any(s.ep_name == self._factory.provider for s in session.get_provider_graph_assignment_info()):
+            custom = self._factory.custom_ops_libraries and index.nodes[name].domain not in BUILTIN_DOMAINS
+            if any(s.ep_name == self._factory.provider or (s.ep_name == CPU and custom)
+                   for s in session.get_provider_graph_assignment_info()):
                 taken.append(name)
         return [NodeGroup(tuple(taken), fused=True)] if taken else []
 
     def compile(self, graphs: Sequence[FusedGraph]) -> list[OrtComputeInfo]:
         infos = []
         for graph in graphs:
+            node = graph.ep_context_node
+            if node is not None and ep_context.source_of(node) == self.get_name():
+                infos.append(self._restore(graph, node))
+                continue
             try:
-                session = self._session(graph.model)
+                with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
+                    path = os.path.join(tmp, "partition.onnx") if self._keep_context else None
+                    session = self._session(graph.model, context_path=path)
+                    context = self._context(path) if path else None
             except EpError:
                 raise
             except Exception as e:
                 raise ort_error(f"ONNX Runtime cannot compile {graph.name!r}", e) from None
-            infos.append(OrtComputeInfo(graph, session))
+            infos.append(OrtComputeInfo(graph, session, context))
         return infos
+
+    def _context(self, path: str) -> EpContext | None:
+        """The compiled form ORT wrote while compiling: for its CPU EP the graph-optimized partition model (what
+        `optimized_model_filepath` saves: restoring skips graph optimization, not kernel creation); for a vendor
+        EP the EPContext model ORT made for it, where the EP makes one."""
+        if not os.path.isfile(path):
+            return None  # the vendor EP makes no EP context
+        with open(path, "rb") as f:
+            blob = f.read()
+        form = CONTEXT_OPTIMIZED if self._factory.provider == CPU else CONTEXT_ORT
+        return EpContext(form, blob, _ort().__version__)
+
+    def _restore(self, graph: FusedGraph, node: onnx.NodeProto) -> OrtComputeInfo:
+        context = ep_context.read(node, _ort().__version__)
+        if context.form not in (CONTEXT_OPTIMIZED, CONTEXT_ORT):
+            raise EpInvalidArgument(f"EPContext node {node.name!r}: form {context.form!r} is not ONNX Runtime's")
+        ep_context.model_of(node, context)  # checked as any model from a peer: it names no file
+        try:
+            # An optimized model is loaded without optimizing it again; ORT's own EPContext model as ORT loads it.
+            session = self._session(context.blob, restore=context.form == CONTEXT_OPTIMIZED)
+        except EpError:
+            raise
+        except Exception as e:
+            raise EpInvalidArgument(f"EPContext node {node.name!r}: ONNX Runtime cannot restore its compiled form: "
+                                    f"{e}") from None
+        return OrtComputeInfo(graph, session, context if self._keep_context else None, restored=True)
 
 
 class OrtEpFactory(HostMemoryFactory):
@@ -376,6 +452,7 @@ class OrtEpFactory(HostMemoryFactory):
                 ort.register_execution_provider_library(_REGISTRATION, library)
             except Exception as e:
                 raise EpInvalidArgument(f"ONNX Runtime cannot load the EP library {library}: {e}") from None
+        self.custom_ops_libraries = custom_ops_libraries(options.get("custom_ops_library", ""))
         added = sorted({d.ep_name for d in ort.get_ep_devices()} - before)
         self.provider = options.get("provider") or (added[0] if added else _library_ep_name(library) or CPU)
         self.ort_devices = [d for d in ort.get_ep_devices() if d.ep_name == self.provider]
@@ -425,6 +502,25 @@ class OrtEpFactory(HostMemoryFactory):
 
     def close(self) -> None:
         pass
+
+
+def custom_ops_libraries(value: str) -> tuple[str, ...]:
+    """The custom op libraries `value` names (paths or `module:function`, separated by ';'), resolved in this
+    process and each loaded once by ONNX Runtime here, so that a library it cannot load stops the worker at
+    start with an error naming it (RegisterCustomOps runs then: a library that crashes there crashes the worker
+    before it serves anything)."""
+    ort = _ort()
+    libraries = []
+    for entry in filter(None, (e.strip() for e in value.split(";"))):
+        path = resolve_library(entry)
+        if not os.path.isfile(path):
+            raise EpNotFound(f"custom_ops_library: no custom op library at {path}")
+        try:
+            ort.SessionOptions().register_custom_ops_library(path)
+        except Exception as e:
+            raise EpInvalidArgument(f"custom_ops_library: ONNX Runtime cannot load {path}: {e}") from None
+        libraries.append(path)
+    return tuple(libraries)
 
 
 def _library_ep_name(library: str | None) -> str | None:

@@ -15,7 +15,9 @@ import onnx.defs
 from onnx.reference import ReferenceEvaluator
 
 from ephost.eps import check_options
-from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
+from ephost import ep_context
+from ephost.ep_context import EpContext
+from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.errors import EpError, EpInvalidArgument
 from ephost.values import as_value
@@ -61,15 +63,29 @@ def cpu_device() -> HardwareDevice:
     return HardwareDevice(HardwareDeviceType.CPU, vendor_id, vendor, 0, {"cores": str(os.cpu_count() or 1)})
 
 
+# The reference EP's compiled form: the partition cut out as a standalone model. Restoring it saves only the cut
+# (extracting the partition from its model); the evaluator is built again either way.
+CONTEXT_FORM = "reference_partition_model"
+
+
 class ReferenceComputeInfo:
-    def __init__(self, graph: FusedGraph):
-        self.name = graph.name
-        self._input_names = [i.name for i in graph.model.graph.input]
+    def __init__(self, name: str, model: onnx.ModelProto, keep_context: bool = False, restored: bool = False):
+        self.name = name
+        self._input_names = [i.name for i in model.graph.input]
         try:
-            self._evaluator = ReferenceEvaluator(graph.model)
+            self._evaluator = ReferenceEvaluator(model)
         except Exception as e:
-            raise EpInvalidArgument(f"reference EP cannot compile {graph.name!r}: {type(e).__name__}: {e}") from None
+            raise EpInvalidArgument(f"reference EP cannot compile {name!r}: {type(e).__name__}: {e}") from None
         self._lock = threading.Lock()  # the evaluator keeps state while it runs
+        self.restored = restored
+        self.ep_context = EpContext(CONTEXT_FORM, model.SerializeToString(), VERSION) if keep_context else None
+
+    @classmethod
+    def restore(cls, graph: FusedGraph, node: onnx.NodeProto, keep_context: bool) -> "ReferenceComputeInfo":
+        context = ep_context.read(node, VERSION)
+        if context.form != CONTEXT_FORM:
+            raise EpInvalidArgument(f"EPContext node {node.name!r}: form {context.form!r} is not the reference EP's")
+        return cls(graph.name, ep_context.model_of(node, context), keep_context, restored=True)
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None) -> list[Any]:
@@ -93,13 +109,23 @@ class ReferenceEp(EpDefaults):
         return EP_NAME
 
     def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
-        # One group of everything it can run; the session splits groups whose fusion would form a cycle.
+        # Its own EPContext nodes, each a partition to restore; then one group of everything it can run (the
+        # session splits groups whose fusion would form a cycle).
+        restore = [NodeGroup((n.name,), fused=True) for n in ep_context.own_nodes(model, EP_NAME, claimed)]
         names = tuple(n.name for n in model.graph.node
                       if n.domain in _ONNX_DOMAINS and n.op_type in self._ops and n.name and n.name not in claimed)
-        return [NodeGroup(names, fused=True)] if names else []
+        return restore + ([NodeGroup(names, fused=True)] if names else [])
 
     def compile(self, graphs: Sequence[FusedGraph]) -> list[ReferenceComputeInfo]:
-        return [ReferenceComputeInfo(g) for g in graphs]
+        keep = self.session_options.get(EP_CONTEXT_ENABLE) == "1"
+        out = []
+        for g in graphs:
+            node = g.ep_context_node
+            if node is not None and ep_context.source_of(node) == EP_NAME:
+                out.append(ReferenceComputeInfo.restore(g, node, keep))
+            else:
+                out.append(ReferenceComputeInfo(g.name, g.model, keep))
+        return out
 
 
 class ReferenceEpFactory(HostMemoryFactory):

@@ -31,7 +31,11 @@ class EpService(Servicer):
         graphs = [FusedGraph(g.name, index, tuple(g.nodes), tuple(g.inputs), tuple(g.outputs))
                   for g in request.graphs]
         infos = ep.compile(graphs)
-        return ep_pb2.CompileResponse(node_compute_infos=[client.add("compute_info", (ep, i)) for i in infos])
+        restored = sum(1 for i in infos if getattr(i, "restored", False))
+        self.state.stats.add(partitions_compiled=len(infos) - restored, partitions_restored=restored)
+        contexts = [getattr(i, "ep_context", None) for i in infos]
+        return ep_pb2.CompileResponse(node_compute_infos=[client.add("compute_info", (ep, i)) for i in infos],
+                                      ep_contexts=[c.encode() if c is not None else b"" for c in contexts])
 
     @rpc
     def Compute(self, request, call):

@@ -57,13 +57,20 @@ class Listen:
     address: str                   # what gRPC binds and what clients dial
     fd_socket: str | None          # descriptor socket, for clients on this host
     private_dir: str | None        # made by us, removed on exit
+    private: bool = False          # a private directory is to be made (once the EP has loaded)
+
+    def make_private_dir(self) -> None:
+        """Make the private socket directory, where one is asked for. This waits until the EP has loaded: an
+        EP (or a custom op library) that crashes while it loads leaves nothing behind."""
+        if self.private and self.private_dir is None:
+            self.private_dir = tempfile.mkdtemp(prefix="ephost-")  # mode 0700: only this user reaches the sockets
+            path = os.path.join(self.private_dir, "worker.sock")
+            self.address, self.fd_socket = f"unix://{path}", path + ".fds"
 
 
 def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Listen:
     if listen is None:
-        private = tempfile.mkdtemp(prefix="ephost-")  # mode 0700: only this user reaches the sockets
-        path = os.path.join(private, "worker.sock")
-        return Listen(f"unix://{path}", path + ".fds", private)
+        return Listen("", None, None, private=True)  # made by make_private_dir
     if listen.startswith("unix:"):
         path = listen[len("unix://"):] if listen.startswith("unix://") else listen[len("unix:"):]
         if not os.path.isabs(path):
@@ -108,6 +115,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         # The launcher reads this line instead of the address: the error keeps its type on the client's side.
         print(json.dumps({"ephost": "error", "code": e.code.name, "message": str(e)}), flush=True)
         return 2
+    listen.make_private_dir()
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
     state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent)
     stop = threading.Event()

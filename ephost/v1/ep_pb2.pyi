@@ -79,10 +79,12 @@ class CompileRequest(_message.Message):
     def __init__(self, ep: _Optional[int] = ..., model: _Optional[_Union[ModelRef, _Mapping]] = ..., graphs: _Optional[_Iterable[_Union[FusedGraph, _Mapping]]] = ...) -> None: ...
 
 class CompileResponse(_message.Message):
-    __slots__ = ("node_compute_infos",)
+    __slots__ = ("node_compute_infos", "ep_contexts")
     NODE_COMPUTE_INFOS_FIELD_NUMBER: _ClassVar[int]
+    EP_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     node_compute_infos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ...) -> None: ...
+    ep_contexts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ..., ep_contexts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
     __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep")
