@@ -23,11 +23,14 @@ from onnx import numpy_helper
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
+from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value, to_python
 from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.feeds import check_feed, check_feed_names, shape_of, type_string
 from ephost.client.fallback import CpuFallback, default_fallback
+from ephost.client.handles import owned
+from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 
 log = logging.getLogger(__name__)
@@ -282,35 +285,109 @@ class InferenceSession:
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: Any = None) -> list[Any]:
-        if self._closed:
-            raise EpFailedPrecondition("the session is closed")
+        """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays or
+        ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker)."""
+        values = self._execute(output_names, input_feed, run_options)
+        return [to_python(v) for v in values.values()]
+
+    def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, Any],
+                            run_options: Any = None) -> list[Any]:
+        """ORT's run_with_ort_values: the outputs as ephost.Tensors, left where the partitions made them (in a
+        worker's memory, not copied to the application; `numpy()` reads a worker's shared memory in place)."""
+        names = self._output_names(output_names)
+        values = self._execute(names, input_dict_ort_values, run_options, dict.fromkeys(names))
+        return list(values.values())
+
+    def io_binding(self) -> IOBinding:
+        """An IOBinding of this session (ORT's session.io_binding())."""
+        return IOBinding(self)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: Any = None) -> None:
+        """Run with the inputs and outputs bound in `iobinding`; its get_outputs() then holds the outputs where
+        they were bound. Outputs bound to an EP's memory are left there by the partition that makes them."""
+        if iobinding.session is not self:
+            raise EpInvalidArgument("the IOBinding belongs to another session; make one with session.io_binding()")
+        outputs = iobinding.bound_outputs()
+        if not outputs:
+            raise EpInvalidArgument("no output is bound; bind_output(name, ...) at least one")
+        placed = {n: b.memory for n, b in outputs.items() if b.memory != HOST_MEMORY}
+        iobinding.set_results(self._execute(list(outputs), iobinding.bound_inputs(), run_options, placed))
+
+    def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
         names = list(output_names) if output_names else [o.name for o in self._outputs]
         known = {o.name for o in self._outputs}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")
+        return names
+
+    def _execute(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any,
+                 placed: Mapping[str, MemoryInfo | None] | None = None) -> dict[str, Any]:
+        """One run: the requested outputs by name, as graph values. `placed` names outputs to leave in an EP's
+        memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps
+        it there rather than sending it back."""
+        if self._closed:
+            raise EpFailedPrecondition("the session is closed")
+        names = self._output_names(output_names)
         values = self._feeds(input_feed)
         keep = set(names)
         run = next(self._runs)
         timeout = _deadline(run_options.compute_timeout_s if run_options is not None
                             and run_options.compute_timeout_s is not None else self._timeout)
+        owners = {n: None if m is None else self._env.owner_of(m) for n, m in (placed or {}).items()}
+        made_by: dict[str, str] = {}
         self._failures.counters["runs"] += 1
         for p in self._partitions:
-            inputs = [values[v] for v in p.graph.inputs]
+            inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
             try:
-                outputs = p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
+                outputs = p.compute_info.compute(inputs, p.allocator, self._kept(p, owners), timeout)
             except EpError as error:
                 outputs = self._failures.recover(run, p, self._partitions, inputs, error, timeout)
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values.update(zip(p.graph.outputs, outputs))
+            made_by.update(dict.fromkeys(p.graph.outputs, p.registration))
             for v in p.last_reads:  # let go of values no later partition reads
                 if v not in keep:
                     values.pop(v, None)
         for n in names:
             if n not in values and n in self._constants:
                 values[n] = as_value(numpy_helper.to_array(self._constants[n]))
-        return [to_python(values[n]) for n in names]
+        return {n: self._labelled(values[n], made_by.get(n)) for n in names}
+
+    def _kept(self, p: Partition, owners: Mapping[str, Any]) -> tuple[int, ...]:
+        """Outputs of `p` to leave in its EP's memory: those a later partition there reads, and graph outputs
+        placed there for this run."""
+        if not owners or p.allocator is None:
+            return p.keep
+        registration = self._env.registration(p.registration) if self._env.is_registered(p.registration) else None
+        extra = [i for i, v in enumerate(p.graph.outputs)
+                 if v in owners and owners[v] in (None, registration) and i not in p.keep]
+        return p.keep + tuple(extra) if extra else p.keep
+
+    def _reachable(self, value: Any, p: Partition) -> Any:
+        """`value` as partition `p` can read it: a tensor in a worker's memory that neither this process nor
+        p's EP can address comes to the application first."""
+        if not isinstance(value, Tensor) or value.local_bytes() is not None:
+            return value
+        link = self._link_of(p.registration)
+        if link is not None and owned(value.buffer, link):
+            return value
+        host = Tensor.from_numpy(np.empty(value.shape, value.dtype))
+        self._env.copy_tensors([value], [host])
+        return host
+
+    def _labelled(self, value: Any, registration: str | None) -> Any:
+        """A tensor an EP made, labelled with the MemoryInfo users know its memory by (the Environment's)."""
+        if not isinstance(value, Tensor) or registration is None or value.memory_info == HOST_MEMORY \
+                or not self._env.is_registered(registration):
+            return value
+        return value.relabeled(self._env.registration(registration).qualified(value.memory_info))
+
+    @property
+    def environment(self):
+        """The Environment this session's EPs are registered in."""
+        return self._env
 
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
         expected = {i.name: i for i in self._inputs}

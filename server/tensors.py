@@ -84,9 +84,12 @@ def output_value(state: WorkerState, client: ClientState, allocator, inline_limi
     """A Compute output: left in a buffer of `allocator` (the client's handle to it is returned) when it is
     large enough and an allocator was given, else inline."""
     if not isinstance(value, Tensor):
-        return common_pb2.Value(onnx=values.encode(value))
+        message = common_pb2.Value(onnx=values.encode(value))
+        state.stats.add(bytes_inline_out=len(message.onnx.data))
+        return message
     desc = common_pb2.TensorDesc(elem_type=value.elem_type, shape=list(value.shape))
     if allocator is None or value.nbytes < inline_limit:
+        state.stats.add(bytes_inline_out=value.nbytes)
         return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, inline=value.local_bytes().tobytes()))
     buffer = value.buffer
     in_allocator = buffer is not None and buffer.region is not None \

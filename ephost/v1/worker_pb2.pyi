@@ -69,7 +69,7 @@ class MethodStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., total_s: _Optional[float] = ..., max_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections")
+    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "compute_input_bytes_resident", "compute_input_bytes_transferred")
     class MethodsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class WorkerStats(_message.Message):
     COMPUTE_OUTPUTS_COPIED_FIELD_NUMBER: _ClassVar[int]
     FAST_LANE_CALLS_FIELD_NUMBER: _ClassVar[int]
     FAST_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     methods: _containers.MessageMap[str, MethodStats]
     bytes_copied: int
     bytes_inline_in: int
@@ -103,7 +105,9 @@ class WorkerStats(_message.Message):
     compute_outputs_copied: int
     fast_lane_calls: int
     fast_lane_connections: int
-    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ...) -> None: ...
+    compute_input_bytes_resident: int
+    compute_input_bytes_transferred: int
+    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., compute_input_bytes_resident: _Optional[int] = ..., compute_input_bytes_transferred: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s",)
