@@ -24,6 +24,7 @@ from ephost.eps import check_options
 from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.library_paths import resolve_library
+from ephost.eps.ort_values import from_ort_value, is_exotic_type, onnx_type_of, to_ort_value
 from ephost.eps.reference import cpu_device
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
@@ -131,9 +132,10 @@ class OrtComputeInfo:
         self._inputs = [i.name for i in session.get_inputs()]
         self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
         # Outputs ORT can write into memory given to it: plain tensors. Others (sequences, maps, strings) go
-        # through session.run.
-        self._bindable = all(o.type.startswith("tensor(") and o.type != "tensor(string)"
-                             for o in session.get_outputs())
+        # through session.run; tensors numpy lacks a type for (bfloat16, float8, int4...) through OrtValues.
+        self._exotic = [is_exotic_type(o.type) for o in session.get_outputs()]
+        self._bindable = not any(self._exotic) and all(o.type.startswith("tensor(") and o.type != "tensor(string)"
+                                                       for o in session.get_outputs())
         self._idle: list[_Binding] = []  # list.pop and append are atomic: no lock on the way in or out
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
@@ -204,8 +206,20 @@ class OrtComputeInfo:
         return out
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
+        ort = _ort()
+        # Arrays of types ORT cannot take from numpy go in as OrtValues of their ONNX type.
+        feeds = {name: v if (elem := onnx_type_of(v)) is None else to_ort_value(ort, v, elem)
+                 for name, v in feeds.items()}
         try:
-            return [as_value(v) for v in self._session.run(None, feeds)]
+            if not any(self._exotic):
+                return [as_value(v) for v in self._session.run(None, feeds)]
+            # Outputs numpy cannot hold come back as OrtValues, read as ONNX lays their bytes out.
+            names = [name for name, _ in self._outputs]
+            feeds = {n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
+                     for n, v in feeds.items()}
+            return [as_value(from_ort_value(v)) for v in self._session.run_with_ort_values(names, feeds)]
+        except EpError:
+            raise
         except Exception as e:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
 
