@@ -209,7 +209,7 @@ class IOBinding:
             return value
         if out.tensor is not None:
             if value is not out.tensor:
-                self._env.copy_tensors([value], [out.tensor])
+                self._copy(value, out.tensor)
             return out.tensor
         if value.memory_info == out.memory:
             return value
@@ -219,8 +219,13 @@ class IOBinding:
             dst = Tensor.from_numpy(np.empty(value.shape, value.dtype))
         else:
             dst = Tensor.empty(value.shape, value.dtype, self._env.allocator_for(out.memory))
-        self._env.copy_tensors([value], [dst])
+        self._copy(value, dst)
         return dst
+
+    def _copy(self, src: Tensor, dst: Tensor) -> None:
+        with self.session.profiler.span("Copy", "to a bound output", bytes=src.nbytes, src=src.memory_info.name,
+                                        dst=dst.memory_info.name):
+            self._env.copy_tensors([src], [dst])
 
     def _to_cpu(self, value: Any) -> Any:
         if not isinstance(value, Tensor):

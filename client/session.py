@@ -13,8 +13,9 @@ import itertools
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -32,6 +33,7 @@ from ephost.client.fallback import CpuFallback, default_fallback
 from ephost.client.handles import owned
 from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
+from ephost.client.profiler import Profiler
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +48,17 @@ class SessionOptions:
     deadline; 0: no deadline. `fallback`: what runs the nodes no EP takes (and failed partitions under "fallback"):
     "onnxruntime" (ONNX Runtime's CPU EP in process, the reference evaluator for what it cannot run; the
     default where onnxruntime is installed), "reference" (ONNX's reference evaluator only) or None (a node no
-    EP takes fails the session's creation)."""
+    EP takes fails the session's creation). `enable_profiling` / `profile_file_prefix`: as ORT's (see
+    InferenceSession.end_profiling)."""
 
     def __init__(self):
         self._providers: list[tuple[list[EpDevice], dict[str, str]]] = []
         self.ep_failure_policy = "raise"
         self.compute_timeout_s: float | None = None
         self.fallback: str | None = default_fallback()
+        # ORT's profiling options: a Chrome trace of every run, written by session.end_profiling().
+        self.enable_profiling = False
+        self.profile_file_prefix = "onnxruntime_profile_"
 
     def add_provider_for_devices(self, ep_devices: Sequence[EpDevice],
                                  provider_options: Mapping[str, str] | None = None) -> None:
@@ -173,13 +179,19 @@ class InferenceSession:
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release on close
         self._partitions: list[Partition] = []
         self._entries: list[tuple[list[EpDevice], dict[str, str]]] = []
+        self._async: ThreadPoolExecutor | None = None
+        self.profiler = Profiler(bool(options.enable_profiling), options.profile_file_prefix)
         try:
-            self._entries = options.providers + self._provider_shortcuts(providers or [])
-            self._partitions = self._partition(self._entries)
-            self._compile()
+            with self.profiler.span("Session", "session_initialization"):
+                self._set_up(options.providers + self._provider_shortcuts(providers or []))
         except BaseException:
             self.close()
             raise
+
+    def _set_up(self, entries) -> None:
+        self._entries = entries
+        self._partitions = self._partition(entries)
+        self._compile()
 
     @property
     def run_log(self):
@@ -278,6 +290,38 @@ class InferenceSession:
         return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
                              m.model_version, {p.key: p.value for p in m.metadata_props})
 
+    def set_providers(self, providers: Sequence[str | tuple[str, Mapping[str, str]]] | None = None,
+                      provider_options: Sequence[Mapping[str, str]] | None = None) -> None:
+        """Partition and compile again on other EPs (ORT's set_providers: the session is made again). Providers
+        are registration names or targets, as `providers=` takes them, or (name, options); ORT's own
+        "CPUExecutionProvider" names the fallback, which is always last. None: the SessionOptions' devices."""
+        if self._closed:
+            raise EpFailedPrecondition("the session is closed")
+        providers = list(providers or [])
+        if provider_options is not None:
+            if len(provider_options) != len(providers) or any(not isinstance(p, str) for p in providers):
+                raise EpInvalidArgument("provider_options needs one dict per provider, and providers given as names")
+            providers = [(p, dict(o)) for p, o in zip(providers, provider_options)]
+        fallback_names = {p.ep_name for p in self._fallback.placements}
+        providers = [p for p in providers if (p if isinstance(p, str) else p[0]) not in fallback_names]
+        with self._lock:
+            old_launched = list(self._launched)
+            self._release_eps()
+            self._eps, self._partitions = [], []
+            self._set_up(self._options.providers + self._provider_shortcuts(providers))
+        for name in old_launched:  # workers launched for providers no longer used
+            if name not in {p if isinstance(p, str) else p[0] for p in providers}:
+                self._launched.remove(name)
+                self._unregister(name)
+
+    def get_profiling_start_time_ns(self) -> int:
+        """When profiling started, in time.monotonic_ns() terms (0 when SessionOptions.enable_profiling is off)."""
+        return self.profiler.start_time_ns
+
+    def end_profiling(self) -> str:
+        """Stop profiling and write what was recorded as Chrome trace JSON; the file's name ('' when off)."""
+        return self.profiler.end()
+
     def get_provider_graph_assignment_info(self) -> list[AssignedSubgraph]:
         nodes = self._index.nodes
         return [AssignedSubgraph(p.placement.ep_name, p.registration, tuple(
@@ -289,6 +333,28 @@ class InferenceSession:
         ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker)."""
         values = self._execute(output_names, input_feed, run_options)
         return [to_python(v) for v in values.values()]
+
+    def run_async(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+                  callback: Callable[[list[Any] | None, Any, str], None], user_data: Any = None,
+                  run_options: Any = None) -> None:
+        """ORT's run_async: run on another thread, then `callback(results, user_data, err)`, with `err` "" on
+        success and the error's text (results None) on failure. Runs are taken in the order they were asked."""
+        if self._closed:
+            raise EpFailedPrecondition("the session is closed")
+        with self._lock:
+            if self._async is None:
+                self._async = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ephost-run-async")
+            executor = self._async
+
+        def work():
+            try:
+                results = self.run(output_names, input_feed, run_options)
+            except Exception as e:
+                callback(None, user_data, f"{type(e).__name__}: {e}")
+                return
+            callback(results, user_data, "")
+
+        executor.submit(work)
 
     def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, Any],
                             run_options: Any = None) -> list[Any]:
@@ -311,7 +377,8 @@ class InferenceSession:
         if not outputs:
             raise EpInvalidArgument("no output is bound; bind_output(name, ...) at least one")
         placed = {n: b.memory for n, b in outputs.items() if b.memory != HOST_MEMORY}
-        iobinding.set_results(self._execute(list(outputs), iobinding.bound_inputs(), run_options, placed))
+        targets = {n: b.tensor for n, b in outputs.items() if b.tensor is not None}
+        iobinding.set_results(self._execute(list(outputs), iobinding.bound_inputs(), run_options, placed, targets))
 
     def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
         names = list(output_names) if output_names else [o.name for o in self._outputs]
@@ -322,10 +389,12 @@ class InferenceSession:
         return names
 
     def _execute(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any,
-                 placed: Mapping[str, MemoryInfo | None] | None = None) -> dict[str, Any]:
+                 placed: Mapping[str, MemoryInfo | None] | None = None,
+                 targets: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
         """One run: the requested outputs by name, as graph values. `placed` names outputs to leave in an EP's
         memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps
-        it there rather than sending it back."""
+        it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
+        that makes them can (a worker, into its own memory)."""
         if self._closed:
             raise EpFailedPrecondition("the session is closed")
         names = self._output_names(output_names)
@@ -337,12 +406,29 @@ class InferenceSession:
         owners = {n: None if m is None else self._env.owner_of(m) for n, m in (placed or {}).items()}
         made_by: dict[str, str] = {}
         self._failures.counters["runs"] += 1
+        with self.profiler.span("Session", "model_run", run=run):
+            self._run_partitions(run, values, keep, owners, made_by, timeout, targets or {})
+        for n in names:
+            if n not in values and n in self._constants:
+                values[n] = as_value(numpy_helper.to_array(self._constants[n]))
+        return {n: self._labelled(values[n], made_by.get(n)) for n in names}
+
+    def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
+                        made_by: dict[str, str], timeout: float | None, targets: Mapping[str, Tensor]) -> None:
         for p in self._partitions:
             inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
-            try:
-                outputs = p.compute_info.compute(inputs, p.allocator, self._kept(p, owners), timeout)
-            except EpError as error:
-                outputs = self._failures.recover(run, p, self._partitions, inputs, error, timeout)
+            into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
+            with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes)) as args:
+                args.update(ep=p.placement.ep_name, registration=p.registration,
+                            call="Compute" if self._link_of(p.registration) is not None else "in process")
+                try:
+                    kept = self._kept(p, owners)
+                    outputs = p.compute_info.compute(inputs, p.allocator, kept, timeout, into=into) if into else \
+                        p.compute_info.compute(inputs, p.allocator, kept, timeout)
+                except EpError as error:
+                    with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
+                                            policy=self._failures.policy):
+                        outputs = self._failures.recover(run, p, self._partitions, inputs, error, timeout)
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values.update(zip(p.graph.outputs, outputs))
@@ -350,10 +436,6 @@ class InferenceSession:
             for v in p.last_reads:  # let go of values no later partition reads
                 if v not in keep:
                     values.pop(v, None)
-        for n in names:
-            if n not in values and n in self._constants:
-                values[n] = as_value(numpy_helper.to_array(self._constants[n]))
-        return {n: self._labelled(values[n], made_by.get(n)) for n in names}
 
     def _kept(self, p: Partition, owners: Mapping[str, Any]) -> tuple[int, ...]:
         """Outputs of `p` to leave in its EP's memory: those a later partition there reads, and graph outputs
@@ -374,7 +456,9 @@ class InferenceSession:
         if link is not None and owned(value.buffer, link):
             return value
         host = Tensor.from_numpy(np.empty(value.shape, value.dtype))
-        self._env.copy_tensors([value], [host])
+        with self.profiler.span("Copy", f"to the host for {p.graph.name}", bytes=value.nbytes,
+                                src=value.memory_info.name, dst=host.memory_info.name):
+            self._env.copy_tensors([value], [host])
         return host
 
     def _labelled(self, value: Any, registration: str | None) -> Any:
@@ -391,6 +475,9 @@ class InferenceSession:
 
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
         expected = {i.name: i for i in self._inputs}
+        # As ORT does: an input of optional type that is not fed is an empty optional (None).
+        input_feed = {**{i.name: None for i in self._inputs if i.type.WhichOneof("value") == "optional_type"},
+                      **input_feed}
         check_feed_names(expected, self._constants, input_feed)
         values = {}
         for name, value in input_feed.items():
@@ -411,6 +498,13 @@ class InferenceSession:
             if self._closed:
                 return
             self._closed = True
+        if getattr(self, "_async", None) is not None:
+            self._async.shutdown(wait=True)  # runs asked for before close still run, and call back
+        self._release_eps()
+        for name in getattr(self, "_launched", []):  # workers this session launched are its own
+            self._unregister(name)
+
+    def _release_eps(self) -> None:
         for registration, ep in getattr(self, "_eps", []):
             infos = [p.compute_info for p in getattr(self, "_partitions", [])
                      if p.placement.ep is ep and p.compute_info is not None]
@@ -420,11 +514,12 @@ class InferenceSession:
                 registration.factory.release_ep(ep)
             except Exception as e:  # the worker may be gone; what it held went with it
                 log.debug("releasing %s's partitions failed: %s", registration.name, e)
-        for name in getattr(self, "_launched", []):  # workers this session launched are its own
-            try:
-                self._env.unregister_execution_provider_library(name)
-            except EpError as e:
-                log.debug("unregistering %s: %s", name, e)
+
+    def _unregister(self, name: str) -> None:
+        try:
+            self._env.unregister_execution_provider_library(name)
+        except EpError as e:
+            log.debug("unregistering %s: %s", name, e)
 
     def __enter__(self) -> "InferenceSession":
         return self

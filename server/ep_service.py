@@ -6,7 +6,7 @@ from ephost.errors import EpNotFound
 from ephost.eps.base import FusedGraph
 from ephost.tensor import Tensor
 from ephost.server.rpc import Servicer, rpc
-from ephost.server.tensors import input_value, output_value
+from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
 
 
@@ -49,6 +49,7 @@ class EpService(Servicer):
             bytes_here += nbytes if here else 0
             bytes_moved += 0 if here else nbytes
             inline += nbytes if message.WhichOneof("kind") == "onnx" or message.tensor.HasField("inline") else 0
+        into = output_buffers(self.state, client, request.output_buffers)
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         outputs = info.compute(inputs, allocator, tuple(request.keep))
@@ -57,6 +58,7 @@ class EpService(Servicer):
                              bytes_inline_in=inline)
         keep = set(request.keep)
         return ep_pb2.ComputeResponse(outputs=[
+            into_value(self.state, client, request.output_buffers[i], into[i], v) if i in into else
             output_value(self.state, client, allocator, 0 if i in keep else request.inline_limit, v)
             for i, v in enumerate(outputs)])
 

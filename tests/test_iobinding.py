@@ -194,3 +194,46 @@ def test_bad_bindings_are_refused_with_clear_errors(env):
         binding.bind_output("y", tensor=ephost.Tensor.from_numpy(np.zeros(4, np.float32)))
         with pytest.raises(ephost.EpInvalidArgument, match="float32\\[3\\].*float32\\[4\\]"):
             session.run_with_iobinding(binding)
+
+
+def test_two_bound_tensors_in_the_worker_alternate_without_a_buffer_made_or_freed(env):
+    """The decoding-loop pattern: outputs written into tensors bound in the worker, input and output swapped."""
+    model = recurrent()
+    x0 = np.random.default_rng(5).standard_normal((4, 256)).astype(np.float32)
+    device = device_of(env, "ort")
+    allocator = env.allocator_for(device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE))
+    a, b = ephost.Tensor.from_numpy(x0, allocator), ephost.Tensor.empty(x0.shape, x0.dtype, allocator)
+    with InferenceSession(model, options_for(env, "ort"), env=env) as session:
+        binding = session.io_binding()
+        binding.bind_ortvalue_input("x", a)
+        binding.bind_output("y", tensor=b)
+        session.run_with_iobinding(binding)
+        assert binding.get_outputs() == [b]
+        first, calls = counters(env, "ort"), env.get_worker_stats("ort").methods
+        for _ in range(STEPS - 1):
+            a, b = b, a
+            binding.bind_ortvalue_input("x", a)
+            binding.bind_output("y", tensor=b)
+            session.run_with_iobinding(binding)
+        after, calls_after = counters(env, "ort"), env.get_worker_stats("ort").methods
+        np.testing.assert_allclose(b.numpy(), ort_loop(model, x0, STEPS), rtol=1e-5, atol=1e-6)
+    assert after["compute_inputs_resident"] - first["compute_inputs_resident"] == STEPS - 1
+    assert {c: after[c] - first[c] for c in COUNTERS if c != "compute_inputs_resident"
+            and c != "compute_input_bytes_resident"} == dict.fromkeys(
+        ["compute_inputs_transferred", "compute_input_bytes_transferred", "bytes_inline_in", "bytes_inline_out",
+         "bytes_copied"], 0)
+    for method in ("Allocator/Alloc", "Allocator/Free", "DataTransfer/CopyTensors"):
+        assert (calls_after[method].calls if method in calls_after else 0) == \
+            (calls[method].calls if method in calls else 0), method
+
+
+def test_an_output_is_not_written_into_a_worker_tensor_of_another_shape(env):
+    device = device_of(env, "ref")
+    allocator = env.allocator_for(device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE))
+    with InferenceSession(models.chain(["Neg"], shape=(3,)), options_for(env, "ref"), env=env) as session:
+        binding = session.io_binding()
+        binding.bind_cpu_input("x", np.ones(3, np.float32))
+        binding.bind_output("y", tensor=ephost.Tensor.empty([4], np.float32, allocator))
+        with pytest.raises(ephost.EpInvalidArgument, match=r"float32\[3\] cannot be written into a buffer of "
+                                                           r"float32\[4\]"):
+            session.run_with_iobinding(binding)
