@@ -331,8 +331,7 @@ class InferenceSession:
             run_options: Any = None) -> list[Any]:
         """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays or
         ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker)."""
-        values = self._execute(output_names, input_feed, run_options)
-        return [to_python(v) for v in values.values()]
+        return [to_python(v) for v in self._execute(output_names, input_feed, run_options)]
 
     def run_async(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
                   callback: Callable[[list[Any] | None, Any, str], None], user_data: Any = None,
@@ -361,8 +360,7 @@ class InferenceSession:
         """ORT's run_with_ort_values: the outputs as ephost.Tensors, left where the partitions made them (in a
         worker's memory, not copied to the application; `numpy()` reads a worker's shared memory in place)."""
         names = self._output_names(output_names)
-        values = self._execute(names, input_dict_ort_values, run_options, dict.fromkeys(names))
-        return list(values.values())
+        return self._execute(names, input_dict_ort_values, run_options, dict.fromkeys(names))
 
     def io_binding(self) -> IOBinding:
         """An IOBinding of this session (ORT's session.io_binding())."""
@@ -378,7 +376,9 @@ class InferenceSession:
             raise EpInvalidArgument("no output is bound; bind_output(name, ...) at least one")
         placed = {n: b.memory for n, b in outputs.items() if b.memory != HOST_MEMORY}
         targets = {n: b.tensor for n, b in outputs.items() if b.tensor is not None}
-        iobinding.set_results(self._execute(list(outputs), iobinding.bound_inputs(), run_options, placed, targets))
+        names = list(outputs)
+        results = self._execute(names, iobinding.bound_inputs(), run_options, placed, targets)
+        iobinding.set_results(dict(zip(names, results)))
 
     def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
         names = list(output_names) if output_names else [o.name for o in self._outputs]
@@ -390,8 +390,8 @@ class InferenceSession:
 
     def _execute(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any,
                  placed: Mapping[str, MemoryInfo | None] | None = None,
-                 targets: Mapping[str, Tensor] | None = None) -> dict[str, Any]:
-        """One run: the requested outputs by name, as graph values. `placed` names outputs to leave in an EP's
+                 targets: Mapping[str, Tensor] | None = None) -> list[Any]:
+        """One run: the requested outputs, in order, as graph values. `placed` names outputs to leave in an EP's
         memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps
         it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
         that makes them can (a worker, into its own memory)."""
@@ -411,7 +411,12 @@ class InferenceSession:
         for n in names:
             if n not in values and n in self._constants:
                 values[n] = as_value(numpy_helper.to_array(self._constants[n]))
-        return {n: self._labelled(values[n], made_by.get(n)) for n in names}
+        labelled: dict[int, Any] = {}  # one relabelled tensor per value, whatever the names it goes by
+        for n in names:
+            value = values[n]
+            if id(value) not in labelled:
+                labelled[id(value)] = self._labelled(value, made_by.get(n))
+        return [labelled[id(values[n])] for n in names]
 
     def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
                         made_by: dict[str, str], timeout: float | None, targets: Mapping[str, Tensor]) -> None:

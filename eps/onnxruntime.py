@@ -165,13 +165,18 @@ class OrtComputeInfo:
                 io.bind_input(name, "cpu", 0, array.dtype, array.shape, where[0])
                 binding.inputs[name] = where
         placed: dict[int, Tensor] = {}
+        written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
         for i, (name, static) in enumerate(self._outputs):
             if static is None:
                 if binding.outputs[i] is not None:
                     io.bind_output(name, "cpu")  # ORT allocates it (and keeps that memory for the next run)
                     binding.outputs[i] = None
                 continue
-            if allocator is not None and (i in keep or static[2] >= PLACE_BYTES):
+            target = _writable_target(into, i, static, arrays.values())
+            if target is not None:
+                array = target.local_array()
+                written[i] = target
+            elif allocator is not None and (i in keep or static[2] >= PLACE_BYTES):
                 # ORT writes the result straight into a buffer of the allocator (shared memory the client
                 # maps, for a worker's client): it leaves by handle, without a copy.
                 tensor = Tensor.empty(static[0], static[1], allocator)
@@ -196,8 +201,8 @@ class OrtComputeInfo:
         produced = io.get_outputs() if binding.ort_allocated else ()
         out = []
         for i, (_, static) in enumerate(self._outputs):
-            if i in placed:
-                out.append(placed[i])
+            if i in placed or i in written:
+                out.append(placed[i] if i in placed else written[i])
             elif static is not None:
                 out.append(as_value(binding.scratch(i, static).copy()))
             else:
@@ -222,6 +227,18 @@ class OrtComputeInfo:
             raise
         except Exception as e:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+
+
+def _writable_target(into, i: int, static, inputs) -> Tensor | None:
+    """The caller's tensor output `i` can be written into by ORT: of the output's type and shape, addressable
+    here, and sharing no memory with an input (ORT would read what it writes)."""
+    target = into.get(i) if into else None
+    if target is None or target.shape != static[0] or target.dtype != static[1]:
+        return None
+    array = target.local_array()
+    if array is None or any(np.may_share_memory(array, a) for a in inputs if isinstance(a, np.ndarray)):
+        return None
+    return target
 
 
 class _Binding:

@@ -52,7 +52,9 @@ class EpService(Servicer):
         into = output_buffers(self.state, client, request.output_buffers)
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
-        outputs = info.compute(inputs, allocator, tuple(request.keep))
+        # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
+        outputs = info.compute(inputs, allocator, tuple(request.keep), into=into) if into else \
+            info.compute(inputs, allocator, tuple(request.keep))
         self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident,
                              compute_input_bytes_resident=bytes_here, compute_input_bytes_transferred=bytes_moved,
                              bytes_inline_in=inline)
