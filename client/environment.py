@@ -33,17 +33,35 @@ class Registration:
     devices: list[EpDevice] = field(default_factory=list)
     # qualified MemoryInfo (what users see) -> the EP's own MemoryInfo
     memory: dict[MemoryInfo, MemoryInfo] = field(default_factory=dict)
-    _session_allocator: object = None
+    _allocators: dict = field(default_factory=dict)  # the EP's MemoryInfo -> allocator sessions use
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def session_allocator(self):
-        """The allocator (made on first use) that sessions leave outputs in: the EP's HOST_ACCESSIBLE memory,
+    def session_memory(self) -> MemoryInfo | None:
+        """The memory sessions leave outputs in (qualified, as users see it): the EP's HOST_ACCESSIBLE memory,
         which the application maps, or its DEFAULT memory where there is none."""
+        ordered = sorted(self.memory, key=lambda m: not m.host_accessible)
+        return ordered[0] if ordered else None
+
+    def session_allocator(self):
+        """The allocator (made on first use) of `session_memory()`, in the EP's own terms."""
+        info = self.session_memory()
+        return self.allocator_for(info) if info is not None else None
+
+    def allocator_for(self, memory_info: MemoryInfo):
+        """The EP's allocator (made on first use, kept with the registration) of one of its memories."""
+        raw = self.memory[memory_info]
         with self._lock:
-            if self._session_allocator is None and self.memory:
-                info = sorted(self.memory.values(), key=lambda m: not m.host_accessible)[0]
-                self._session_allocator = self.factory.create_allocator(info, {})
-            return self._session_allocator
+            allocator = self._allocators.get(raw)
+            if allocator is None:
+                allocator = self._allocators[raw] = self.factory.create_allocator(raw, {})
+            return allocator
+
+    def qualified(self, raw: MemoryInfo) -> MemoryInfo:
+        """The MemoryInfo users see for a memory in the EP's own terms (what its tensors are labelled with)."""
+        for info, own in self.memory.items():
+            if own == raw:
+                return info
+        return raw
 
     @property
     def process(self) -> WorkerProcess | None:
@@ -190,6 +208,21 @@ class Environment:
                     raise EpInvalidArgument(f"stream belongs to {stream.registration.name!r}, not to {owner.name!r}")
                 inner_stream = stream.inner
             transfer.copy_tensors(s_list, d_list, inner_stream)
+
+    def owner_of(self, memory_info: MemoryInfo) -> Registration | None:
+        """The registration whose EP owns a memory (None for the application's own memory)."""
+        return self._owner(memory_info)
+
+    def allocator_for(self, memory_info: MemoryInfo) -> SharedAllocator:
+        """An allocator of a memory of a registered EP: the shared allocator where one was created, else one
+        kept with the registration (tensors made from it are labelled with `memory_info`)."""
+        shared = self.get_shared_allocator(memory_info)
+        if shared is not None:
+            return shared
+        registration = self._owner(memory_info)
+        if registration is None:
+            raise EpInvalidArgument("the application's own memory has no allocator; use numpy arrays")
+        return SharedAllocator(registration, registration.allocator_for(memory_info), memory_info)
 
     def _owner(self, info: MemoryInfo) -> Registration | None:
         if info == HOST_MEMORY:

@@ -14,10 +14,10 @@ from ephost.eps.base import FusedGraph, NodeGroup
 from ephost.errors import EpNotFound
 from ephost.memory import Buffer
 from ephost.tensor import Tensor
-from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, nbytes_of
+from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, desc_to_proto, nbytes_of
 from ephost.client.allocator import FreeQueue, RemoteAllocator
 from ephost.client.context_model import restore_graph
-from ephost.client.handles import RemoteHandle
+from ephost.client.handles import RemoteHandle, owned
 from ephost.client.streams import RemoteStream
 from ephost.client.supervisor import WorkerLink
 from ephost.client.transfer import INLINE_LIMIT, ModelSender, RemoteDataTransfer, Stager, tensor_ref
@@ -46,18 +46,23 @@ class RemoteComputeInfo(RemoteHandle):
         return self._ep.compile_handles([graph])[0][0]
 
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
-                timeout: float | None = None) -> list[Any]:
+                timeout: float | None = None, into: Mapping[int, Tensor] | None = None) -> list[Any]:
         staged: list[Buffer] = []
         try:
             conn = self.link.conn
+            # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
+            targets = {i: t for i, t in (into or {}).items() if owned(t.buffer, self.link)}
             request = ep_pb2.ComputeRequest(
                 node_compute_info=self.handle, inputs=[self._input(v, staged) for v in inputs],
                 output_allocator=allocator.handle if allocator is not None else 0, inline_limit=INLINE_LIMIT,
-                keep=keep if allocator is not None else ())
+                keep=keep if allocator is not None else (),
+                output_buffers={i: common_pb2.TensorRef(desc=desc_to_proto(t.shape, t.dtype), buffer=t.buffer.handle)
+                                for i, t in targets.items()})
             reply = self.link.call(lambda c: c.ep.Compute, request, conn=conn, timeout=timeout)
         finally:
             self._stager.release(staged)
-        outputs = [self._output(v, allocator, conn) for v in reply.outputs]
+        outputs = [targets[i] if i in targets else self._output(v, allocator, conn)
+                   for i, v in enumerate(reply.outputs)]
         self.link.between_calls()
         return outputs
 

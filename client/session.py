@@ -13,8 +13,9 @@ import itertools
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -23,13 +24,17 @@ from onnx import numpy_helper
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
+from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value, to_python
 from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.feeds import check_feed, check_feed_names, shape_of, type_string
 from ephost.client.fallback import CpuFallback, default_fallback
 from ephost.client.context_model import ENABLE, CompiledPartition, ContextSettings, embed_files, write_context_model
+from ephost.client.handles import owned
+from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
+from ephost.client.profiler import Profiler
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +49,8 @@ class SessionOptions:
     deadline; 0: no deadline. `fallback`: what runs the nodes no EP takes (and failed partitions under "fallback"):
     "onnxruntime" (ONNX Runtime's CPU EP in process, the reference evaluator for what it cannot run; the
     default where onnxruntime is installed), "reference" (ONNX's reference evaluator only) or None (a node no
-    EP takes fails the session's creation)."""
+    EP takes fails the session's creation). `enable_profiling` / `profile_file_prefix`: as ORT's (see
+    InferenceSession.end_profiling)."""
 
     def __init__(self):
         self._providers: list[tuple[list[EpDevice], dict[str, str]]] = []
@@ -56,6 +62,9 @@ class SessionOptions:
         # implies it.
         self.keep_compiled = False
         self._config: dict[str, str] = {}
+        # ORT's profiling options: a Chrome trace of every run, written by session.end_profiling().
+        self.enable_profiling = False
+        self.profile_file_prefix = "onnxruntime_profile_"
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         """A session config entry, by ONNX Runtime's names. ephost acts on `ep.context_enable` (1: write the
@@ -197,15 +206,21 @@ class InferenceSession:
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release on close
         self._partitions: list[Partition] = []
         self._entries: list[tuple[list[EpDevice], dict[str, str]]] = []
+        self._async: ThreadPoolExecutor | None = None
+        self.profiler = Profiler(bool(options.enable_profiling), options.profile_file_prefix)
         try:
-            self._entries = options.providers + self._provider_shortcuts(providers or [])
-            self._partitions = self._partition(self._entries)
-            self._compile()
-            if self._context.enabled:
-                self._write_context_model()
+            with self.profiler.span("Session", "session_initialization"):
+                self._set_up(options.providers + self._provider_shortcuts(providers or []))
         except BaseException:
             self.close()
             raise
+
+    def _set_up(self, entries) -> None:
+        self._entries = entries
+        self._partitions = self._partition(entries)
+        self._compile()
+        if self._context.enabled:
+            self._write_context_model()
 
     @property
     def run_log(self):
@@ -315,6 +330,38 @@ class InferenceSession:
         return ModelMetadata(m.producer_name, m.graph.name, m.domain, m.doc_string, m.graph.doc_string,
                              m.model_version, {p.key: p.value for p in m.metadata_props})
 
+    def set_providers(self, providers: Sequence[str | tuple[str, Mapping[str, str]]] | None = None,
+                      provider_options: Sequence[Mapping[str, str]] | None = None) -> None:
+        """Partition and compile again on other EPs (ORT's set_providers: the session is made again). Providers
+        are registration names or targets, as `providers=` takes them, or (name, options); ORT's own
+        "CPUExecutionProvider" names the fallback, which is always last. None: the SessionOptions' devices."""
+        if self._closed:
+            raise EpFailedPrecondition("the session is closed")
+        providers = list(providers or [])
+        if provider_options is not None:
+            if len(provider_options) != len(providers) or any(not isinstance(p, str) for p in providers):
+                raise EpInvalidArgument("provider_options needs one dict per provider, and providers given as names")
+            providers = [(p, dict(o)) for p, o in zip(providers, provider_options)]
+        fallback_names = {p.ep_name for p in self._fallback.placements}
+        providers = [p for p in providers if (p if isinstance(p, str) else p[0]) not in fallback_names]
+        with self._lock:
+            old_launched = list(self._launched)
+            self._release_eps()
+            self._eps, self._partitions = [], []
+            self._set_up(self._options.providers + self._provider_shortcuts(providers))
+        for name in old_launched:  # workers launched for providers no longer used
+            if name not in {p if isinstance(p, str) else p[0] for p in providers}:
+                self._launched.remove(name)
+                self._unregister(name)
+
+    def get_profiling_start_time_ns(self) -> int:
+        """When profiling started, in time.monotonic_ns() terms (0 when SessionOptions.enable_profiling is off)."""
+        return self.profiler.start_time_ns
+
+    def end_profiling(self) -> str:
+        """Stop profiling and write what was recorded as Chrome trace JSON; the file's name ('' when off)."""
+        return self.profiler.end()
+
     def get_provider_graph_assignment_info(self) -> list[AssignedSubgraph]:
         nodes = self._index.nodes
         return [AssignedSubgraph(p.placement.ep_name, p.registration, tuple(
@@ -322,38 +369,160 @@ class InferenceSession:
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: Any = None) -> list[Any]:
+        """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays or
+        ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker)."""
+        return [to_python(v) for v in self._execute(output_names, input_feed, run_options)]
+
+    def run_async(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+                  callback: Callable[[list[Any] | None, Any, str], None], user_data: Any = None,
+                  run_options: Any = None) -> None:
+        """ORT's run_async: run on another thread, then `callback(results, user_data, err)`, with `err` "" on
+        success and the error's text (results None) on failure. Runs are taken in the order they were asked."""
         if self._closed:
             raise EpFailedPrecondition("the session is closed")
+        with self._lock:
+            if self._async is None:
+                self._async = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ephost-run-async")
+            executor = self._async
+
+        def work():
+            try:
+                results = self.run(output_names, input_feed, run_options)
+            except Exception as e:
+                callback(None, user_data, f"{type(e).__name__}: {e}")
+                return
+            callback(results, user_data, "")
+
+        executor.submit(work)
+
+    def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, Any],
+                            run_options: Any = None) -> list[Any]:
+        """ORT's run_with_ort_values: the outputs as ephost.Tensors, left where the partitions made them (in a
+        worker's memory, not copied to the application; `numpy()` reads a worker's shared memory in place)."""
+        names = self._output_names(output_names)
+        return self._execute(names, input_dict_ort_values, run_options, dict.fromkeys(names))
+
+    def io_binding(self) -> IOBinding:
+        """An IOBinding of this session (ORT's session.io_binding())."""
+        return IOBinding(self)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: Any = None) -> None:
+        """Run with the inputs and outputs bound in `iobinding`; its get_outputs() then holds the outputs where
+        they were bound. Outputs bound to an EP's memory are left there by the partition that makes them."""
+        if iobinding.session is not self:
+            raise EpInvalidArgument("the IOBinding belongs to another session; make one with session.io_binding()")
+        outputs = iobinding.bound_outputs()
+        if not outputs:
+            raise EpInvalidArgument("no output is bound; bind_output(name, ...) at least one")
+        placed = {n: b.memory for n, b in outputs.items() if b.memory != HOST_MEMORY}
+        targets = {n: b.tensor for n, b in outputs.items() if b.tensor is not None}
+        names = list(outputs)
+        results = self._execute(names, iobinding.bound_inputs(), run_options, placed, targets)
+        iobinding.set_results(dict(zip(names, results)))
+
+    def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
         names = list(output_names) if output_names else [o.name for o in self._outputs]
         known = {o.name for o in self._outputs}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")
+        return names
+
+    def _execute(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any,
+                 placed: Mapping[str, MemoryInfo | None] | None = None,
+                 targets: Mapping[str, Tensor] | None = None) -> list[Any]:
+        """One run: the requested outputs, in order, as graph values. `placed` names outputs to leave in an EP's
+        memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps
+        it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
+        that makes them can (a worker, into its own memory)."""
+        if self._closed:
+            raise EpFailedPrecondition("the session is closed")
+        names = self._output_names(output_names)
         values = self._feeds(input_feed)
         keep = set(names)
         run = next(self._runs)
         timeout = _deadline(run_options.compute_timeout_s if run_options is not None
                             and run_options.compute_timeout_s is not None else self._timeout)
+        owners = {n: None if m is None else self._env.owner_of(m) for n, m in (placed or {}).items()}
+        made_by: dict[str, str] = {}
         self._failures.counters["runs"] += 1
-        for p in self._partitions:
-            inputs = [values[v] for v in p.graph.inputs]
-            try:
-                outputs = p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
-            except EpError as error:
-                outputs = self._failures.recover(run, p, self._partitions, inputs, error, timeout)
-            if len(outputs) != len(p.graph.outputs):
-                raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
-            values.update(zip(p.graph.outputs, outputs))
-            for v in p.last_reads:  # let go of values no later partition reads
-                if v not in keep:
-                    values.pop(v, None)
+        with self.profiler.span("Session", "model_run", run=run):
+            self._run_partitions(run, values, keep, owners, made_by, timeout, targets or {})
         for n in names:
             if n not in values and n in self._constants:
                 values[n] = as_value(numpy_helper.to_array(self._constants[n]))
-        return [to_python(values[n]) for n in names]
+        labelled: dict[int, Any] = {}  # one relabelled tensor per value, whatever the names it goes by
+        for n in names:
+            value = values[n]
+            if id(value) not in labelled:
+                labelled[id(value)] = self._labelled(value, made_by.get(n))
+        return [labelled[id(values[n])] for n in names]
+
+    def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
+                        made_by: dict[str, str], timeout: float | None, targets: Mapping[str, Tensor]) -> None:
+        for p in self._partitions:
+            inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
+            into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
+            with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes)) as args:
+                args.update(ep=p.placement.ep_name, registration=p.registration,
+                            call="Compute" if self._link_of(p.registration) is not None else "in process")
+                try:
+                    kept = self._kept(p, owners)
+                    outputs = p.compute_info.compute(inputs, p.allocator, kept, timeout, into=into) if into else \
+                        p.compute_info.compute(inputs, p.allocator, kept, timeout)
+                except EpError as error:
+                    with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
+                                            policy=self._failures.policy):
+                        outputs = self._failures.recover(run, p, self._partitions, inputs, error, timeout)
+            if len(outputs) != len(p.graph.outputs):
+                raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
+            values.update(zip(p.graph.outputs, outputs))
+            made_by.update(dict.fromkeys(p.graph.outputs, p.registration))
+            for v in p.last_reads:  # let go of values no later partition reads
+                if v not in keep:
+                    values.pop(v, None)
+
+    def _kept(self, p: Partition, owners: Mapping[str, Any]) -> tuple[int, ...]:
+        """Outputs of `p` to leave in its EP's memory: those a later partition there reads, and graph outputs
+        placed there for this run."""
+        if not owners or p.allocator is None:
+            return p.keep
+        registration = self._env.registration(p.registration) if self._env.is_registered(p.registration) else None
+        extra = [i for i, v in enumerate(p.graph.outputs)
+                 if v in owners and owners[v] in (None, registration) and i not in p.keep]
+        return p.keep + tuple(extra) if extra else p.keep
+
+    def _reachable(self, value: Any, p: Partition) -> Any:
+        """`value` as partition `p` can read it: a tensor in a worker's memory that neither this process nor
+        p's EP can address comes to the application first."""
+        if not isinstance(value, Tensor) or value.local_bytes() is not None:
+            return value
+        link = self._link_of(p.registration)
+        if link is not None and owned(value.buffer, link):
+            return value
+        host = Tensor.from_numpy(np.empty(value.shape, value.dtype))
+        with self.profiler.span("Copy", f"to the host for {p.graph.name}", bytes=value.nbytes,
+                                src=value.memory_info.name, dst=host.memory_info.name):
+            self._env.copy_tensors([value], [host])
+        return host
+
+    def _labelled(self, value: Any, registration: str | None) -> Any:
+        """A tensor an EP made, labelled with the MemoryInfo users know its memory by (the Environment's)."""
+        if not isinstance(value, Tensor) or registration is None or value.memory_info == HOST_MEMORY \
+                or not self._env.is_registered(registration):
+            return value
+        return value.relabeled(self._env.registration(registration).qualified(value.memory_info))
+
+    @property
+    def environment(self):
+        """The Environment this session's EPs are registered in."""
+        return self._env
 
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
         expected = {i.name: i for i in self._inputs}
+        # As ORT does: an input of optional type that is not fed is an empty optional (None).
+        input_feed = {**{i.name: None for i in self._inputs if i.type.WhichOneof("value") == "optional_type"},
+                      **input_feed}
         check_feed_names(expected, self._constants, input_feed)
         values = {}
         for name, value in input_feed.items():
@@ -374,6 +543,13 @@ class InferenceSession:
             if self._closed:
                 return
             self._closed = True
+        if getattr(self, "_async", None) is not None:
+            self._async.shutdown(wait=True)  # runs asked for before close still run, and call back
+        self._release_eps()
+        for name in getattr(self, "_launched", []):  # workers this session launched are its own
+            self._unregister(name)
+
+    def _release_eps(self) -> None:
         for registration, ep in getattr(self, "_eps", []):
             infos = [p.compute_info for p in getattr(self, "_partitions", [])
                      if p.placement.ep is ep and p.compute_info is not None]
@@ -383,11 +559,12 @@ class InferenceSession:
                 registration.factory.release_ep(ep)
             except Exception as e:  # the worker may be gone; what it held went with it
                 log.debug("releasing %s's partitions failed: %s", registration.name, e)
-        for name in getattr(self, "_launched", []):  # workers this session launched are its own
-            try:
-                self._env.unregister_execution_provider_library(name)
-            except EpError as e:
-                log.debug("unregistering %s: %s", name, e)
+
+    def _unregister(self, name: str) -> None:
+        try:
+            self._env.unregister_execution_provider_library(name)
+        except EpError as e:
+            log.debug("unregistering %s: %s", name, e)
 
     def __enter__(self) -> "InferenceSession":
         return self

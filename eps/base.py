@@ -108,7 +108,9 @@ class NodeComputeInfo(Protocol):
     when one is given (the caller can hand that memory on without a copy), else in host memory; `keep`
     names the outputs (by position) that must stay in `allocator`'s memory because the same EP reads them
     next. `timeout` is the call's deadline in seconds: an EP in another process is abandoned (and its worker
-    ended) past it; code running in this process cannot be interrupted and ignores it.
+    ended) past it; code running in this process cannot be interrupted and ignores it. `into` names outputs
+    (by position) to write into given tensors (an IOBinding's bound outputs): a worker writes them there and
+    returns those tensors; an EP in this process may ignore it (the session copies then).
 
     Optional attributes: `ep_context` (an ephost.ep_context.EpContext: the partition's compiled form, made when
     the EP was created with ep.context_enable=1; None where the EP has none) and `restored` (True where the
@@ -117,7 +119,7 @@ class NodeComputeInfo(Protocol):
     name: str
 
     def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None, keep: Sequence[int] = (),
-                timeout: float | None = None) -> list[Any]: ...
+                timeout: float | None = None, into: Mapping[int, "Tensor"] | None = None) -> list[Any]: ...
 
 
 @runtime_checkable

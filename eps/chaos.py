@@ -94,9 +94,9 @@ class _Wrapper:
 
 class ChaosComputeInfo(_Wrapper):
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None) -> list[Any]:
+                timeout: float | None = None, into=None) -> list[Any]:
         self._fault.check("compute")
-        return self._inner.compute(inputs, allocator, keep, timeout)
+        return self._inner.compute(inputs, allocator, keep, timeout, into)
 
 
 class ChaosEp(_Wrapper):

@@ -27,6 +27,7 @@ from ephost.ep_context import EpContext
 from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, split_session_options
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.library_paths import resolve_library
+from ephost.eps.ort_values import from_ort_value, is_exotic_type, onnx_type_of, to_ort_value
 from ephost.eps.reference import cpu_device
 from ephost.graph import BUILTIN_DOMAINS
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
@@ -143,13 +144,14 @@ class OrtComputeInfo:
         self._inputs = [i.name for i in session.get_inputs()]
         self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
         # Outputs ORT can write into memory given to it: plain tensors. Others (sequences, maps, strings) go
-        # through session.run.
-        self._bindable = all(o.type.startswith("tensor(") and o.type != "tensor(string)"
-                             for o in session.get_outputs())
+        # through session.run; tensors numpy lacks a type for (bfloat16, float8, int4...) through OrtValues.
+        self._exotic = [is_exotic_type(o.type) for o in session.get_outputs()]
+        self._bindable = not any(self._exotic) and all(o.type.startswith("tensor(") and o.type != "tensor(string)"
+                                                       for o in session.get_outputs())
         self._idle: list[_Binding] = []  # list.pop and append are atomic: no lock on the way in or out
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None) -> list[Any]:
+                timeout: float | None = None, into=None) -> list[Any]:
         arrays = local_inputs(self.name, self._inputs, inputs)
         if not self._bindable or not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype)
                                          for v in arrays.values()):
@@ -175,13 +177,18 @@ class OrtComputeInfo:
                 io.bind_input(name, "cpu", 0, array.dtype, array.shape, where[0])
                 binding.inputs[name] = where
         placed: dict[int, Tensor] = {}
+        written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
         for i, (name, static) in enumerate(self._outputs):
             if static is None:
                 if binding.outputs[i] is not None:
                     io.bind_output(name, "cpu")  # ORT allocates it (and keeps that memory for the next run)
                     binding.outputs[i] = None
                 continue
-            if allocator is not None and (i in keep or static[2] >= PLACE_BYTES):
+            target = _writable_target(into, i, static, arrays.values())
+            if target is not None:
+                array = target.local_array()
+                written[i] = target
+            elif allocator is not None and (i in keep or static[2] >= PLACE_BYTES):
                 # ORT writes the result straight into a buffer of the allocator (shared memory the client
                 # maps, for a worker's client): it leaves by handle, without a copy.
                 tensor = Tensor.empty(static[0], static[1], allocator)
@@ -206,8 +213,8 @@ class OrtComputeInfo:
         produced = io.get_outputs() if binding.ort_allocated else ()
         out = []
         for i, (_, static) in enumerate(self._outputs):
-            if i in placed:
-                out.append(placed[i])
+            if i in placed or i in written:
+                out.append(placed[i] if i in placed else written[i])
             elif static is not None:
                 out.append(as_value(binding.scratch(i, static).copy()))
             else:
@@ -216,10 +223,34 @@ class OrtComputeInfo:
         return out
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
+        ort = _ort()
+        # Arrays of types ORT cannot take from numpy go in as OrtValues of their ONNX type.
+        feeds = {name: v if (elem := onnx_type_of(v)) is None else to_ort_value(ort, v, elem)
+                 for name, v in feeds.items()}
         try:
-            return [as_value(v) for v in self._session.run(None, feeds)]
+            if not any(self._exotic):
+                return [as_value(v) for v in self._session.run(None, feeds)]
+            # Outputs numpy cannot hold come back as OrtValues, read as ONNX lays their bytes out.
+            names = [name for name, _ in self._outputs]
+            feeds = {n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
+                     for n, v in feeds.items()}
+            return [as_value(from_ort_value(v)) for v in self._session.run_with_ort_values(names, feeds)]
+        except EpError:
+            raise
         except Exception as e:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+
+
+def _writable_target(into, i: int, static, inputs) -> Tensor | None:
+    """The caller's tensor output `i` can be written into by ORT: of the output's type and shape, addressable
+    here, and sharing no memory with an input (ORT would read what it writes)."""
+    target = into.get(i) if into else None
+    if target is None or target.shape != static[0] or target.dtype != static[1]:
+        return None
+    array = target.local_array()
+    if array is None or any(np.may_share_memory(array, a) for a in inputs if isinstance(a, np.ndarray)):
+        return None
+    return target
 
 
 class _Binding:

@@ -22,7 +22,9 @@ KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffe
 class BufferEntry:
     allocator: Any
     buffer: Any
-    produced: bool = False  # made by a Compute of this worker, not written by the client
+    # Its bytes were made in this worker (by a Compute, or copied by CopyTensors from such a buffer), not
+    # written by the client: a Compute that reads it counts a resident input.
+    produced: bool = False
 
 
 @dataclass

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from ephost.errors import EpNotFound
 from ephost.eps.base import FusedGraph
+from ephost.tensor import Tensor
 from ephost.server.rpc import Servicer, rpc
-from ephost.server.tensors import input_value, output_value
+from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
 
 
@@ -43,17 +44,27 @@ class EpService(Servicer):
         _, info = client.get("compute_info", request.node_compute_info)
         allocator = client.get("allocator", request.output_allocator) if request.output_allocator else None
         stream = client.get("stream", request.stream) if request.stream else None
-        inputs, resident = [], 0
+        inputs, resident, bytes_here, bytes_moved, inline = [], 0, 0, 0, 0
         for i, message in enumerate(request.inputs):
             value, here = input_value(self.state, client, message, i)
             inputs.append(value)
+            nbytes = value.nbytes if isinstance(value, Tensor) else len(message.onnx.data)
             resident += here
+            bytes_here += nbytes if here else 0
+            bytes_moved += 0 if here else nbytes
+            inline += nbytes if message.WhichOneof("kind") == "onnx" or message.tensor.HasField("inline") else 0
+        into = output_buffers(self.state, client, request.output_buffers)
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
-        outputs = info.compute(inputs, allocator, tuple(request.keep))
-        self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident)
+        # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
+        outputs = info.compute(inputs, allocator, tuple(request.keep), into=into) if into else \
+            info.compute(inputs, allocator, tuple(request.keep))
+        self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident,
+                             compute_input_bytes_resident=bytes_here, compute_input_bytes_transferred=bytes_moved,
+                             bytes_inline_in=inline)
         keep = set(request.keep)
         return ep_pb2.ComputeResponse(outputs=[
+            into_value(self.state, client, request.output_buffers[i], into[i], v) if i in into else
             output_value(self.state, client, allocator, 0 if i in keep else request.inline_limit, v)
             for i, v in enumerate(outputs)])
 

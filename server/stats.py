@@ -15,7 +15,8 @@ class WorkerStats:
                                        "compute_inputs_resident", "compute_inputs_transferred",
                                        "compute_outputs_in_place", "compute_outputs_copied",
                                        "fast_lane_calls", "fast_lane_connections",
-                                       "partitions_compiled", "partitions_restored"), 0)
+                                       "partitions_compiled", "partitions_restored",
+                                       "compute_input_bytes_resident", "compute_input_bytes_transferred"), 0)
 
     def record_call(self, method: str, seconds: float, ok: bool) -> None:
         with self._lock:

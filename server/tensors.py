@@ -84,9 +84,12 @@ def output_value(state: WorkerState, client: ClientState, allocator, inline_limi
     """A Compute output: left in a buffer of `allocator` (the client's handle to it is returned) when it is
     large enough and an allocator was given, else inline."""
     if not isinstance(value, Tensor):
-        return common_pb2.Value(onnx=values.encode(value))
+        message = common_pb2.Value(onnx=values.encode(value))
+        state.stats.add(bytes_inline_out=len(message.onnx.data))
+        return message
     desc = common_pb2.TensorDesc(elem_type=value.elem_type, shape=list(value.shape))
     if allocator is None or value.nbytes < inline_limit:
+        state.stats.add(bytes_inline_out=value.nbytes)
         return common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc, inline=value.local_bytes().tobytes()))
     buffer = value.buffer
     in_allocator = buffer is not None and buffer.region is not None \
@@ -104,3 +107,29 @@ def output_value(state: WorkerState, client: ClientState, allocator, inline_limi
         ref.mapped.CopyFrom(common_pb2.ShmSlice(region=buffer.region.id, offset=buffer.offset, nbytes=buffer.nbytes))
     return common_pb2.Value(tensor=ref)
 
+
+
+def output_buffers(state: WorkerState, client: ClientState, refs) -> dict[int, Tensor]:
+    """The caller's buffers some outputs are to be written into (ComputeRequest.output_buffers), by position."""
+    into = {}
+    for i, ref in sorted(refs.items()):
+        if ref.WhichOneof("location") != "buffer":
+            raise EpInvalidArgument(f"output {i} can only be written into a buffer of the caller's (set buffer)")
+        into[i] = resolve(state, client, [ref], f"output {i}", writable=True).tensors[0]
+    return into
+
+
+def into_value(state: WorkerState, client: ClientState, ref: common_pb2.TensorRef, target: Tensor,
+               value: Any) -> common_pb2.Value:
+    """A Compute output written into the caller's buffer `target` (by the EP itself, or copied here)."""
+    if not isinstance(value, Tensor) or value.dtype != target.dtype or value.shape != target.shape:
+        made = describe(value.shape, value.dtype) if isinstance(value, Tensor) else type(value).__name__
+        raise EpInvalidArgument(f"an output made as {made} cannot be written into a buffer of "
+                                f"{describe(target.shape, target.dtype)}")
+    if value is target or (value.buffer is not None and value.buffer is target.buffer):
+        state.stats.add(compute_outputs_in_place=1)
+    else:
+        np.copyto(target.local_bytes(), value.local_bytes())
+        state.stats.add(compute_outputs_copied=1)
+    client.get("buffer", ref.buffer).produced = True
+    return common_pb2.Value(tensor=common_pb2.TensorRef(desc=ref.desc, buffer=ref.buffer))

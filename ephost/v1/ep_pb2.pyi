@@ -87,20 +87,29 @@ class CompileResponse(_message.Message):
     def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ..., ep_contexts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep")
+    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep", "output_buffers")
+    class OutputBuffersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: _common_pb2.TensorRef
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_common_pb2.TensorRef, _Mapping]] = ...) -> None: ...
     NODE_COMPUTE_INFO_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     INLINE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     node_compute_info: int
     inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Value]
     output_allocator: int
     inline_limit: int
     stream: int
     keep: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ...) -> None: ...
+    output_buffers: _containers.MessageMap[int, _common_pb2.TensorRef]
+    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ..., output_buffers: _Optional[_Mapping[int, _common_pb2.TensorRef]] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
     __slots__ = ("outputs",)

@@ -69,7 +69,7 @@ class MethodStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., total_s: _Optional[float] = ..., max_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "partitions_compiled", "partitions_restored")
+    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "partitions_compiled", "partitions_restored", "compute_input_bytes_resident", "compute_input_bytes_transferred")
     class MethodsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class WorkerStats(_message.Message):
     FAST_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_COMPILED_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INPUT_BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     methods: _containers.MessageMap[str, MethodStats]
     bytes_copied: int
     bytes_inline_in: int
@@ -107,7 +109,9 @@ class WorkerStats(_message.Message):
     fast_lane_connections: int
     partitions_compiled: int
     partitions_restored: int
-    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., partitions_compiled: _Optional[int] = ..., partitions_restored: _Optional[int] = ...) -> None: ...
+    compute_input_bytes_resident: int
+    compute_input_bytes_transferred: int
+    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., partitions_compiled: _Optional[int] = ..., partitions_restored: _Optional[int] = ..., compute_input_bytes_resident: _Optional[int] = ..., compute_input_bytes_transferred: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s",)
