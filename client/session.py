@@ -20,7 +20,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
+from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
+from ephost.eps.base import capability
+from ephost.external_data import ExternalData, external_ref, has_external_data, load_model
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
 from ephost.values import as_value, to_python
@@ -124,9 +126,14 @@ class AssignedSubgraph:
         return list(self.nodes)
 
 
-def _load(model) -> onnx.ModelProto:
+def _load(model) -> tuple[onnx.ModelProto, ExternalData | None]:
+    """The model's graph, and its external data files (opened, checked, not read) where it has any."""
+    external = None
     if isinstance(model, onnx.ModelProto):
         loaded, what = model, "the model"
+        if has_external_data(loaded):
+            raise EpInvalidArgument("the model's tensors keep their data in external files, and a ModelProto does "
+                                    "not say where it was loaded from: give the model's path instead")
     else:
         try:
             if isinstance(model, (bytes, bytearray, memoryview)):
@@ -134,14 +141,17 @@ def _load(model) -> onnx.ModelProto:
                 loaded = onnx.load_model_from_string(bytes(model))
             else:
                 what = f"model file {os.fspath(model)!r}"
-                loaded = onnx.load(os.fspath(model))
-        except FileNotFoundError:
-            raise EpNotFound(f"{what} does not exist") from None
+                loaded, external = load_model(os.fspath(model))
+        except EpError:
+            raise
         except Exception as e:
             raise EpInvalidArgument(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+        if external is None and has_external_data(loaded):
+            raise EpInvalidArgument(f"{what} keeps tensors in external files, and bytes do not say where they were "
+                                    "loaded from: give the model's path instead")
     if not loaded.HasField("graph") or not loaded.opset_import:
         raise EpInvalidArgument(f"{what} is not an ONNX model: it has no graph or no opset import")
-    return loaded
+    return loaded, external
 
 
 class InferenceSession:
@@ -153,8 +163,11 @@ class InferenceSession:
         self._env = env
         self._closed = False
         self._lock = threading.Lock()
-        self._model = prepare_model(_load(model))
+        model, self._external = _load(model)
+        self._model = prepare_model(model)
         self._index = GraphIndex.of(self._model)
+        # Kept for the session's life: a restarted worker gets the same descriptors again, nothing re-read.
+        self._index.external = self._external
         graph = self._model.graph
         self._inputs = [i for i in graph.input if i.name not in self._index.initializers]
         self._outputs = list(graph.output)
@@ -215,12 +228,14 @@ class InferenceSession:
                     [d.index for d in devices], options))
                 self._eps.append((registration, ep))
                 groups = self._failures.guarded(registration.name, "GetCapability",
-                                                lambda: ep.get_capability(self._model, frozenset(claimed)))
+                                                lambda: capability(ep, self._model, frozenset(claimed),
+                                                                   self._external))
             except FellBack:
                 continue
             claims.append(Claim(Placement(registration.name, devices[0].ep_name, ep), groups))
             claimed.update(n for g in groups for n in g.node_names)
-        fallbacks = self._fallback.claims(self._model, frozenset(claimed)) if set(self._index.nodes) - claimed else []
+        fallbacks = self._fallback.claims(self._model, frozenset(claimed), self._external) \
+            if set(self._index.nodes) - claimed else []
         return plan_partitions(self._index, claims, fallbacks)
 
     def _compile(self) -> None:
@@ -309,7 +324,9 @@ class InferenceSession:
                     values.pop(v, None)
         for n in names:
             if n not in values and n in self._constants:
-                values[n] = as_value(numpy_helper.to_array(self._constants[n]))
+                t = self._constants[n]
+                values[n] = as_value(self._external.array(t).copy() if external_ref(t) is not None
+                                     else numpy_helper.to_array(t))
         return [to_python(values[n]) for n in names]
 
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
@@ -343,6 +360,8 @@ class InferenceSession:
                 registration.factory.release_ep(ep)
             except Exception as e:  # the worker may be gone; what it held went with it
                 log.debug("releasing %s's partitions failed: %s", registration.name, e)
+        if getattr(self, "_external", None) is not None:
+            self._external.close()  # workers hold their own descriptors; ORT its own mappings
         for name in getattr(self, "_launched", []):  # workers this session launched are its own
             try:
                 self._env.unregister_execution_provider_library(name)

@@ -81,7 +81,8 @@ def cmd_worker(args) -> int:
     lease = args.client_lease_s if args.client_lease_s is not None else (0.0 if args.exit_with_parent else 60.0)
     return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure, security.tls),
                  exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security,
-                 client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None)
+                 client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None,
+                 cache_dir=args.cache_dir, cache_max_bytes=args.cache_max_mb << 20)
 
 
 def _registered(args):
@@ -234,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")
     w.add_argument("--max-alloc-mb", type=int, help="largest single allocation a client may ask for, MiB "
                                                     "(default: half the machine's memory)")
+    w.add_argument("--cache-dir", help="where external data files sent by clients that share no memory with the "
+                                       "worker are kept, by content (default $EPHOST_CACHE_DIR/blobs, "
+                                       "~/.cache/ephost/blobs)")
+    w.add_argument("--cache-max-mb", type=int, default=10240,
+                   help="size limit of that cache, MiB; the least recently used go first (default 10240; 0: no "
+                        "cache, such clients send the bytes inside the model)")
     add_environment_arguments(w)
     w.set_defaults(func=cmd_worker)
 

@@ -25,6 +25,7 @@ from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.eps.library_paths import resolve_library
 from ephost.eps.reference import cpu_device
+from ephost.external_data import ExternalData, has_external_data, on_disk
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype, nbytes_of
@@ -47,6 +48,8 @@ OPTIONS = {
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
 _REGISTRATION = "ephost"
+# Where ORT finds the external data files of a model given as bytes (relative locations resolve against it).
+ORT_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 # Outputs of a known size at least this large are written by ORT straight into the output allocator (for a
 # worker: shared memory its client maps); smaller ones, unless a later partition of the same EP reads them
 # (`keep`), come from ORT's own memory: they travel inline anyway, so an allocation there would be waste.
@@ -272,9 +275,20 @@ class OrtEp(EpDefaults):
     def get_name(self) -> str:
         return self._factory.get_name()
 
-    def _session(self, model: onnx.ModelProto, *, capability: bool = False):
+    def _session(self, model: onnx.ModelProto, external: ExternalData | None = None, *, capability: bool = False):
         ort = _ort()
         options = ort.SessionOptions()
+        model = readable_model(model)
+        if external is not None and has_external_data(model):
+            placed = on_disk(model, external)
+            if placed is not None:
+                # ORT opens (and maps) the very files the descriptors are, by their path here: nothing copied.
+                model, folder = placed
+                options.add_session_config_entry(ORT_EXTERNAL_FOLDER, folder)
+            else:
+                log.warning("the external data files of %s have no path in this process (deleted, or another "
+                            "mount namespace): their bytes are copied into ONNX Runtime", self.get_name())
+                model = external.inlined(model)
         f = self._factory
         for key in ("intra_op_num_threads", "inter_op_num_threads"):
             if key in f.options:
@@ -291,18 +305,19 @@ class OrtEp(EpDefaults):
             providers = None
         else:
             providers = [(f.provider, self._provider_options)]
-        return ort.InferenceSession(readable_model(model).SerializeToString(), options, providers=providers)
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
 
-    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str],
+                       external: ExternalData | None = None) -> list[NodeGroup]:
         try:
-            session = self._session(model, capability=True)
+            session = self._session(model, external, capability=True)
         except EpError as e:
             log.info("%s takes no node of this model: %s", self.get_name(), e)
             return []
         except Exception as e:
             # ORT will not take the whole model (an op no EP of it runs): ask node by node.
             log.info("%s cannot load the whole model (%s); asking node by node", self.get_name(), e)
-            return _with_constants(model, claimed, self._capability_by_node(model, claimed))
+            return _with_constants(model, claimed, self._capability_by_node(model, claimed, external=external))
         # Everything ORT gives the chosen EP, as one group: the session splits it where fusing would make a
         # cycle. (ORT reports the CPU EP's nodes one subgraph each; a partition of them is one ORT session.)
         provider = self._factory.provider
@@ -319,14 +334,15 @@ class OrtEp(EpDefaults):
         rewritten = {n.name for n in model.graph.node
                      if n.name not in reported and n.name not in claimed and n.op_type != "Constant"}
         if rewritten:
-            for group in self._capability_by_node(model, claimed, only=rewritten):
+            for group in self._capability_by_node(model, claimed, only=rewritten, external=external):
                 names += group.node_names
         return _with_constants(model, claimed, [NodeGroup(tuple(names), fused=True)] if names else [])
 
     def _capability_by_node(self, model: onnx.ModelProto, claimed: frozenset[str],
-                            only: set[str] | None = None) -> list[NodeGroup]:
+                            only: set[str] | None = None, external: ExternalData | None = None) -> list[NodeGroup]:
         from ephost.graph import GraphIndex
         index = GraphIndex.of(model)
+        index.external = external
         taken = []
         for name in index.order:
             if name in claimed or (only is not None and name not in only):
@@ -334,7 +350,7 @@ class OrtEp(EpDefaults):
             inputs, outputs = index.partition_io([name])
             single = FusedGraph(name, index, (name,), tuple(inputs), tuple(outputs))
             try:
-                session = self._session(single.model, capability=True)
+                session = self._session(single.model, external, capability=True)
             except Exception:
                 continue
             if any(s.ep_name == self._factory.provider for s in session.get_provider_graph_assignment_info()):
@@ -345,7 +361,7 @@ class OrtEp(EpDefaults):
         infos = []
         for graph in graphs:
             try:
-                session = self._session(graph.model)
+                session = self._session(graph.model, graph.external)
             except EpError:
                 raise
             except Exception as e:

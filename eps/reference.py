@@ -12,12 +12,15 @@ from typing import Any, Mapping, Sequence
 
 import onnx
 import onnx.defs
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from ephost.eps import check_options
-from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup
+from ephost.eps.base import EpDefaults, FusedGraph, NodeGroup, external_initializers
+from ephost.external_data import has_external_data
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.errors import EpError, EpInvalidArgument
+from ephost.tensor import Tensor
 from ephost.values import as_value
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType
 
@@ -61,12 +64,36 @@ def cpu_device() -> HardwareDevice:
     return HardwareDevice(HardwareDeviceType.CPU, vendor_id, vendor, 0, {"cores": str(os.cpu_count() or 1)})
 
 
+def _with_external_as_inputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of the partition whose initializers `names` (their bytes external) are graph inputs instead, fed
+    at each run with arrays over the file's mapping: the evaluator would otherwise copy them, or open a path."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    kept = [t for t in g.initializer if t.name not in names]
+    moved = [t for t in g.initializer if t.name in names]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    declared = {i.name for i in g.input}
+    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in moved
+                   if t.name not in declared)
+    return out
+
+
 class ReferenceComputeInfo:
-    def __init__(self, graph: FusedGraph):
+    def __init__(self, graph: FusedGraph, ep=None):
         self.name = graph.name
-        self._input_names = [i.name for i in graph.model.graph.input]
+        model = graph.model
+        # External initializers: mapped (only this partition's), and given to the evaluator as feeds.
+        self._constants = {name: v.local_array() if isinstance(v, Tensor) else v
+                           for name, v in external_initializers(graph, ep).items()}
+        if self._constants:
+            model = _with_external_as_inputs(model, self._constants)
+        if graph.external is not None and has_external_data(model):  # in subgraphs or attributes: copied in
+            model = graph.external.inlined(model)
+        self._input_names = [i.name for i in model.graph.input if i.name not in self._constants]
         try:
-            self._evaluator = ReferenceEvaluator(graph.model)
+            self._evaluator = ReferenceEvaluator(model)
         except Exception as e:
             raise EpInvalidArgument(f"reference EP cannot compile {graph.name!r}: {type(e).__name__}: {e}") from None
         self._lock = threading.Lock()  # the evaluator keeps state while it runs
@@ -74,6 +101,8 @@ class ReferenceComputeInfo:
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None) -> list[Any]:
         feeds = local_inputs(self.name, self._input_names, inputs)
+        if self._constants:
+            feeds.update(self._constants)
         with self._lock:
             try:
                 results = self._evaluator.run(None, feeds)
@@ -92,14 +121,14 @@ class ReferenceEp(EpDefaults):
     def get_name(self) -> str:
         return EP_NAME
 
-    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str], external=None) -> list[NodeGroup]:
         # One group of everything it can run; the session splits groups whose fusion would form a cycle.
         names = tuple(n.name for n in model.graph.node
                       if n.domain in _ONNX_DOMAINS and n.op_type in self._ops and n.name and n.name not in claimed)
         return [NodeGroup(names, fused=True)] if names else []
 
     def compile(self, graphs: Sequence[FusedGraph]) -> list[ReferenceComputeInfo]:
-        return [ReferenceComputeInfo(g) for g in graphs]
+        return [ReferenceComputeInfo(g, self) for g in graphs]
 
 
 class ReferenceEpFactory(HostMemoryFactory):

@@ -28,7 +28,9 @@ from ephost.errors import EpError
 from ephost.eps import load_factory
 from ephost.fdshare import DescriptorServer, remove_stale_socket
 from ephost import wire
+from ephost.worker_env import cache_dir as default_cache_root
 from ephost.server.allocator_service import AllocatorService
+from ephost.server.blob_cache import BlobCache
 from ephost.server.contract import SERVICES as CONTRACT
 from ephost.server.ep_service import EpService
 from ephost.server.factory_service import EpFactoryService
@@ -84,10 +86,13 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
-          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None) -> int:
+          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, cache_dir: str | None = None,
+          cache_max_bytes: int = 10 << 30) -> int:
     limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
+    blobs = BlobCache(cache_dir or str(default_cache_root() / "blobs"), cache_max_bytes) if cache_max_bytes > 0 \
+        else None
     try:
-        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits)
+        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits, blobs)
     finally:
         _remove_sockets(listen)
 
@@ -98,7 +103,7 @@ def default_max_alloc() -> int:
 
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
-           security: Security, client_lease_s: float, limits: Limits) -> int:
+           security: Security, client_lease_s: float, limits: Limits, blobs: BlobCache | None = None) -> int:
     max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
@@ -108,7 +113,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         print(json.dumps({"ephost": "error", "code": e.code.name, "message": str(e)}), flush=True)
         return 2
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
-    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent)
+    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent, blobs=blobs)
     stop = threading.Event()
     grace = [5.0]
 

@@ -14,7 +14,9 @@ class WorkerStats:
         self.counters = dict.fromkeys(("bytes_copied", "bytes_inline_in", "bytes_inline_out", "copies",
                                        "compute_inputs_resident", "compute_inputs_transferred",
                                        "compute_outputs_in_place", "compute_outputs_copied",
-                                       "fast_lane_calls", "fast_lane_connections"), 0)
+                                       "fast_lane_calls", "fast_lane_connections", "files_imported",
+                                       "file_bytes_imported", "blob_chunks_received", "blob_bytes_received",
+                                       "blob_hits"), 0)
 
     def record_call(self, method: str, seconds: float, ok: bool) -> None:
         with self._lock:

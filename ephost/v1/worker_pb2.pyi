@@ -7,6 +7,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class BlobRef(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class BlobChunk(_message.Message):
+    __slots__ = ("sha256", "nbytes", "offset", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    nbytes: int
+    offset: int
+    data: bytes
+    def __init__(self, sha256: _Optional[str] = ..., nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BlobStatus(_message.Message):
+    __slots__ = ("complete", "nbytes")
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    complete: bool
+    nbytes: int
+    def __init__(self, complete: _Optional[bool] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class FileTicket(_message.Message):
+    __slots__ = ("ticket", "file")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    file: int
+    def __init__(self, ticket: _Optional[bytes] = ..., file: _Optional[int] = ...) -> None: ...
+
 class HelloRequest(_message.Message):
     __slots__ = ("client_name", "protocol", "ephost_version")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -69,7 +103,7 @@ class MethodStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., total_s: _Optional[float] = ..., max_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections")
+    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "files_imported", "file_bytes_imported", "blob_chunks_received", "blob_bytes_received", "blob_hits")
     class MethodsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +124,11 @@ class WorkerStats(_message.Message):
     COMPUTE_OUTPUTS_COPIED_FIELD_NUMBER: _ClassVar[int]
     FAST_LANE_CALLS_FIELD_NUMBER: _ClassVar[int]
     FAST_LANE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    FILES_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_HITS_FIELD_NUMBER: _ClassVar[int]
     methods: _containers.MessageMap[str, MethodStats]
     bytes_copied: int
     bytes_inline_in: int
@@ -103,7 +142,12 @@ class WorkerStats(_message.Message):
     compute_outputs_copied: int
     fast_lane_calls: int
     fast_lane_connections: int
-    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ...) -> None: ...
+    files_imported: int
+    file_bytes_imported: int
+    blob_chunks_received: int
+    blob_bytes_received: int
+    blob_hits: int
+    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., files_imported: _Optional[int] = ..., file_bytes_imported: _Optional[int] = ..., blob_chunks_received: _Optional[int] = ..., blob_bytes_received: _Optional[int] = ..., blob_hits: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s",)
