@@ -33,20 +33,28 @@ CHILD = textwrap.dedent("""
         start = time.perf_counter()
         y = session.run(None, {"idx": idx})[0]
         out["first_run"] = time.perf_counter() - start
+        start = time.perf_counter()
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        out["create_again"] = time.perf_counter() - start
         out["app_peak"] = status("self", "VmHWM")
     else:
         import ephost
+        import onnxruntime  # imported before the clock starts, as in ORT's run (the fallback is ORT in process)
         with ephost.Environment() as env:
             env.register_execution_provider_library("w", "onnxruntime")
             options = ephost.SessionOptions()
             options.add_provider_for_devices(env.get_ep_devices())
             out["before"] = status("self", "VmRSS")
+            out["worker_idle"] = status(env.registration("w").process.pid, "VmRSS")
             start = time.perf_counter()
             with ephost.InferenceSession(path, options, env=env) as session:
                 out["create"] = time.perf_counter() - start
                 start = time.perf_counter()
                 y = session.run(None, {"idx": idx})[0]
                 out["first_run"] = time.perf_counter() - start
+            start = time.perf_counter()
+            with ephost.InferenceSession(path, options, env=env) as session:
+                out["create_again"] = time.perf_counter() - start
                 out["worker_peak"] = status(env.registration("w").process.pid, "VmHWM")
             out["app_peak"] = status("self", "VmHWM")
     out["y"] = y.tolist()
@@ -67,19 +75,25 @@ def main(quick: bool = False) -> None:
     from tests.models import sparse_external_model
 
     repeats = 1 if quick else 3
-    folder = tempfile.mkdtemp(prefix="ephost-bench-extdata-")
-    try:
-        path, idx, expected = sparse_external_model(folder)
-        size = os.path.getsize(os.path.join(folder, "weights.bin"))
-        runs: dict[str, list[dict]] = {"ort": [], "ephost": []}
-        for _ in range(repeats):
-            for how in runs:
-                out = measure(path, how, idx)
-                np.testing.assert_array_equal(np.array(out["y"], np.float32), expected)
-                runs[how].append(out)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    for dense, aligned in ((True, True), (True, False), (False, True)):
+        folder = tempfile.mkdtemp(prefix="ephost-bench-extdata-")
+        try:
+            path, idx, expected = sparse_external_model(folder, dense=dense, aligned=aligned)
+            size = os.path.getsize(os.path.join(folder, "weights.bin"))
+            runs: dict[str, list[dict]] = {"ort": [], "ephost": []}
+            measure(path, "ort", idx)  # the file's pages into the page cache: every run then finds them there
+            for _ in range(repeats):
+                for how in runs:
+                    out = measure(path, how, idx)
+                    np.testing.assert_array_equal(np.array(out["y"], np.float32), expected)
+                    runs[how].append(out)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        table(runs, size, dense, aligned, repeats)
+        print()
 
+
+def table(runs: dict[str, list[dict]], size: int, dense: bool, aligned: bool, repeats: int) -> None:
     def med(how: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[how])
 
@@ -87,16 +101,22 @@ def main(quick: bool = False) -> None:
         return statistics.median(r["app_peak"] - r["before"] for r in runs[how])
 
     mib = 1 << 20
-    print(f"A {size / (1 << 30):.1f} GiB model with external data (5 x 512 MiB initializers, the graph reads 4 floats "
-          f"of each): ORT in process vs ephost with a launched onnxruntime worker (median of {repeats})\n")
+    kind = ("written out (ones)" if dense else "a sparse file (holes)") + \
+        (", each weight at a 64 KiB boundary" if aligned else ", weights packed as onnx.save writes them (unaligned)")
+    print(f"A {size / (1 << 30):.1f} GiB model with external data, {kind} (5 x 512 MiB initializers, the graph reads "
+          f"4 floats of each): ORT in process vs ephost with a launched onnxruntime worker (median of {repeats})\n")
     print("| figure | ORT in process | ephost | ratio | target |")
     print("|---|---|---|---|---|")
-    print(f"| session creation | {med('ort', 'create'):.2f} s | {med('ephost', 'create'):.2f} s | "
-          f"{med('ephost', 'create') / med('ort', 'create'):.2f} | at most 1.5 |")
+    print(f"| session creation, the process's first | {med('ort', 'create'):.3f} s | {med('ephost', 'create'):.3f} s | "
+          f"{med('ephost', 'create') / med('ort', 'create'):.1f} | at most 1.5 |")
+    print(f"| session creation, the next | {med('ort', 'create_again'):.3f} s | {med('ephost', 'create_again'):.3f} s | "
+          f"{med('ephost', 'create_again') / med('ort', 'create_again'):.1f} | at most 1.5 |")
     print(f"| first run | {med('ort', 'first_run') * 1e3:.1f} ms | {med('ephost', 'first_run') * 1e3:.1f} ms | "
           f"{med('ephost', 'first_run') / med('ort', 'first_run'):.2f} | |")
     print(f"| peak RSS, ORT's process vs the worker | {med('ort', 'app_peak') / mib:.0f} MiB | "
           f"{med('ephost', 'worker_peak') / mib:.0f} MiB | "
           f"{med('ephost', 'worker_peak') / med('ort', 'app_peak'):.2f} | at most 1.25 |")
+    print(f"| peak RSS above the idle process (ORT imported; the worker ready) | {grown('ort') / mib:.0f} MiB | "
+          f"{statistics.median(r['worker_peak'] - r['worker_idle'] for r in runs['ephost']) / mib:.0f} MiB | | |")
     print(f"| the application's peak RSS, grown by the session | {grown('ort') / mib:.0f} MiB | "
           f"{grown('ephost') / mib:.0f} MiB | | ephost: at most 200 MiB |")

@@ -164,6 +164,9 @@ class InferenceSession:
         self._closed = False
         self._lock = threading.Lock()
         model, self._external = _load(model)
+        if self._external:
+            log.info("read the graph (%d nodes); %d external data file(s), %.2f GiB, mapped where used, not read",
+                     len(model.graph.node), len(self._external.files), self._external.nbytes / (1 << 30))
         self._model = prepare_model(model)
         self._index = GraphIndex.of(self._model)
         # Kept for the session's life: a restarted worker gets the same descriptors again, nothing re-read.
@@ -223,6 +226,7 @@ class InferenceSession:
         claimed: set[str] = set()
         for devices, options in entries:
             registration = self._env.registration_of(devices[0])
+            log.info("asking %s which nodes it takes", registration.name)
             try:
                 ep = self._failures.guarded(registration.name, "CreateEp", lambda: registration.factory.create_ep(
                     [d.index for d in devices], options))
@@ -248,6 +252,7 @@ class InferenceSession:
                 for p in parts:  # ORT may still refuse a partition it claimed: the next fallback EP takes it
                     p.placement, p.compute_info = self._fallback.compile(p.graph, p.placement)
                 continue
+            log.info("compiling %d partition(s) on %s", len(parts), name)
             try:
                 infos = self._failures.guarded(name, "Compile", lambda: ep.compile([p.graph for p in parts]))
                 allocator = self._env.registration(name).session_allocator()

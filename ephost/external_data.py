@@ -193,6 +193,10 @@ class ExternalData:
     def __bool__(self) -> bool:
         return bool(self.files)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
     def file(self, ref: ExternalRef) -> ExternalFile:
         try:
             return self.files[ref.location]

@@ -68,6 +68,8 @@ class BlobCache:
             if have + len(data) > nbytes:
                 raise EpInvalidArgument(f"chunks past the blob's {nbytes} bytes")
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            if have == 0:
+                self.evict(keep=digest + ".part")  # room for a new upload: stopped ones count too
             with open(part, "ab") as f:
                 f.write(data)
             have += len(data)
@@ -101,8 +103,8 @@ class BlobCache:
         return fd
 
     def evict(self, keep: str = "") -> int:
-        """Remove the least recently used complete blobs until the cache is within its limit; returns how
-        many bytes went."""
+        """Remove the least recently used blobs (and uploads that stopped) until the cache is within its limit;
+        returns how many bytes went."""
         entries = []
         if not os.path.isdir(self.directory):
             return 0
@@ -115,7 +117,9 @@ class BlobCache:
         for _, name, size in sorted(entries):
             if total - freed <= self.max_bytes:
                 break
-            if name == keep or name.endswith(".part"):
+            with self._lock:
+                busy = name.removesuffix(".part") in self._writing
+            if name == keep or busy:
                 continue
             try:
                 os.unlink(os.path.join(self.directory, name))

@@ -374,3 +374,17 @@ def test_an_ep_with_an_external_data_loader_loads_its_initializers_itself(tmp_pa
                               ("load_tensor", "weights.bin", stride, SMALL * 4)] if loaded else [])
     finally:
         external.close()
+
+
+@pytest.mark.timeout(300)
+def test_ephost_run_shows_progress_for_a_big_model(tmp_path):
+    path, idx, expected = models.sparse_external_model(tmp_path)
+    np.save(tmp_path / "idx.npy", idx)
+    done = subprocess.run([sys.executable, "-m", "ephost", "run", path, "--ep", "onnxruntime", "--input",
+                           f"idx={tmp_path / 'idx.npy'}", "--runs", "1"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "GiB with its external data); making the session" in out
+    assert "external data file(s), 2.50 GiB, mapped where used, not read" in out
+    assert "asking onnxruntime which nodes it takes" in out and "compiling 1 partition(s) on onnxruntime" in out
+    assert "session ready" in out and out.index("session ready") < out.index("time per run")
