@@ -109,7 +109,8 @@ def table(runs: dict[str, list[dict]], size: int, dense: bool, aligned: bool, re
     print("|---|---|---|---|---|")
     print(f"| session creation, the process's first | {med('ort', 'create'):.3f} s | {med('ephost', 'create'):.3f} s | "
           f"{med('ephost', 'create') / med('ort', 'create'):.1f} | at most 1.5 |")
-    print(f"| session creation, the next | {med('ort', 'create_again'):.3f} s | {med('ephost', 'create_again'):.3f} s | "
+    print(f"| session creation, the next | {med('ort', 'create_again'):.3f} s | "
+          f"{med('ephost', 'create_again'):.3f} s | "
           f"{med('ephost', 'create_again') / med('ort', 'create_again'):.1f} | at most 1.5 |")
     print(f"| first run | {med('ort', 'first_run') * 1e3:.1f} ms | {med('ephost', 'first_run') * 1e3:.1f} ms | "
           f"{med('ephost', 'first_run') / med('ort', 'first_run'):.2f} | |")

@@ -1,7 +1,7 @@
 """ephost.client: the application side — Environment, EP devices, allocators, streams, worker supervision."""
 from ephost.client.devices import EpDevice, SharedAllocator, SyncNotification, SyncStream
 from ephost.client.environment import Environment
-from ephost.client.session import InferenceSession, NodeArg, RunOptions, SessionOptions
+from ephost.client.session import InferenceSession, ModelOnWorker, NodeArg, RunOptions, SessionOptions
 
 __all__ = ["Environment", "EpDevice", "SharedAllocator", "SyncNotification", "SyncStream", "InferenceSession",
-           "SessionOptions", "RunOptions", "NodeArg"]
+           "SessionOptions", "RunOptions", "NodeArg", "ModelOnWorker"]

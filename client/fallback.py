@@ -51,7 +51,8 @@ class CpuFallback:
     def owns(self, placement: Placement) -> bool:
         return any(placement is p for p in self.placements)
 
-    def claims(self, model: onnx.ModelProto, claimed: frozenset[str], external: ExternalData | None = None) -> list[Claim]:
+    def claims(self, model: onnx.ModelProto, claimed: frozenset[str],
+               external: ExternalData | None = None) -> list[Claim]:
         """GetCapability of each fallback EP in turn, each seeing what the ones before it took."""
         out = []
         for i, placement in enumerate(self.placements):

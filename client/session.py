@@ -22,7 +22,8 @@ from onnx import numpy_helper
 
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
 from ephost.eps.base import capability
-from ephost.external_data import ExternalData, external_ref, has_external_data, load_model
+from ephost.external_data import ExternalData, WorkerFile, external_ref, has_external_data, load_model
+from ephost.v1 import worker_pb2
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
 from ephost.values import as_value, to_python
@@ -126,10 +127,36 @@ class AssignedSubgraph:
         return list(self.nodes)
 
 
-def _load(model) -> tuple[onnx.ModelProto, ExternalData | None]:
+@dataclass(frozen=True)
+class ModelOnWorker:
+    """A model in a worker's model directory (`ephost worker --model-dir DIR`), by its path relative to that
+    directory: the application gets its graph from the worker, and its weights never leave the worker's host.
+    The nodes that read them must run on that worker."""
+
+    registration: str
+    path: str
+
+
+def _from_worker(model: ModelOnWorker, env) -> tuple[onnx.ModelProto, ExternalData | None]:
+    link = env.registration(model.registration).link
+    if link is None:
+        raise EpInvalidArgument(f"{model.registration!r} is hosted in this process; it has no model directory")
+    reply = link.call(lambda c: c.worker.OpenModel, worker_pb2.ModelPath(path=model.path))
+    loaded = onnx.load_model_from_string(reply.model)
+    files = {f.name: WorkerFile(f.name, f.nbytes, model.registration, f.model_dir_path) for f in reply.files}
+    external = ExternalData(files) if files else None
+    if external is not None:
+        external.check(loaded)
+    return loaded, external
+
+
+def _load(model, env=None) -> tuple[onnx.ModelProto, ExternalData | None]:
     """The model's graph, and its external data files (opened, checked, not read) where it has any."""
     external = None
-    if isinstance(model, onnx.ModelProto):
+    if isinstance(model, ModelOnWorker):
+        loaded, external = _from_worker(model, env)
+        what = f"model {model.path!r} of {model.registration!r}"
+    elif isinstance(model, onnx.ModelProto):
         loaded, what = model, "the model"
         if has_external_data(loaded):
             raise EpInvalidArgument("the model's tensors keep their data in external files, and a ModelProto does "
@@ -163,7 +190,7 @@ class InferenceSession:
         self._env = env
         self._closed = False
         self._lock = threading.Lock()
-        model, self._external = _load(model)
+        model, self._external = _load(model, env)
         if self._external:
             log.info("read the graph (%d nodes); %d external data file(s), %.2f GiB, mapped where used, not read",
                      len(model.graph.node), len(self._external.files), self._external.nbytes / (1 << 30))

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound
-from ephost.external_data import ExternalData, ExternalFile, model_key
+from ephost.external_data import ExternalData, ExternalFile, WorkerFile, model_key
 from ephost.fdshare import hand_over_file
 from ephost.memory import Buffer
 from ephost.tensor import Tensor, check_copy_pairs
@@ -193,14 +193,11 @@ class ModelSender:
         with self._lock:
             if self._sent_to is not conn:
                 self._sent, self._files, self._blobs, self._sent_to = set(), {}, set(), conn
-        blobs = None
-        if external and conn is not None and not conn.shares_memory:
-            blobs = self._uploaded(external, conn)
-            if blobs is None:
-                log.info("the worker keeps no blob cache: the model's external data travels inside it")
-                model, external = self._inlined(model, external), None
+        source, handles = self._where(external, conn)
+        if source == "inline":
+            log.info("the worker keeps no blob cache: the model's external data travels inside it")
+            model, external = self._inlined(model, external), None
         digest, data = self._digest(model)
-        handles = blobs if blobs is not None else self._handles(external, conn) if external else {}
         key = model_key(digest, {name: (h, external.files[name].size) for name, h in handles.items()})
         with self._lock:
             sent = key in self._sent
@@ -209,7 +206,6 @@ class ModelSender:
             return
         if data is None:
             data = model.SerializeToString()
-        source = "sha256" if blobs is not None else "file"
         files = [ep_pb2.ExternalFile(name=name, nbytes=external.files[name].size, **{source: handle})
                  for name, handle in handles.items()]
         staged = self._stager.stage_bytes(data) if len(data) >= SHM_MODEL_BYTES and self._stager.available else None
@@ -224,6 +220,24 @@ class ModelSender:
         finally:
             if staged is not None:
                 self._stager.discard(staged)
+
+    def _where(self, external: ExternalData | None, conn) -> tuple[str, dict]:
+        """How the worker gets the external data files: ExternalFile's source field, and each file's value of it
+        by name ("inline": their bytes go inside the model)."""
+        if not external:
+            return "", {}
+        on_worker = [f for f in external.files.values() if isinstance(f, WorkerFile)]
+        if on_worker:
+            elsewhere = [f for f in external.files.values()
+                         if not isinstance(f, WorkerFile) or f.worker != self._link.name]
+            if elsewhere:
+                raise EpFailedPrecondition(f"external data {elsewhere[0].label} cannot reach the worker for "
+                                           f"{self._link.name!r}: the nodes that read it must run where it lives")
+            return "model_dir_path", {f.name: f.path for f in on_worker}
+        if conn is not None and not conn.shares_memory:
+            blobs = self._uploaded(external, conn)
+            return ("sha256", blobs) if blobs is not None else ("inline", {})
+        return "file", self._handles(external, conn)
 
     def _uploaded(self, external: ExternalData, conn) -> dict[str, str] | None:
         """Each file's digest, by name, once the worker's blob cache has it: only what it lacks is sent, in

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ephost.errors import EpInvalidArgument, EpNotFound, EpOutOfRange
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpOutOfRange
 from ephost.types import dtype_of, nbytes_of
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,33 @@ class ExternalFile:
                 pass
 
 
+class WorkerFile:
+    """An external data file that lives in a worker's model directory (--model-dir), known here by its name,
+    its size and its path there: only that worker reads it."""
+
+    fd = -1
+
+    def __init__(self, name: str, size: int, worker: str, path: str):
+        self.name, self.size, self.worker, self.path = name, size, worker, path
+        self.label = f"{path} in the model directory of worker {worker!r}"
+
+    def _elsewhere(self):
+        return EpFailedPrecondition(f"external data {self.label} is read by that worker only: the nodes that read "
+                                    "it must run there")
+
+    def view(self, offset: int, length: int) -> memoryview:
+        raise self._elsewhere()
+
+    def sha256(self) -> str:
+        raise self._elsewhere()
+
+    def real_path(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 class ExternalData:
     """A model's external data files by name, as its tensors' `location`s say."""
 
@@ -251,7 +278,7 @@ class ExternalData:
             f.close()
 
 
-def _inside(base: str, location: str) -> str | None:
+def path_inside(base: str, location: str) -> str | None:
     """The path of `location` under `base`, or None where it would leave it (absolute, `..`, a link out)."""
     if not location or os.path.isabs(location) or "\0" in location:
         return None
@@ -273,7 +300,7 @@ def open_external_data(model: onnx.ModelProto, base_dir: str, what: str) -> Exte
         for t, ref in refs:
             if ref.location in files:
                 continue
-            path = _inside(base_dir, ref.location)
+            path = path_inside(base_dir, ref.location)
             if path is None:
                 raise EpInvalidArgument(f"initializer {ref.tensor!r} of {what} names external data "
                                         f"{ref.location!r}, which is outside the model's directory")

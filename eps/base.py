@@ -141,9 +141,9 @@ def external_initializers(graph: FusedGraph, ep: Any = None, memory_info: Memory
         if loader is None:
             out[t.name] = mapped
             continue
-        from ephost.tensor import Tensor
-        tensor = Tensor.empty(mapped.shape, mapped.dtype, allocator) if allocator is not None \
-            else Tensor.from_numpy(np.empty(mapped.shape, mapped.dtype))
+        from ephost import tensor as tensors  # not at the top: ephost.tensor is imported after this module
+        tensor = tensors.Tensor.empty(mapped.shape, mapped.dtype, allocator) if allocator is not None \
+            else tensors.Tensor.from_numpy(np.empty(mapped.shape, mapped.dtype))
         loader.load_tensor(external.file(ref), ref.offset, mapped.nbytes, tensor)
         out[t.name] = tensor
     return out

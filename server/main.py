@@ -87,12 +87,13 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
           client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, cache_dir: str | None = None,
-          cache_max_bytes: int = 10 << 30) -> int:
+          cache_max_bytes: int = 10 << 30, model_dir: str | None = None) -> int:
     limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
     blobs = BlobCache(cache_dir or str(default_cache_root() / "blobs"), cache_max_bytes) if cache_max_bytes > 0 \
         else None
     try:
-        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits, blobs)
+        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits, blobs,
+                      model_dir)
     finally:
         _remove_sockets(listen)
 
@@ -103,7 +104,8 @@ def default_max_alloc() -> int:
 
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
-           security: Security, client_lease_s: float, limits: Limits, blobs: BlobCache | None = None) -> int:
+           security: Security, client_lease_s: float, limits: Limits, blobs: BlobCache | None = None,
+           model_dir: str | None = None) -> int:
     max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
@@ -113,7 +115,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         print(json.dumps({"ephost": "error", "code": e.code.name, "message": str(e)}), flush=True)
         return 2
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
-    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent, blobs=blobs)
+    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent, blobs=blobs,
+                        model_dir=model_dir)
     stop = threading.Event()
     grace = [5.0]
 

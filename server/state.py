@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import onnx
 
-from ephost.external_data import ExternalData, model_key
+from ephost.external_data import ExternalData, model_key, path_inside
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted
 from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
@@ -48,7 +48,7 @@ def installed_version(distribution: str) -> str:
 
 class WorkerState:
     def __init__(self, ep_name: str, factory, options: Mapping[str, str], fd_server: DescriptorServer | None,
-                 limits: Limits = Limits(), launched: bool = False, blobs=None):
+                 limits: Limits = Limits(), launched: bool = False, blobs=None, model_dir: str | None = None):
         self.ep_name = ep_name
         self.limits = limits
         # Launched by one application for itself (--exit-with-parent): that application, and only it, may
@@ -64,6 +64,8 @@ class WorkerState:
             if self.onnxruntime_version else d for d in factory.get_supported_devices()]
         self.fd_server = fd_server
         self.blobs = blobs  # the disk cache of external data blobs (server.blob_cache.BlobCache), or None
+        # Models (and their external data) clients may name by a path relative to this directory (--model-dir)
+        self.model_dir = os.path.realpath(model_dir) if model_dir else None
         self.lane = None  # the fast lane's listener (ephost.server.fastlane.LaneServer) where clients share memory
         self.stats = WorkerStats()
         self.clients = ClientRegistry(self._release, self._left)
@@ -172,6 +174,10 @@ class WorkerState:
             source = f.WhichOneof("source")
             if source == "file":
                 mapped = client.get("file", f.file).get()
+            elif source == "model_dir_path":
+                slot = FileSlot("a model directory file")
+                mapped = slot.attach(self.open_in_model_dir(f.model_dir_path, f"external data file {f.name!r}"))
+                client.add("file", slot)  # closed when the client goes
             elif source == "sha256":
                 if self.blobs is None:
                     raise EpFailedPrecondition("this worker has no blob cache (--cache-max-mb 0)")
@@ -185,6 +191,24 @@ class WorkerState:
                                         f"{f.nbytes} the client says (changed on disk?)")
             out[f.name] = mapped
         return ExternalData(out)
+
+    def model_dir_path(self, path: str, what: str) -> str:
+        """The path of `path` (relative) inside this worker's model directory; never one outside it."""
+        if self.model_dir is None:
+            raise EpFailedPrecondition("this worker has no model directory (--model-dir)")
+        inside = path_inside(self.model_dir, path)
+        if inside is None:
+            raise EpInvalidArgument(f"{what} {path!r} is not inside the worker's model directory")
+        return inside
+
+    def open_in_model_dir(self, path: str, what: str) -> int:
+        """A read-only descriptor of a file in the model directory."""
+        try:
+            return os.open(self.model_dir_path(path, what), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise EpNotFound(f"{what} {path!r} is not in the worker's model directory") from None
+        except OSError as e:
+            raise EpInvalidArgument(f"{what} {path!r} cannot be opened: {e.strerror}") from None
 
     def _release(self, kind: str, obj: Any) -> None:
         if kind in ("stream", "notification"):

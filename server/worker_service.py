@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpPermissionDenied
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpPermissionDenied
 from ephost.server.blob_cache import check_digest
 from ephost.server.files import FileSlot
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.state import WorkerState
 from ephost.wire import PROTOCOL
-from ephost.v1 import common_pb2, worker_pb2
+from ephost.external_data import load_model
+from ephost.v1 import common_pb2, ep_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,21 @@ class WorkerService(Servicer):
                                                request.data)
         self.state.stats.add(blob_chunks_received=1, blob_bytes_received=len(request.data))
         return worker_pb2.BlobStatus(complete=complete, nbytes=nbytes)
+
+    @rpc
+    def OpenModel(self, request, call):
+        root = self.state.model_dir
+        path = self.state.model_dir_path(request.path, "model")
+        if not os.path.isfile(path):
+            raise EpNotFound(f"no model {request.path!r} in the worker's model directory")
+        model, external = load_model(path)  # its external data must lie beside it, inside the directory
+        files = []
+        if external is not None:
+            for name, f in external.files.items():
+                files.append(ep_pb2.ExternalFile(name=name, nbytes=f.size, model_dir_path=os.path.relpath(
+                    os.path.normpath(os.path.join(os.path.dirname(path), name)), root)))
+            external.close()
+        return worker_pb2.ModelGraph(model=model.SerializeToString(), files=files)
 
     @rpc
     def OpenDataPlane(self, request, call):

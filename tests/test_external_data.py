@@ -388,3 +388,57 @@ def test_ephost_run_shows_progress_for_a_big_model(tmp_path):
     assert "external data file(s), 2.50 GiB, mapped where used, not read" in out
     assert "asking onnxruntime which nodes it takes" in out and "compiling 1 partition(s) on onnxruntime" in out
     assert "session ready" in out and out.index("session ready") < out.index("time per run")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ep", ["reference", "onnxruntime"])
+def test_a_model_in_the_workers_model_dir_never_crosses_the_network(tmp_path, ep):
+    """`--model-dir`: a client names the model by relative path; the worker reads it and its weights from its
+    own directory, and only the graph reaches the client. Paths out of the directory are refused."""
+    from helpers import Worker
+    from test_remote import free_port
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    _, idx, expected = models.sparse_external_model(tmp_path / "models" / "m")
+    models.sparse_external_model(tmp_path / "outside", weights=1, elements=16, positions=(0,))
+    w = Worker("--ep", ep, "--listen", f"127.0.0.1:{free_port()}", "--insecure", "--model-dir",
+               str(tmp_path / "models"), "--cache-max-mb", "0")
+    try:
+        with ephost.Environment() as env:
+            env.register_execution_provider_library("far", w.address, {"shared_memory": "false"})
+            with InferenceSession(ephost.ModelOnWorker("far", "m/model.onnx"), options_for(env, "far"),
+                                  env=env) as session:
+                assert [s.registration for s in session.get_provider_graph_assignment_info()] == ["far"]
+                np.testing.assert_array_equal(session.run(None, {"idx": idx})[0], expected)
+            stats = worker_stats(env, "far")
+            assert stats.bytes_inline_in < 1 << 20 and stats.blob_bytes_received == 0
+            for path, error in (("../outside/model.onnx", ephost.EpInvalidArgument),
+                                (str(tmp_path / "outside" / "model.onnx"), ephost.EpInvalidArgument),
+                                ("m/missing.onnx", ephost.EpNotFound)):
+                with pytest.raises(error, match="model directory"):
+                    InferenceSession(ephost.ModelOnWorker("far", path), options_for(env, "far"), env=env)
+    finally:
+        w.stop()
+
+
+def test_a_model_file_in_the_model_dir_cannot_name_a_file_outside_it(tmp_path):
+    from helpers import Worker
+    (tmp_path / "models").mkdir()
+    path, _, _ = models.sparse_external_model(tmp_path / "models", weights=1, elements=16, positions=(0,))
+    w = Worker("--ep", "reference", "--model-dir", str(tmp_path / "models"))
+    try:
+        with ephost.Environment() as env:
+            env.register_execution_provider_library("w", w.address)
+            _set(path, location="../../etc/passwd")
+            with pytest.raises(ephost.EpInvalidArgument, match="outside the model's directory"):
+                InferenceSession(ephost.ModelOnWorker("w", "model.onnx"), options_for(env, "w"), env=env)
+            # A model sent by a client may not name a model directory file outside the directory either.
+            ep = env.registration("w").link
+            from ephost.v1 import factory_pb2
+            handle = ep.call(lambda c: c.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+            with pytest.raises(ephost.EpInvalidArgument, match="not inside the worker's model directory"):
+                ep.call(lambda c: c.ep.GetCapability, ep_pb2.GetCapabilityRequest(ep=handle, model=ep_pb2.ModelRef(
+                    model=_wire_model(), files=[ep_pb2.ExternalFile(name="w", nbytes=16,
+                                                                    model_dir_path="../outside.bin")])))
+    finally:
+        w.stop()

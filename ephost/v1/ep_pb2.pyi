@@ -21,16 +21,18 @@ class ModelRef(_message.Message):
     def __init__(self, model: _Optional[bytes] = ..., sha256: _Optional[str] = ..., buffer: _Optional[_Union[BufferBlob, _Mapping]] = ..., files: _Optional[_Iterable[_Union[ExternalFile, _Mapping]]] = ...) -> None: ...
 
 class ExternalFile(_message.Message):
-    __slots__ = ("name", "nbytes", "file", "sha256")
+    __slots__ = ("name", "nbytes", "file", "sha256", "model_dir_path")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_PATH_FIELD_NUMBER: _ClassVar[int]
     name: str
     nbytes: int
     file: int
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., file: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    model_dir_path: str
+    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., file: _Optional[int] = ..., sha256: _Optional[str] = ..., model_dir_path: _Optional[str] = ...) -> None: ...
 
 class BufferBlob(_message.Message):
     __slots__ = ("buffer", "nbytes")

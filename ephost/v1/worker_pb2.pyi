@@ -1,11 +1,26 @@
 from ephost.v1 import common_pb2 as _common_pb2
+from ephost.v1 import ep_pb2 as _ep_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelPath(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ModelGraph(_message.Message):
+    __slots__ = ("model", "files")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model: bytes
+    files: _containers.RepeatedCompositeFieldContainer[_ep_pb2.ExternalFile]
+    def __init__(self, model: _Optional[bytes] = ..., files: _Optional[_Iterable[_Union[_ep_pb2.ExternalFile, _Mapping]]] = ...) -> None: ...
 
 class BlobRef(_message.Message):
     __slots__ = ("sha256",)

@@ -95,6 +95,11 @@ class WorkerStub:
                 request_serializer=ephost_dot_v1_dot_worker__pb2.BlobChunk.SerializeToString,
                 response_deserializer=ephost_dot_v1_dot_worker__pb2.BlobStatus.FromString,
                 _registered_method=True)
+        self.OpenModel = channel.unary_unary(
+                '/ephost.v1.Worker/OpenModel',
+                request_serializer=ephost_dot_v1_dot_worker__pb2.ModelPath.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_worker__pb2.ModelGraph.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -193,6 +198,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenModel(self, request, context):
+        """A model in the worker's --model-dir, named by its path relative to that directory: its graph (external
+        tensors left as references; their files named by `model_dir_path`) for the client to partition, and
+        then to send back in ModelRefs. NOT_FOUND where there is no such model, INVALID_ARGUMENT for a path that
+        leaves the directory, FAILED_PRECONDITION where the worker has no model directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +270,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PutBlob,
                     request_deserializer=ephost_dot_v1_dot_worker__pb2.BlobChunk.FromString,
                     response_serializer=ephost_dot_v1_dot_worker__pb2.BlobStatus.SerializeToString,
+            ),
+            'OpenModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenModel,
+                    request_deserializer=ephost_dot_v1_dot_worker__pb2.ModelPath.FromString,
+                    response_serializer=ephost_dot_v1_dot_worker__pb2.ModelGraph.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +601,33 @@ class Worker:
             '/ephost.v1.Worker/PutBlob',
             ephost_dot_v1_dot_worker__pb2.BlobChunk.SerializeToString,
             ephost_dot_v1_dot_worker__pb2.BlobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/OpenModel',
+            ephost_dot_v1_dot_worker__pb2.ModelPath.SerializeToString,
+            ephost_dot_v1_dot_worker__pb2.ModelGraph.FromString,
             options,
             channel_credentials,
             insecure,
