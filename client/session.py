@@ -22,7 +22,8 @@ from onnx import numpy_helper
 
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
 from ephost.eps.base import capability
-from ephost.external_data import ExternalData, WorkerFile, external_ref, has_external_data, load_model
+from ephost.external_data import (ExternalData, WorkerFile, check_inline_size, external_ref, has_external_data,
+                                  load_model)
 from ephost.v1 import worker_pb2
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
@@ -161,6 +162,7 @@ def _load(model, env=None) -> tuple[onnx.ModelProto, ExternalData | None]:
         if has_external_data(loaded):
             raise EpInvalidArgument("the model's tensors keep their data in external files, and a ModelProto does "
                                     "not say where it was loaded from: give the model's path instead")
+        check_inline_size(loaded)
     else:
         try:
             if isinstance(model, (bytes, bytearray, memoryview)):

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -259,8 +260,12 @@ class ModelSender:
                 data = os.pread(f.fd, min(BLOB_CHUNK, f.size - offset), offset)
                 if not data and offset < f.size:
                     raise EpInvalidArgument(f"external data {f.label!r} became shorter while it was sent")
-                status = self._link.call(lambda c: c.worker.PutBlob, worker_pb2.BlobChunk(
-                    sha256=digest, nbytes=f.size, offset=offset, data=data), conn=conn)
+                try:
+                    status = self._link.call(lambda c: c.worker.PutBlob, worker_pb2.BlobChunk(
+                        sha256=digest, nbytes=f.size, offset=offset, data=data), conn=conn)
+                except EpFailedPrecondition:  # another client is sending the same bytes: wait for it, or take over
+                    time.sleep(0.05)
+                    status = self._link.call(lambda c: c.worker.GetBlob, worker_pb2.BlobRef(sha256=digest), conn=conn)
                 offset = status.nbytes
             with self._lock:
                 if self._sent_to is conn:

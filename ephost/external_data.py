@@ -324,6 +324,19 @@ def open_external_data(model: onnx.ModelProto, base_dir: str, what: str) -> Exte
         raise
 
 
+def check_inline_size(model: onnx.ModelProto) -> None:
+    """A model held in memory whose bytes are over protobuf's 2 GiB cannot be sent (or serialized) at all: say so,
+    and what to do instead, before anything tries."""
+    try:
+        size = model.ByteSize()
+    except Exception:  # some protobuf runtimes refuse to even count past the limit
+        size = PROTOBUF_LIMIT + 1
+    if size > PROTOBUF_LIMIT:
+        raise EpInvalidArgument(f"the model is {size} bytes with its weights inside: a protobuf over 2 GiB cannot be "
+                                "serialized; save it with its weights as external data (onnx.save(model, path, "
+                                "save_as_external_data=True)) and give its path")
+
+
 def load_model(path: str) -> tuple[onnx.ModelProto, ExternalData | None]:
     """The model at `path`, its graph only: external tensors stay references, their files opened read-only
     (and checked) but not read."""

@@ -442,3 +442,39 @@ def test_a_model_file_in_the_model_dir_cannot_name_a_file_outside_it(tmp_path):
                                                                     model_dir_path="../outside.bin")])))
     finally:
         w.stop()
+
+
+def test_a_model_in_memory_over_protobufs_limit_gets_a_clear_error(env, monkeypatch):
+    """(A real 2 GiB ModelProto would cost the test 2 GiB: the limit is lowered instead.)"""
+    from ephost import external_data
+    model, _ = models.matmul_with_weights(10, 100)
+    monkeypatch.setattr(external_data, "PROTOBUF_LIMIT", model.ByteSize() - 1)
+    with pytest.raises(ephost.EpInvalidArgument, match="over 2 GiB cannot be serialized.*save_as_external_data"):
+        InferenceSession(model, env=env, providers=["ref"])
+
+
+def test_onnxruntime_copies_a_file_that_has_no_path_here_and_says_so(tmp_path, caplog):
+    """ORT opens the files by their path, found from the descriptors; a file with none (deleted after it was
+    opened, or in another mount namespace) is copied into ORT instead, with a warning."""
+    from ephost.eps import load_factory
+    from ephost.eps.base import FusedGraph
+    from ephost.external_data import load_model, on_disk
+    from ephost.graph import GraphIndex
+
+    path, idx, expected = small_model(tmp_path)
+    model, external = load_model(path)
+    try:
+        placed, folder = on_disk(model, external)
+        assert folder == str(tmp_path) and placed.graph.initializer[0].external_data[0].value == "weights.bin"
+        os.remove(tmp_path / "weights.bin")  # still open here, but no path leads to it any more
+        assert on_disk(model, external) is None
+        index = GraphIndex.of(model)
+        index.external = external
+        ep = load_factory("onnxruntime", {}).create_ep([0], {})
+        with caplog.at_level("WARNING", logger="ephost.eps.onnxruntime"):
+            (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("idx",), ("y",))])
+        (y,) = info.compute([idx])
+        np.testing.assert_array_equal(y.numpy(), expected)
+        assert "copied into ONNX Runtime" in caplog.text
+    finally:
+        external.close()
