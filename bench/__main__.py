@@ -1,11 +1,11 @@
 import argparse
 
-from bench import (copy_bandwidth, data_plane, ep_context, fallback, iobinding, ort_bridge, recovery,
+from bench import (copy_bandwidth, data_plane, ep_context, external_data, fallback, iobinding, ort_bridge, recovery,
                    session_overhead)
 
 BENCHES = (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane", data_plane),
            ("recovery", recovery), ("fallback", fallback), ("iobinding", iobinding), ("ortbridge", ort_bridge),
-           ("epcontext", ep_context))
+           ("epcontext", ep_context), ("extdata", external_data))
 
 parser = argparse.ArgumentParser(prog="python -m bench")
 parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")

@@ -2,7 +2,7 @@
 from ephost.client.devices import EpDevice, SharedAllocator, SyncNotification, SyncStream
 from ephost.client.environment import Environment
 from ephost.client.iobinding import IOBinding
-from ephost.client.session import InferenceSession, NodeArg, RunOptions, SessionOptions
+from ephost.client.session import InferenceSession, ModelOnWorker, NodeArg, RunOptions, SessionOptions
 
 __all__ = ["Environment", "EpDevice", "SharedAllocator", "SyncNotification", "SyncStream", "InferenceSession",
-           "SessionOptions", "RunOptions", "NodeArg", "IOBinding"]
+           "SessionOptions", "RunOptions", "NodeArg", "IOBinding", "ModelOnWorker"]

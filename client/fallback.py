@@ -14,8 +14,9 @@ from typing import Any, Callable
 import onnx
 
 from ephost.eps import load_factory
-from ephost.eps.base import FusedGraph, NodeGroup
+from ephost.eps.base import FusedGraph, NodeGroup, capability
 from ephost import ep_context
+from ephost.external_data import ExternalData
 from ephost.graph import BUILTIN_DOMAINS
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.client.planner import Claim, Placement
@@ -80,7 +81,8 @@ class CpuFallback:
     def owns(self, placement: Placement) -> bool:
         return any(placement is p for p in self.placements)
 
-    def claims(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[Claim]:
+    def claims(self, model: onnx.ModelProto, claimed: frozenset[str],
+               external: ExternalData | None = None) -> list[Claim]:
         """GetCapability of each fallback EP in turn, each seeing what the ones before it took."""
         if self.placements:
             check_domains(model, (n.name for n in model.graph.node if n.name not in claimed))
@@ -97,7 +99,7 @@ class CpuFallback:
                 rest = tuple(n.name for n in model.graph.node if n.name not in claimed)
                 groups += [NodeGroup(rest, fused=True)] if rest else []
             else:
-                groups = placement.ep.get_capability(model, claimed)
+                groups = capability(placement.ep, model, claimed, external)
             out.append(Claim(placement, groups))
             claimed = claimed | {n for g in groups for n in g.node_names}
         return out

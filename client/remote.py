@@ -12,6 +12,7 @@ from ephost import values
 from ephost.ep_context import EpContext
 from ephost.eps.base import FusedGraph, NodeGroup
 from ephost.errors import EpNotFound
+from ephost.external_data import ExternalData
 from ephost.memory import Buffer
 from ephost.tensor import Tensor
 from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, desc_to_proto, nbytes_of
@@ -104,9 +105,10 @@ class RemoteEp(RemoteHandle):
     def get_name(self) -> str:
         return self._name
 
-    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str],
+                       external: ExternalData | None = None) -> list[NodeGroup]:
         handle, conn = self.handle, self.link.conn
-        with self._models.ref(model) as ref:
+        with self._models.ref(model, external) as ref:
             reply = self.link.call(lambda c: c.ep.GetCapability, ep_pb2.GetCapabilityRequest(
                 ep=handle, model=ref, claimed_nodes=sorted(claimed)), conn=conn)
         return [NodeGroup(tuple(g.node_names), fused=g.kind == ep_pb2.NodeGroup.KIND_FUSED) for g in reply.groups]
@@ -118,7 +120,7 @@ class RemoteEp(RemoteHandle):
         handle, conn = self.handle, self.link.conn
         for source in dict.fromkeys(g.source for g in graphs):  # one call per model they come from
             batch = [g for g in graphs if g.source is source]
-            with self._models.ref(source.model) as ref:
+            with self._models.ref(source.model, source.external) as ref:
                 reply = self.link.call(lambda c: c.ep.Compile, ep_pb2.CompileRequest(ep=handle, model=ref, graphs=[
                     ep_pb2.FusedGraph(name=g.name, nodes=g.nodes, inputs=g.inputs, outputs=g.outputs) for g in batch]),
                     conn=conn)

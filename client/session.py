@@ -21,7 +21,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
+from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
+from ephost.eps.base import capability
+from ephost.external_data import (ExternalData, WorkerFile, check_inline_size, external_ref, has_external_data,
+                                  load_model)
+from ephost.v1 import worker_pb2
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
@@ -155,9 +159,41 @@ class AssignedSubgraph:
         return list(self.nodes)
 
 
-def _load(model) -> onnx.ModelProto:
-    if isinstance(model, onnx.ModelProto):
+@dataclass(frozen=True)
+class ModelOnWorker:
+    """A model in a worker's model directory (`ephost worker --model-dir DIR`), by its path relative to that
+    directory: the application gets its graph from the worker, and its weights never leave the worker's host.
+    The nodes that read them must run on that worker."""
+
+    registration: str
+    path: str
+
+
+def _from_worker(model: ModelOnWorker, env) -> tuple[onnx.ModelProto, ExternalData | None]:
+    link = env.registration(model.registration).link
+    if link is None:
+        raise EpInvalidArgument(f"{model.registration!r} is hosted in this process; it has no model directory")
+    reply = link.call(lambda c: c.worker.OpenModel, worker_pb2.ModelPath(path=model.path))
+    loaded = onnx.load_model_from_string(reply.model)
+    files = {f.name: WorkerFile(f.name, f.nbytes, model.registration, f.model_dir_path) for f in reply.files}
+    external = ExternalData(files) if files else None
+    if external is not None:
+        external.check(loaded)
+    return loaded, external
+
+
+def _load(model, env=None) -> tuple[onnx.ModelProto, ExternalData | None]:
+    """The model's graph, and its external data files (opened, checked, not read) where it has any."""
+    external = None
+    if isinstance(model, ModelOnWorker):
+        loaded, external = _from_worker(model, env)
+        what = f"model {model.path!r} of {model.registration!r}"
+    elif isinstance(model, onnx.ModelProto):
         loaded, what = model, "the model"
+        if has_external_data(loaded):
+            raise EpInvalidArgument("the model's tensors keep their data in external files, and a ModelProto does "
+                                    "not say where it was loaded from: give the model's path instead")
+        check_inline_size(loaded)
     else:
         try:
             if isinstance(model, (bytes, bytearray, memoryview)):
@@ -165,14 +201,17 @@ def _load(model) -> onnx.ModelProto:
                 loaded = onnx.load_model_from_string(bytes(model))
             else:
                 what = f"model file {os.fspath(model)!r}"
-                loaded = onnx.load(os.fspath(model))
-        except FileNotFoundError:
-            raise EpNotFound(f"{what} does not exist") from None
+                loaded, external = load_model(os.fspath(model))
+        except EpError:
+            raise
         except Exception as e:
             raise EpInvalidArgument(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+        if external is None and has_external_data(loaded):
+            raise EpInvalidArgument(f"{what} keeps tensors in external files, and bytes do not say where they were "
+                                    "loaded from: give the model's path instead")
     if not loaded.HasField("graph") or not loaded.opset_import:
         raise EpInvalidArgument(f"{what} is not an ONNX model: it has no graph or no opset import")
-    return loaded
+    return loaded, external
 
 
 class InferenceSession:
@@ -185,10 +224,16 @@ class InferenceSession:
         self._closed = False
         self._lock = threading.Lock()
         path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+        model, self._external = _load(model, env)
+        if self._external:
+            log.info("read the graph (%d nodes); %d external data file(s), %.2f GiB, mapped where used, not read",
+                     len(model.graph.node), len(self._external.files), self._external.nbytes / (1 << 30))
         # Compiled forms kept in files beside a context model are read into our prepared copy of it (after shape
         # inference, which need not see them): workers never read the application's files.
-        self._model = embed_files(prepare_model(_load(model)), os.path.dirname(os.path.abspath(path)) if path else None)
+        self._model = embed_files(prepare_model(model), os.path.dirname(os.path.abspath(path)) if path else None)
         self._index = GraphIndex.of(self._model)
+        # Kept for the session's life: a restarted worker gets the same descriptors again, nothing re-read.
+        self._index.external = self._external
         graph = self._model.graph
         self._inputs = [i for i in graph.input if i.name not in self._index.initializers]
         self._outputs = list(graph.output)
@@ -254,6 +299,7 @@ class InferenceSession:
         claimed: set[str] = set()
         for devices, options in entries:
             registration = self._env.registration_of(devices[0])
+            log.info("asking %s which nodes it takes", registration.name)
             if self._context.enabled or self._options.keep_compiled:  # the EP hands over each compiled form
                 options = {**options, ENABLE: "1"}
             try:
@@ -261,12 +307,14 @@ class InferenceSession:
                     [d.index for d in devices], options))
                 self._eps.append((registration, ep))
                 groups = self._failures.guarded(registration.name, "GetCapability",
-                                                lambda: ep.get_capability(self._model, frozenset(claimed)))
+                                                lambda: capability(ep, self._model, frozenset(claimed),
+                                                                   self._external))
             except FellBack:
                 continue
             claims.append(Claim(Placement(registration.name, devices[0].ep_name, ep), groups))
             claimed.update(n for g in groups for n in g.node_names)
-        fallbacks = self._fallback.claims(self._model, frozenset(claimed)) if set(self._index.nodes) - claimed else []
+        fallbacks = self._fallback.claims(self._model, frozenset(claimed), self._external) \
+            if set(self._index.nodes) - claimed else []
         return plan_partitions(self._index, claims, fallbacks)
 
     def _compile(self) -> None:
@@ -279,6 +327,7 @@ class InferenceSession:
                 for p in parts:  # ORT may still refuse a partition it claimed: the next fallback EP takes it
                     p.placement, p.compute_info = self._fallback.compile(p.graph, p.placement)
                 continue
+            log.info("compiling %d partition(s) on %s", len(parts), name)
             try:
                 infos = self._failures.guarded(name, "Compile", lambda: ep.compile([p.graph for p in parts]))
                 allocator = self._env.registration(name).session_allocator()
@@ -450,7 +499,9 @@ class InferenceSession:
             self._run_partitions(run, values, keep, owners, made_by, timeout, targets or {})
         for n in names:
             if n not in values and n in self._constants:
-                values[n] = as_value(numpy_helper.to_array(self._constants[n]))
+                t = self._constants[n]
+                values[n] = as_value(self._external.array(t).copy() if external_ref(t) is not None
+                                     else numpy_helper.to_array(t))
         labelled: dict[int, Any] = {}  # one relabelled tensor per value, whatever the names it goes by
         for n in names:
             value = values[n]
@@ -546,6 +597,8 @@ class InferenceSession:
         if getattr(self, "_async", None) is not None:
             self._async.shutdown(wait=True)  # runs asked for before close still run, and call back
         self._release_eps()
+        if getattr(self, "_external", None) is not None:
+            self._external.close()  # workers hold their own descriptors; ORT its own mappings
         for name in getattr(self, "_launched", []):  # workers this session launched are its own
             self._unregister(name)
 

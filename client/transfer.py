@@ -8,26 +8,34 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import os
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
 import onnx
 
-from ephost.errors import EpNotFound
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound
+from ephost.external_data import ExternalData, ExternalFile, WorkerFile, model_key
+from ephost.fdshare import hand_over_file
 from ephost.memory import Buffer
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import MemoryInfo, desc_to_proto
 from ephost.client.allocator import RemoteAllocator
 from ephost.client.handles import RemoteHandle, owned
 from ephost.client.supervisor import WorkerLink
-from ephost.v1 import common_pb2, data_transfer_pb2, ep_pb2
+from ephost.v1 import common_pb2, data_transfer_pb2, ep_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
 
 # Tensors smaller than this travel inline; larger ones through the worker's shared memory. Going through
 # shared memory costs a call or two more (allocate, free) and saves copying the bytes through gRPC: on a
 # 2-core machine a call costs about 1 ms and inline bytes move at about 0.15 GB/s, so they cross near here.
 INLINE_LIMIT = 512 << 10
 SHM_MODEL_BYTES = 16 << 20  # models at least this large go to the worker in a buffer (shared memory or chunks)
+BLOB_CHUNK = 4 << 20  # external data goes to a worker's blob cache in chunks of this size
 
 
 class Stager:
@@ -135,14 +143,20 @@ def tensor_ref(tensor: Tensor, role: str, link: WorkerLink, stager: Stager, stag
 
 class ModelSender:
     """Each model travels to a worker once: by hash after that, inline when small, staged when large (so that no
-    message limit applies). A restarted worker gets it again."""
+    message limit applies). A restarted worker gets it again.
+
+    A model's external data files go as descriptors where the worker shares this host (each file once per
+    worker generation: a restarted worker gets the same descriptors again, nothing is read here); to a worker
+    that does not, their bytes are put inside the model (a copy, for models under protobuf's 2 GiB)."""
 
     def __init__(self, link: WorkerLink, stager: Stager):
         self._link, self._stager = link, stager
         self._lock = threading.Lock()
         self._hashes: dict[int, tuple[onnx.ModelProto, str]] = {}
         self._sent: set[str] = set()
-        self._sent_to = None  # the connection (generation) `_sent` is about
+        self._files: dict[int, tuple[ExternalFile, int]] = {}  # id(file) -> (file, handle), this generation
+        self._blobs: set[str] = set()  # digests the worker's blob cache has, this generation
+        self._sent_to = None  # the connection (generation) `_sent` and `_files` are about
 
     def _digest(self, model: onnx.ModelProto) -> tuple[str, bytes | None]:
         with self._lock:
@@ -157,32 +171,117 @@ class ModelSender:
                 self._hashes.pop(next(iter(self._hashes)))
         return digest, data
 
+    def _handles(self, external: ExternalData, conn) -> dict[str, int]:
+        """The worker's handle of each file, by name: handed over (as a descriptor) the first time."""
+        out = {}
+        for name, f in external.files.items():
+            with self._lock:
+                known = self._files.get(id(f))
+            if known is None or known[0] is not f:
+                reply = self._link.call(lambda c: c.worker.ImportFile, common_pb2.Empty(), conn=conn)
+                hand_over_file(conn.fd_socket, reply.ticket, f.fd)
+                known = (f, reply.file)
+                with self._lock:
+                    if self._sent_to is conn:
+                        self._files[id(f)] = known
+            out[name] = known[1]
+        return out
+
     @contextlib.contextmanager
-    def ref(self, model: onnx.ModelProto):
-        """How to name `model` in one call: `with sender.ref(model) as ref: ...`."""
-        digest, data = self._digest(model)
+    def ref(self, model: onnx.ModelProto, external: ExternalData | None = None):
+        """How to name `model` in one call: `with sender.ref(model, external) as ref: ...`."""
         conn = self._link.current
         with self._lock:
             if self._sent_to is not conn:
-                self._sent, self._sent_to = set(), conn
-            sent = digest in self._sent
+                self._sent, self._files, self._blobs, self._sent_to = set(), {}, set(), conn
+        source, handles = self._where(external, conn)
+        if source == "inline":
+            log.info("the worker keeps no blob cache: the model's external data travels inside it")
+            model, external = self._inlined(model, external), None
+        digest, data = self._digest(model)
+        key = model_key(digest, {name: (h, external.files[name].size) for name, h in handles.items()})
+        with self._lock:
+            sent = key in self._sent
         if sent:
-            yield ep_pb2.ModelRef(sha256=digest)
+            yield ep_pb2.ModelRef(sha256=key)
             return
         if data is None:
             data = model.SerializeToString()
+        files = [ep_pb2.ExternalFile(name=name, nbytes=external.files[name].size, **{source: handle})
+                 for name, handle in handles.items()]
         staged = self._stager.stage_bytes(data) if len(data) >= SHM_MODEL_BYTES and self._stager.available else None
         try:
             if staged is None:
-                yield ep_pb2.ModelRef(model=data)
+                yield ep_pb2.ModelRef(model=data, files=files)
             else:
-                yield ep_pb2.ModelRef(buffer=ep_pb2.BufferBlob(buffer=staged.handle, nbytes=len(data)))
+                yield ep_pb2.ModelRef(buffer=ep_pb2.BufferBlob(buffer=staged.handle, nbytes=len(data)), files=files)
             with self._lock:
                 if self._sent_to is conn:
-                    self._sent.add(digest)
+                    self._sent.add(key)
         finally:
             if staged is not None:
                 self._stager.discard(staged)
+
+    def _where(self, external: ExternalData | None, conn) -> tuple[str, dict]:
+        """How the worker gets the external data files: ExternalFile's source field, and each file's value of it
+        by name ("inline": their bytes go inside the model)."""
+        if not external:
+            return "", {}
+        on_worker = [f for f in external.files.values() if isinstance(f, WorkerFile)]
+        if on_worker:
+            elsewhere = [f for f in external.files.values()
+                         if not isinstance(f, WorkerFile) or f.worker != self._link.name]
+            if elsewhere:
+                raise EpFailedPrecondition(f"external data {elsewhere[0].label} cannot reach the worker for "
+                                           f"{self._link.name!r}: the nodes that read it must run where it lives")
+            return "model_dir_path", {f.name: f.path for f in on_worker}
+        if conn is not None and not conn.shares_memory:
+            blobs = self._uploaded(external, conn)
+            return ("sha256", blobs) if blobs is not None else ("inline", {})
+        return "file", self._handles(external, conn)
+
+    def _uploaded(self, external: ExternalData, conn) -> dict[str, str] | None:
+        """Each file's digest, by name, once the worker's blob cache has it: only what it lacks is sent, in
+        chunks, from where an interrupted upload stopped. None where the worker keeps no cache."""
+        out = {}
+        for name, f in external.files.items():
+            digest = f.sha256()
+            with self._lock:
+                known = self._sent_to is conn and digest in self._blobs
+            if known:
+                out[name] = digest
+                continue
+            try:
+                status = self._link.call(lambda c: c.worker.GetBlob, worker_pb2.BlobRef(sha256=digest), conn=conn)
+            except EpFailedPrecondition:
+                return None
+            offset = status.nbytes
+            while not status.complete:
+                data = os.pread(f.fd, min(BLOB_CHUNK, f.size - offset), offset)
+                if not data and offset < f.size:
+                    raise EpInvalidArgument(f"external data {f.label!r} became shorter while it was sent")
+                try:
+                    status = self._link.call(lambda c: c.worker.PutBlob, worker_pb2.BlobChunk(
+                        sha256=digest, nbytes=f.size, offset=offset, data=data), conn=conn)
+                except EpFailedPrecondition:  # another client is sending the same bytes: wait for it, or take over
+                    time.sleep(0.05)
+                    status = self._link.call(lambda c: c.worker.GetBlob, worker_pb2.BlobRef(sha256=digest), conn=conn)
+                offset = status.nbytes
+            with self._lock:
+                if self._sent_to is conn:
+                    self._blobs.add(digest)
+            out[name] = digest
+        return out
+
+    def _inlined(self, model: onnx.ModelProto, external: ExternalData) -> onnx.ModelProto:
+        with self._lock:
+            cached = self._hashes.get(-id(model))
+        if cached is not None and cached[0] is model:
+            return cached[1]
+        inlined = external.inlined(model)
+        with self._lock:
+            self._hashes[-id(model)] = (model, inlined)
+        return inlined
 
 
 class RemoteDataTransfer(RemoteHandle):

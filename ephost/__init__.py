@@ -16,7 +16,7 @@ from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpE
 from ephost.tensor import Tensor
 from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, HardwareDevice, HardwareDeviceType,
                           MemoryInfo)
-from ephost.client import (Environment, EpDevice, InferenceSession, IOBinding, NodeArg, RunOptions,
+from ephost.client import (Environment, EpDevice, InferenceSession, IOBinding, ModelOnWorker, NodeArg, RunOptions,
                            SessionOptions, SharedAllocator, SyncNotification, SyncStream)
 
 __version__ = "0.1.0"
@@ -52,7 +52,7 @@ def copy_tensors(src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStrea
 
 __all__ = [
     "Environment", "EpDevice", "InferenceSession", "IOBinding", "SessionOptions", "RunOptions", "NodeArg", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
-    "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType", "AllocatorType", "HOST_MEMORY",
+    "ModelOnWorker", "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType", "AllocatorType", "HOST_MEMORY",
     "get_default_environment", "register_execution_provider_library", "unregister_execution_provider_library",
     "get_ep_devices", "copy_tensors",
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",

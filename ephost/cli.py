@@ -84,7 +84,8 @@ def cmd_worker(args) -> int:
     return serve(args.ep, _options(args.option), parse_listen(args.listen, args.insecure, security.tls),
                  exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security,
                  client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None,
-                 drain_grace_s=args.drain_grace_s)
+                 drain_grace_s=args.drain_grace_s, cache_dir=args.cache_dir,
+                 cache_max_bytes=args.cache_max_mb << 20, model_dir=args.model_dir)
 
 
 def _grace(text: str) -> float:
@@ -247,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--drain-grace-s", type=_grace, default=5.0,
                    help="on SIGTERM or SIGINT, how long calls under way may take to finish (default 5); keep it "
                         "under the orchestrator's own grace (Kubernetes: terminationGracePeriodSeconds)")
+    w.add_argument("--cache-dir", help="where external data files sent by clients that share no memory with the "
+                                       "worker are kept, by content (default $EPHOST_CACHE_DIR/blobs, "
+                                       "~/.cache/ephost/blobs)")
+    w.add_argument("--model-dir", help="a directory of models clients may name by relative path "
+                                       "(ephost.ModelOnWorker): their weights never leave this host")
+    w.add_argument("--cache-max-mb", type=int, default=10240,
+                   help="size limit of that cache, MiB; the least recently used go first (default 10240; 0: no "
+                        "cache, such clients send the bytes inside the model)")
     add_environment_arguments(w)
     w.set_defaults(func=cmd_worker)
 

@@ -38,6 +38,7 @@ class _Ticket:
     owner: Any = None       # who it dies with (a client id), see revoke()
     group: Any = None       # and what (the allocator the region belongs to)
     lane: bool = False      # binds a fast-lane connection to `owner` (ephost.server.fastlane); no descriptor
+    sink: Any = None        # an import ticket: called with (a duplicate of) the one descriptor the peer attaches
 
     def close(self) -> None:
         if self.fd is not None:
@@ -84,6 +85,14 @@ class DescriptorServer:
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
             self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, owner)
+        return ticket
+
+    def issue_import(self, sink, *, owner: Any = None) -> bytes:
+        """A ticket with which a client hands over one open file: `sink(fd)` takes it (and owns the descriptor;
+        it raises to refuse it, and closes it then)."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self._lock:
+            self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, owner, sink=sink)
         return ticket
 
     def issue_lane(self, client_id: str) -> bytes:
@@ -168,6 +177,9 @@ class DescriptorServer:
                     entry.close()
                 conn.sendall(_NO)
                 return
+            if entry.sink is not None:  # an import: the client hands over one file
+                conn.sendall(_OK if len(fds) == 1 and _accept(entry.sink, fds[0]) else _NO)
+                return
             if entry.fd is None:  # a probe: the client hands over its segment
                 conn.sendall(_OK + _probe_digest(fds))
                 return
@@ -187,6 +199,30 @@ class DescriptorServer:
             self._tickets.clear()
         for entry in entries:
             entry.close()
+
+
+def _accept(sink, fd: int) -> bool:
+    """Give a duplicate of `fd` to an import ticket's sink; False where it refuses it."""
+    try:
+        sink(os.dup(fd))
+        return True
+    except Exception as e:
+        log.info("an imported file was refused: %s", e)
+        return False
+
+
+def hand_over_file(path: str, ticket: bytes, fd: int, timeout: float = 5.0) -> None:
+    """Redeem an import ticket at a worker's descriptor socket, handing it `fd` (an open, read-only file)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            socket.send_fds(sock, [ticket], [fd])
+            reply = _recv_exact(sock, 2)
+        except OSError as e:
+            raise EpWorkerUnavailable(f"cannot reach the worker's descriptor socket: {e.strerror or e}") from None
+    if reply != _OK:
+        raise EpPermissionDenied("the worker refused the file (ticket unknown or expired, or not a regular file)")
 
 
 def _probe_digest(fds: list[int]) -> bytes:

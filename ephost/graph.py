@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Mapping
+from typing import Any, Hashable, Iterable, Mapping
 
 import onnx
 from onnx import helper, shape_inference
@@ -76,6 +76,9 @@ class GraphIndex:
     initializers: set[str] = field(default_factory=set)
     graph_inputs: list[str] = field(default_factory=list)
     graph_outputs: list[str] = field(default_factory=list)
+    # The model's external data files (ephost.external_data.ExternalData), where its tensors keep their bytes
+    # outside it; None where it has none.
+    external: Any = None
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "GraphIndex":

@@ -9,9 +9,11 @@ same model in this process under ONNX Runtime's CPU EP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -178,7 +180,9 @@ def main(args) -> int:
             if not devices:
                 raise EpNotFound(f"{ep.target} reports no device on this machine")
             options.add_provider_for_devices(devices)
-        with InferenceSession(path, options, env=env) as session:
+        with _progress(path):
+            session = InferenceSession(path, options, env=env)
+        with session:
             rng = np.random.default_rng(0)
             given = dict(_load_input(spec) for spec in args.input)
             feeds = {}
@@ -226,6 +230,51 @@ def main(args) -> int:
                     print(f"in process, ONNX Runtime's CPU EP: {_ms(baseline)} median; "
                           f"out of process / in process: {median / baseline:.2f}")
     return 0 if ok else 1
+
+
+# Models with more bytes than this (the file and its external data) show progress while the session is made.
+BIG_MODEL_BYTES = 256 << 20
+
+
+@contextlib.contextmanager
+def _progress(path: str):
+    """For a big model: the session's steps (read the graph, ask each EP, compile) as they happen, timed."""
+    from ephost.external_data import external_refs
+    try:
+        total = os.path.getsize(path)
+        if total < BIG_MODEL_BYTES:  # a small file: its graph is cheap to read, to add its external data's size
+            folder = os.path.dirname(os.path.abspath(path))
+            files = {r.location for _, r in external_refs(onnx.load(path, load_external_data=False))}
+            total += sum(os.path.getsize(os.path.join(folder, f)) for f in files
+                         if os.path.isfile(os.path.join(folder, f)))
+    except Exception:  # the session itself says what is wrong with the model
+        total = 0
+    if total < BIG_MODEL_BYTES:
+        yield
+        return
+    print(f"model: {path} ({total / (1 << 30):.2f} GiB with its external data); making the session:", flush=True)
+    start = time.perf_counter()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_Elapsed(start))
+    logger = logging.getLogger("ephost.client.session")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    print(f"  [{time.perf_counter() - start:6.2f} s] session ready", flush=True)
+
+
+class _Elapsed(logging.Formatter):
+    def __init__(self, start: float):
+        super().__init__()
+        self._start = start
+
+    def format(self, record) -> str:
+        return f"  [{time.perf_counter() - self._start:6.2f} s] {record.getMessage()}"
 
 
 def _show_failures(session, run: int) -> None:

@@ -10,13 +10,15 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import onnx
 
 from ephost import ep_context
 from ephost.eps.kernel_info import KernelInfo, TypeInfo, ValueInfo  # noqa: F401 (part of the EP interface)
+from ephost.external_data import ExternalData, ExternalFile, external_ref
 from ephost.graph import GraphIndex, extract
 from ephost.memory import Buffer
-from ephost.types import EpDeviceInfo, MemoryInfo
+from ephost.types import HOST_MEMORY, EpDeviceInfo, HardwareDeviceType, MemoryInfo
 
 if TYPE_CHECKING:
     from ephost.tensor import Tensor
@@ -54,6 +56,11 @@ class FusedGraph:
         """What the partition's compute sees of itself (ORT's OrtKernelInfo): its inputs' and outputs' names,
         element types and shapes, in the order compute takes and returns them, and the EP's `options`."""
         return KernelInfo.of(self.model, self.name, options)
+
+    @property
+    def external(self) -> ExternalData | None:
+        """The files the model's external tensors name (ephost.external_data), or None where it has none."""
+        return self.source.external
 
 
 @runtime_checkable
@@ -123,9 +130,71 @@ class NodeComputeInfo(Protocol):
 
 
 @runtime_checkable
+class ExternalDataLoader(Protocol):
+    """ONNX Runtime's external data loader (OrtExternalDataLoader): an EP that puts initializers stored in
+    external data files straight into memory of its own, asked per memory info whether it can."""
+
+    def can_load(self, memory_info: MemoryInfo) -> bool: ...
+    def load_tensor(self, file: ExternalFile, offset: int, length: int, tensor: "Tensor") -> None: ...
+
+
+class MappingLoader:
+    """The default: host memory gets the file's pages mapped, read-only, where they are (nothing copied;
+    untouched pages are never read). `load_tensor` copies, for an EP that asks for a tensor of its own."""
+
+    def can_load(self, memory_info: MemoryInfo) -> bool:
+        return memory_info.device_type == HardwareDeviceType.CPU
+
+    def load_tensor(self, file: ExternalFile, offset: int, length: int, tensor: "Tensor") -> None:
+        np.copyto(tensor.local_bytes(), np.frombuffer(file.view(offset, length), np.uint8))
+
+
+def external_initializers(graph: FusedGraph, ep: Any = None, memory_info: MemoryInfo = HOST_MEMORY,
+                          allocator: Allocator | None = None) -> dict[str, Any]:
+    """The partition's main-graph initializers whose bytes are external, by name. Where the EP has a loader
+    (`ep.external_data_loader()`) that can load into `memory_info`, each is loaded by it into a tensor of
+    `allocator` (host memory where none is given); otherwise (the default) each is an array over the file's
+    mapping: no copy. Only what this partition reads is touched."""
+    external = graph.external
+    if external is None:
+        return {}
+    get_loader = getattr(ep, "external_data_loader", None)
+    loader = get_loader() if get_loader is not None else None
+    if loader is not None and not loader.can_load(memory_info):
+        loader = None
+    out: dict[str, Any] = {}
+    for t in graph.model.graph.initializer:
+        ref = external_ref(t)
+        if ref is None:
+            continue
+        mapped = external.array(t)  # checks bounds and type; its pages are not touched
+        if loader is None:
+            out[t.name] = mapped
+            continue
+        from ephost import tensor as tensors  # not at the top: ephost.tensor is imported after this module
+        tensor = tensors.Tensor.empty(mapped.shape, mapped.dtype, allocator) if allocator is not None \
+            else tensors.Tensor.from_numpy(np.empty(mapped.shape, mapped.dtype))
+        loader.load_tensor(external.file(ref), ref.offset, mapped.nbytes, tensor)
+        out[t.name] = tensor
+    return out
+
+
+def capability(ep: "Ep", model: onnx.ModelProto, claimed: frozenset[str],
+               external: ExternalData | None = None) -> list[NodeGroup]:
+    """Ask `ep` which nodes it takes; the model's external data files go along where it has any (an EP that
+    never sees such a model need not take the argument)."""
+    if external is None:
+        return ep.get_capability(model, claimed)
+    return ep.get_capability(model, claimed, external=external)
+
+
+@runtime_checkable
 class Ep(Protocol):
     def get_name(self) -> str: ...
-    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]: ...
+    # `external`: the files the model's external tensors name (given only where it has any); the EP maps
+    # what it reads, never opens a path the model names.
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str],
+                       external: ExternalData | None = None) -> list[NodeGroup]: ...
     def compile(self, graphs: Sequence[FusedGraph]) -> list[NodeComputeInfo]: ...
     def release_node_compute_infos(self, infos: Sequence[NodeComputeInfo]) -> None: ...
     def get_preferred_data_layout(self) -> str: ...

@@ -17,6 +17,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from ephost.eps import check_options, load_factory
+from ephost.eps.base import capability
 from ephost.errors import EpInternal, EpInvalidArgument
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,9 @@ class ChaosComputeInfo(_Wrapper):
 
 
 class ChaosEp(_Wrapper):
-    def get_capability(self, model, claimed):
+    def get_capability(self, model, claimed, external=None):
         self._fault.check("get_capability")
-        return self._inner.get_capability(model, claimed)
+        return capability(self._inner, model, claimed, external)
 
     def compile(self, graphs):
         self._fault.check("compile")

@@ -30,6 +30,7 @@ from ephost.eps.library_paths import resolve_library
 from ephost.eps.ort_values import from_ort_value, is_exotic_type, onnx_type_of, to_ort_value
 from ephost.eps.reference import cpu_device
 from ephost.graph import BUILTIN_DOMAINS
+from ephost.external_data import ExternalData, has_external_data, on_disk
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype, nbytes_of
@@ -59,6 +60,8 @@ _REGISTRATION = "ephost"
 # The compiled forms of the onnxruntime EP (see OrtEp._context).
 CONTEXT_OPTIMIZED = "onnxruntime_optimized_model"
 CONTEXT_ORT = "onnxruntime_ep_context_model"
+# Where ORT finds the external data files of a model given as bytes (relative locations resolve against it).
+ORT_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 # Outputs of a known size at least this large are written by ORT straight into the output allocator (for a
 # worker: shared memory its client maps); smaller ones, unless a later partition of the same EP reads them
 # (`keep`), come from ORT's own memory: they travel inline anyway, so an allocation there would be waste.
@@ -316,13 +319,25 @@ class OrtEp(EpDefaults):
     def get_name(self) -> str:
         return self._factory.get_name()
 
-    def _session(self, model: onnx.ModelProto | bytes, *, capability: bool = False, restore: bool = False,
-                 context_path: str | None = None):
+    def _session(self, model: onnx.ModelProto | bytes, external: ExternalData | None = None, *,
+                 capability: bool = False, restore: bool = False, context_path: str | None = None):
         """An ORT session of `model`: asking which nodes the EP takes (`capability`), compiling (writing the
         compiled form to `context_path` where given), or restoring a compiled form (`restore`: the model is
-        that form, already optimized)."""
+        that form, already optimized). `external`: the files the model's external tensors name."""
         ort = _ort()
         options = ort.SessionOptions()
+        if not isinstance(model, bytes):
+            model = readable_model(model)
+            if external is not None and has_external_data(model):
+                placed = on_disk(model, external)
+                if placed is not None:
+                    # ORT opens (and maps) the very files the descriptors are, by their path here: nothing copied.
+                    model, folder = placed
+                    options.add_session_config_entry(ORT_EXTERNAL_FOLDER, folder)
+                else:
+                    log.warning("the external data files of %s have no path in this process (deleted, or another "
+                                "mount namespace): their bytes are copied into ONNX Runtime", self.get_name())
+                    model = external.inlined(model)
         f = self._factory
         for key in ("intra_op_num_threads", "inter_op_num_threads"):
             if key in f.options:
@@ -348,28 +363,30 @@ class OrtEp(EpDefaults):
             providers = None
         else:
             providers = [(f.provider, self._provider_options)]
-        data = model if isinstance(model, bytes) else readable_model(model).SerializeToString()
+        data = model if isinstance(model, bytes) else model.SerializeToString()
         return ort.InferenceSession(data, options, providers=providers)
 
-    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str],
+                       external: ExternalData | None = None) -> list[NodeGroup]:
         # Its own EPContext nodes are partitions to restore, each its own; ORT is asked about the rest.
         restore = [NodeGroup((n.name,), fused=True) for n in ep_context.own_nodes(model, self.get_name(), claimed)]
         claimed = claimed | {g.node_names[0] for g in restore}
-        return restore + self._capability(model, claimed)
+        return restore + self._capability(model, claimed, external)
 
-    def _capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+    def _capability(self, model: onnx.ModelProto, claimed: frozenset[str],
+                    external: ExternalData | None) -> list[NodeGroup]:
         if any(ep_context.is_ep_context(n) for n in model.graph.node):
             # ORT runs no EPContext node of another EP: ask node by node about the others.
-            return _with_constants(model, claimed, self._capability_by_node(model, claimed))
+            return _with_constants(model, claimed, self._capability_by_node(model, claimed, external=external))
         try:
-            session = self._session(model, capability=True)
+            session = self._session(model, external, capability=True)
         except EpError as e:
             log.info("%s takes no node of this model: %s", self.get_name(), e)
             return []
         except Exception as e:
             # ORT will not take the whole model (an op no EP of it runs): ask node by node.
             log.info("%s cannot load the whole model (%s); asking node by node", self.get_name(), e)
-            return _with_constants(model, claimed, self._capability_by_node(model, claimed))
+            return _with_constants(model, claimed, self._capability_by_node(model, claimed, external=external))
         # Everything ORT gives the chosen EP, as one group: the session splits it where fusing would make a
         # cycle. (ORT reports the CPU EP's nodes one subgraph each; a partition of them is one ORT session.)
         provider = self._factory.provider
@@ -391,14 +408,15 @@ class OrtEp(EpDefaults):
         rewritten = {n.name for n in model.graph.node
                      if n.name not in reported and n.name not in claimed and n.op_type != "Constant"}
         if rewritten:
-            for group in self._capability_by_node(model, claimed, only=rewritten):
+            for group in self._capability_by_node(model, claimed, only=rewritten, external=external):
                 names += group.node_names
         return _with_constants(model, claimed, [NodeGroup(tuple(names), fused=True)] if names else [])
 
     def _capability_by_node(self, model: onnx.ModelProto, claimed: frozenset[str],
-                            only: set[str] | None = None) -> list[NodeGroup]:
+                            only: set[str] | None = None, external: ExternalData | None = None) -> list[NodeGroup]:
         from ephost.graph import GraphIndex
         index = GraphIndex.of(model)
+        index.external = external
         taken = []
         for name in index.order:
             if name in claimed or (only is not None and name not in only):
@@ -406,7 +424,7 @@ class OrtEp(EpDefaults):
             inputs, outputs = index.partition_io([name])
             single = FusedGraph(name, index, (name,), tuple(inputs), tuple(outputs))
             try:
-                session = self._session(single.model, capability=True)
+                session = self._session(single.model, external, capability=True)
             except Exception:
                 continue
             custom = self._factory.custom_ops_libraries and index.nodes[name].domain not in BUILTIN_DOMAINS
@@ -424,8 +442,10 @@ class OrtEp(EpDefaults):
                 continue
             try:
                 with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
-                    path = os.path.join(tmp, "partition.onnx") if self._keep_context else None
-                    session = self._session(graph.model, context_path=path)
+                    # A partition whose weights are external data has no compiled form: it would carry them all.
+                    keep = self._keep_context and graph.external is None
+                    path = os.path.join(tmp, "partition.onnx") if keep else None
+                    session = self._session(graph.model, graph.external, context_path=path)
                     context = self._context(path) if path else None
             except EpError:
                 raise

@@ -12,14 +12,17 @@ from typing import Any, Mapping, Sequence
 
 import onnx
 import onnx.defs
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from ephost.eps import check_options
 from ephost import ep_context
 from ephost.ep_context import EpContext
-from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup
+from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, external_initializers
+from ephost.external_data import has_external_data
 from ephost.eps.host import HostMemoryFactory, local_inputs
 from ephost.errors import EpError, EpInvalidArgument
+from ephost.tensor import Tensor
 from ephost.values import as_value
 from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType
 
@@ -63,15 +66,39 @@ def cpu_device() -> HardwareDevice:
     return HardwareDevice(HardwareDeviceType.CPU, vendor_id, vendor, 0, {"cores": str(os.cpu_count() or 1)})
 
 
+def _with_external_as_inputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of the partition whose initializers `names` (their bytes external) are graph inputs instead, fed
+    at each run with arrays over the file's mapping: the evaluator would otherwise copy them, or open a path."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    kept = [t for t in g.initializer if t.name not in names]
+    moved = [t for t in g.initializer if t.name in names]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    declared = {i.name for i in g.input}
+    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in moved
+                   if t.name not in declared)
+    return out
+
+
 # The reference EP's compiled form: the partition cut out as a standalone model. Restoring it saves only the cut
-# (extracting the partition from its model); the evaluator is built again either way.
+# (extracting the partition from its model); the evaluator is built again either way. A partition with external
+# data has none: its weights are references into files the worker was handed for that model only.
 CONTEXT_FORM = "reference_partition_model"
 
 
 class ReferenceComputeInfo:
-    def __init__(self, name: str, model: onnx.ModelProto, keep_context: bool = False, restored: bool = False):
+    def __init__(self, name: str, model: onnx.ModelProto, keep_context: bool = False, restored: bool = False,
+                 constants: dict[str, Any] | None = None):
+        """`constants`: initializers whose bytes are external, as arrays over the file's mapping (only this
+        partition's), given to the evaluator as feeds."""
         self.name = name
-        self._input_names = [i.name for i in model.graph.input]
+        self._constants = constants or {}
+        if self._constants:
+            model = _with_external_as_inputs(model, self._constants)
+            keep_context = False  # no compiled form: see CONTEXT_FORM
+        self._input_names = [i.name for i in model.graph.input if i.name not in self._constants]
         try:
             self._evaluator = ReferenceEvaluator(model)
         except Exception as e:
@@ -79,6 +106,15 @@ class ReferenceComputeInfo:
         self._lock = threading.Lock()  # the evaluator keeps state while it runs
         self.restored = restored
         self.ep_context = EpContext(CONTEXT_FORM, model.SerializeToString(), VERSION) if keep_context else None
+
+    @classmethod
+    def of(cls, graph: FusedGraph, ep, keep_context: bool) -> "ReferenceComputeInfo":
+        constants = {name: v.local_array() if isinstance(v, Tensor) else v
+                     for name, v in external_initializers(graph, ep).items()}
+        model = graph.model
+        if graph.external is not None and has_external_data(model):  # in subgraphs or attributes: copied in
+            model = graph.external.inlined(model)
+        return cls(graph.name, model, keep_context, constants=constants)
 
     @classmethod
     def restore(cls, graph: FusedGraph, node: onnx.NodeProto, keep_context: bool) -> "ReferenceComputeInfo":
@@ -90,6 +126,8 @@ class ReferenceComputeInfo:
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None, into=None) -> list[Any]:
         feeds = local_inputs(self.name, self._input_names, inputs)
+        if self._constants:
+            feeds.update(self._constants)
         with self._lock:
             try:
                 results = self._evaluator.run(None, feeds)
@@ -108,7 +146,7 @@ class ReferenceEp(EpDefaults):
     def get_name(self) -> str:
         return EP_NAME
 
-    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str]) -> list[NodeGroup]:
+    def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str], external=None) -> list[NodeGroup]:
         # Its own EPContext nodes, each a partition to restore; then one group of everything it can run (the
         # session splits groups whose fusion would form a cycle).
         restore = [NodeGroup((n.name,), fused=True) for n in ep_context.own_nodes(model, EP_NAME, claimed)]
@@ -124,7 +162,7 @@ class ReferenceEp(EpDefaults):
             if node is not None and ep_context.source_of(node) == EP_NAME:
                 out.append(ReferenceComputeInfo.restore(g, node, keep))
             else:
-                out.append(ReferenceComputeInfo(g.name, g.model, keep))
+                out.append(ReferenceComputeInfo.of(g, self, keep))
         return out
 
 

@@ -15,7 +15,7 @@ from ephost.errors import EpFailedPrecondition, EpNotFound, EpUnknownClient
 log = logging.getLogger(__name__)
 
 # Kinds of handle, and how each is released when its client leaves (in this order).
-KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffer", "allocator")
+KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffer", "allocator", "file")
 
 
 @dataclass

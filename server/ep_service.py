@@ -3,7 +3,7 @@ Compute over graph values that stay in this worker's memory between partitions."
 from __future__ import annotations
 
 from ephost.errors import EpNotFound
-from ephost.eps.base import FusedGraph
+from ephost.eps.base import FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, into_value, output_buffers, output_value
@@ -18,7 +18,7 @@ class EpService(Servicer):
         client = call.client
         ep = client.get("ep", request.ep)
         index = self.state.model(client, request.model)
-        groups = ep.get_capability(index.model, frozenset(request.claimed_nodes))
+        groups = capability(ep, index.model, frozenset(request.claimed_nodes), index.external)
         kind = ep_pb2.NodeGroup.Kind
         return ep_pb2.GetCapabilityResponse(groups=[
             ep_pb2.NodeGroup(kind=kind.KIND_FUSED if g.fused else kind.KIND_SINGLE, node_names=list(g.node_names))

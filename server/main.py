@@ -28,7 +28,9 @@ from ephost.errors import EpError
 from ephost.eps import load_factory
 from ephost.fdshare import DescriptorServer, remove_stale_socket
 from ephost import wire
+from ephost.worker_env import cache_dir as default_cache_root
 from ephost.server.allocator_service import AllocatorService
+from ephost.server.blob_cache import BlobCache
 from ephost.server.contract import SERVICES as CONTRACT
 from ephost.server.ep_service import EpService
 from ephost.server.factory_service import EpFactoryService
@@ -91,11 +93,14 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
-          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, drain_grace_s: float = 5.0) -> int:
+          client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, drain_grace_s: float = 5.0,
+          cache_dir: str | None = None, cache_max_bytes: int = 10 << 30, model_dir: str | None = None) -> int:
     limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
+    blobs = BlobCache(cache_dir or str(default_cache_root() / "blobs"), cache_max_bytes) if cache_max_bytes > 0 \
+        else None
     try:
         return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits,
-                      drain_grace_s)
+                      drain_grace_s, blobs, model_dir)
     finally:
         _remove_sockets(listen)
 
@@ -106,7 +111,8 @@ def default_max_alloc() -> int:
 
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
-           security: Security, client_lease_s: float, limits: Limits, drain_grace_s: float) -> int:
+           security: Security, client_lease_s: float, limits: Limits, drain_grace_s: float,
+           blobs: BlobCache | None = None, model_dir: str | None = None) -> int:
     max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
@@ -117,7 +123,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         return 2
     listen.make_private_dir()
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
-    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent)
+    state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent, blobs=blobs,
+                        model_dir=model_dir)
     stop = threading.Event()
     grace = [drain_grace_s]
 

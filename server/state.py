@@ -13,12 +13,14 @@ from typing import Any, Mapping
 
 import onnx
 
-from ephost.errors import EpInvalidArgument, EpNotFound, EpResourceExhausted
+from ephost.external_data import ExternalData, model_key, path_inside
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted
 from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
 from ephost.memory import Region
 from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo, checked_enum, refuse_external_data
 from ephost.server.clients import ClientRegistry, ClientState
+from ephost.server.files import FileSlot
 from ephost.server.stats import WorkerStats
 from ephost.v1 import worker_pb2
 from ephost.wire import MAX_MESSAGE, PROTOCOL
@@ -46,7 +48,7 @@ def installed_version(distribution: str) -> str:
 
 class WorkerState:
     def __init__(self, ep_name: str, factory, options: Mapping[str, str], fd_server: DescriptorServer | None,
-                 limits: Limits = Limits(), launched: bool = False):
+                 limits: Limits = Limits(), launched: bool = False, blobs=None, model_dir: str | None = None):
         self.ep_name = ep_name
         self.limits = limits
         # Launched by one application for itself (--exit-with-parent): that application, and only it, may
@@ -61,6 +63,9 @@ class WorkerState:
             dataclasses.replace(d, ep_metadata={**d.ep_metadata, "onnxruntime_version": self.onnxruntime_version})
             if self.onnxruntime_version else d for d in factory.get_supported_devices()]
         self.fd_server = fd_server
+        self.blobs = blobs  # the disk cache of external data blobs (server.blob_cache.BlobCache), or None
+        # Models (and their external data) clients may name by a path relative to this directory (--model-dir)
+        self.model_dir = os.path.realpath(model_dir) if model_dir else None
         self.lane = None  # the fast lane's listener (ephost.server.fastlane.LaneServer) where clients share memory
         self.stats = WorkerStats()
         self.clients = ClientRegistry(self._release, self._left)
@@ -119,7 +124,8 @@ class WorkerState:
             return None
 
     def model(self, client: ClientState, ref) -> GraphIndex:
-        """The model a ModelRef names, parsed and indexed once per client and content hash."""
+        """The model a ModelRef names, parsed and indexed once per client and content hash (of its bytes and of
+        the files its external data names)."""
         source = ref.WhichOneof("source")
         if source == "sha256":
             index = client.models.get(ref.sha256)
@@ -136,7 +142,10 @@ class WorkerState:
             data = bytes(view[: ref.buffer.nbytes])
         else:
             raise EpInvalidArgument("ModelRef says nowhere where the model is")
-        digest = hashlib.sha256(data).hexdigest()
+        handles = {f.name: (getattr(f, f.WhichOneof("source") or "file"), f.nbytes) for f in ref.files}
+        if len(handles) != len(ref.files):
+            raise EpInvalidArgument("ModelRef names one external data file twice")
+        digest = model_key(hashlib.sha256(data).hexdigest(), handles)
         if digest not in client.models:
             try:
                 model = onnx.load_model_from_string(data)
@@ -145,9 +154,61 @@ class WorkerState:
             if len(model.graph.node) > MAX_MODEL_NODES:
                 raise EpResourceExhausted(f"the model has {len(model.graph.node)} nodes; this worker takes models "
                                           f"of up to {MAX_MODEL_NODES}")
-            refuse_external_data(model, "the model")
-            client.models[digest] = GraphIndex.of(model)
+            external = self._external_files(client, ref.files)
+            if external is None:
+                refuse_external_data(model, "the model")
+            else:
+                external.check(model)  # every location one of the files, every range inside it
+            index = GraphIndex.of(model)
+            index.external = external
+            client.models[digest] = index
         return client.models[digest]
+
+    def _external_files(self, client: ClientState, files) -> ExternalData | None:
+        """The files a ModelRef's external data names, by name: descriptors this client handed over, or blobs
+        of this worker's cache (opened here, by their digest, from the cache's own directory)."""
+        if not files:
+            return None
+        out = {}
+        for f in files:
+            source = f.WhichOneof("source")
+            if source == "file":
+                mapped = client.get("file", f.file).get()
+            elif source == "model_dir_path":
+                slot = FileSlot("a model directory file")
+                mapped = slot.attach(self.open_in_model_dir(f.model_dir_path, f"external data file {f.name!r}"))
+                client.add("file", slot)  # closed when the client goes
+            elif source == "sha256":
+                if self.blobs is None:
+                    raise EpFailedPrecondition("this worker has no blob cache (--cache-max-mb 0)")
+                slot = FileSlot("a cached blob")
+                mapped = slot.attach(self.blobs.open(f.sha256, f.name))
+                client.add("file", slot)  # closed when the client goes
+            else:
+                raise EpInvalidArgument(f"external data file {f.name!r} says nowhere where its bytes are")
+            if mapped.size != f.nbytes:
+                raise EpInvalidArgument(f"external data file {f.name!r} is {mapped.size} bytes here, not the "
+                                        f"{f.nbytes} the client says (changed on disk?)")
+            out[f.name] = mapped
+        return ExternalData(out)
+
+    def model_dir_path(self, path: str, what: str) -> str:
+        """The path of `path` (relative) inside this worker's model directory; never one outside it."""
+        if self.model_dir is None:
+            raise EpFailedPrecondition("this worker has no model directory (--model-dir)")
+        inside = path_inside(self.model_dir, path)
+        if inside is None:
+            raise EpInvalidArgument(f"{what} {path!r} is not inside the worker's model directory")
+        return inside
+
+    def open_in_model_dir(self, path: str, what: str) -> int:
+        """A read-only descriptor of a file in the model directory."""
+        try:
+            return os.open(self.model_dir_path(path, what), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise EpNotFound(f"{what} {path!r} is not in the worker's model directory") from None
+        except OSError as e:
+            raise EpInvalidArgument(f"{what} {path!r} cannot be opened: {e.strerror}") from None
 
     def _release(self, kind: str, obj: Any) -> None:
         if kind in ("stream", "notification"):
@@ -156,6 +217,8 @@ class WorkerState:
             self.factory.release_ep(obj)
         elif kind == "allocator":
             self.release_allocator(obj)
+        elif kind == "file":
+            obj.close()
         # buffers go with their allocator; compute infos and data transfers hold nothing to release
 
     def release_allocator(self, allocator) -> None:

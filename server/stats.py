@@ -16,7 +16,9 @@ class WorkerStats:
                                        "compute_outputs_in_place", "compute_outputs_copied",
                                        "fast_lane_calls", "fast_lane_connections",
                                        "partitions_compiled", "partitions_restored",
-                                       "compute_input_bytes_resident", "compute_input_bytes_transferred"), 0)
+                                       "compute_input_bytes_resident", "compute_input_bytes_transferred",
+                                       "files_imported", "file_bytes_imported", "blob_chunks_received",
+                                       "blob_bytes_received", "blob_hits"), 0)
 
     def record_call(self, method: str, seconds: float, ok: bool) -> None:
         with self._lock:

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpPermissionDenied
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpPermissionDenied
+from ephost.server.blob_cache import check_digest
+from ephost.server.files import FileSlot
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.state import WorkerState
 from ephost.wire import MAX_GRACE_S, PROTOCOL
-from ephost.v1 import common_pb2, worker_pb2
+from ephost.external_data import load_model
+from ephost.v1 import common_pb2, ep_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,55 @@ class WorkerService(Servicer):
             raise EpInvalidArgument(f"region {request.region} is worker-local (DEFAULT) memory and cannot be shared")
         ticket = self.state.fd_server.issue(region.fd, region.size, owner=client.client_id, group=allocator)
         return worker_pb2.ExportRegionResponse(ticket=ticket, nbytes=region.size)
+
+    @rpc
+    def ImportFile(self, request, call):
+        client = call.client
+        if self.state.fd_server is None:
+            raise EpFailedPrecondition("this worker has no descriptor socket (it listens on TCP): it cannot take "
+                                       "files by descriptor")
+        slot = FileSlot("an imported file")
+        handle = client.add("file", slot)
+
+        def attach(fd: int) -> None:
+            f = slot.attach(fd)
+            self.state.stats.add(files_imported=1, file_bytes_imported=f.size)
+
+        return worker_pb2.FileTicket(ticket=self.state.fd_server.issue_import(attach, owner=client.client_id),
+                                     file=handle)
+
+    def _blobs(self):
+        if self.state.blobs is None:
+            raise EpFailedPrecondition("this worker keeps no blob cache (--cache-max-mb 0)")
+        return self.state.blobs
+
+    @rpc
+    def GetBlob(self, request, call):
+        complete, nbytes = self._blobs().status(check_digest(request.sha256))
+        self.state.stats.add(blob_hits=int(complete))
+        return worker_pb2.BlobStatus(complete=complete, nbytes=nbytes)
+
+    @rpc
+    def PutBlob(self, request, call):
+        complete, nbytes = self._blobs().write(check_digest(request.sha256), request.nbytes, request.offset,
+                                               request.data)
+        self.state.stats.add(blob_chunks_received=1, blob_bytes_received=len(request.data))
+        return worker_pb2.BlobStatus(complete=complete, nbytes=nbytes)
+
+    @rpc
+    def OpenModel(self, request, call):
+        root = self.state.model_dir
+        path = self.state.model_dir_path(request.path, "model")
+        if not os.path.isfile(path):
+            raise EpNotFound(f"no model {request.path!r} in the worker's model directory")
+        model, external = load_model(path)  # its external data must lie beside it, inside the directory
+        files = []
+        if external is not None:
+            for name, f in external.files.items():
+                files.append(ep_pb2.ExternalFile(name=name, nbytes=f.size, model_dir_path=os.path.relpath(
+                    os.path.normpath(os.path.join(os.path.dirname(path), name)), root)))
+            external.close()
+        return worker_pb2.ModelGraph(model=model.SerializeToString(), files=files)
 
     @rpc
     def OpenDataPlane(self, request, call):

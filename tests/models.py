@@ -70,3 +70,52 @@ def with_loop():
     zero = numpy_helper.from_array(np.zeros(2, np.float32), "zero")
     true = numpy_helper.from_array(np.array(True), "true")
     return model(nodes, [tensor("x", [2]), tensor("n", [], TensorProto.INT64)], [tensor("sum", [2])], [zero, true])
+
+
+# --- models with external data ----------------------------------------------------------------------------
+
+def _external(t: TensorProto, location: str, offset: int, length: int) -> TensorProto:
+    t.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t
+
+
+def sparse_external_model(folder, weights: int = 5, elements: int = 128 << 20, positions=(0, 12345, 1 << 26),
+                          location: str = "weights.bin", opset: int = 18, dense: bool = False, aligned: bool = True):
+    """A model whose `weights` float32 initializers of `elements` each (512 MiB by default: 2.5 GiB in all)
+    live in one external file made sparse: only the floats at `positions` of each are written (value
+    1000 * k + j + 0.5 for weight k, position j), the rest is a hole that costs no disk (`dense`: ones, written
+    out, as a real model's bytes are). The graph reads just those: y = Sum_k Gather(W_k, idx). Returns (model
+    path, idx, expected y); the hole the expected y reads is 0 (1 where dense). `aligned`: each weight starts on
+    a 64 KiB boundary (ORT maps those); else right after the one before, as onnx.save writes them (ORT reads
+    those into its own memory)."""
+    import os
+    import onnx
+    folder = os.fspath(folder)
+    nbytes = elements * 4
+    stride = -(-nbytes // 65536) * 65536 if aligned else nbytes + 4
+    path = os.path.join(folder, location)
+    with open(path, "wb") as f:
+        f.truncate(stride * weights)
+        if dense:
+            ones = np.ones(min(elements, 16 << 20), np.float32).tobytes()
+            for k in range(weights):
+                for start in range(0, elements, len(ones) // 4):
+                    os.pwrite(f.fileno(), ones[:4 * min(len(ones) // 4, elements - start)], k * stride + 4 * start)
+        for k in range(weights):
+            for j, p in enumerate(positions):
+                os.pwrite(f.fileno(), np.float32(1000 * k + j + 0.5).tobytes(), k * stride + 4 * p)
+    inits = [_external(TensorProto(name=f"W{k}", data_type=TensorProto.FLOAT, dims=[elements]), location,
+                       k * stride, nbytes) for k in range(weights)]
+    nodes = [helper.make_node("Gather", [f"W{k}", "idx"], [f"g{k}"], name=f"gather{k}") for k in range(weights)]
+    nodes.append(helper.make_node("Sum", [f"g{k}" for k in range(weights)], ["y"], name="sum"))
+    m = model(nodes, [tensor("idx", [None], TensorProto.INT64)], [tensor("y", [None])], inits,
+              opset=[helper.make_opsetid("", opset)])
+    model_path = os.path.join(folder, "model.onnx")
+    onnx.save(m, model_path)
+    idx = np.array([*positions, 7], np.int64)  # every position written, and a hole (zeros)
+    expected = np.array([sum(1000 * k + j + 0.5 for k in range(weights)) for j in range(len(positions))]
+                        + [float(weights) if dense else 0.0], np.float32)
+    return model_path, idx, expected

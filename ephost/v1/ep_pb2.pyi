@@ -9,14 +9,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelRef(_message.Message):
-    __slots__ = ("model", "sha256", "buffer")
+    __slots__ = ("model", "sha256", "buffer", "files")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
     model: bytes
     sha256: str
     buffer: BufferBlob
-    def __init__(self, model: _Optional[bytes] = ..., sha256: _Optional[str] = ..., buffer: _Optional[_Union[BufferBlob, _Mapping]] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[ExternalFile]
+    def __init__(self, model: _Optional[bytes] = ..., sha256: _Optional[str] = ..., buffer: _Optional[_Union[BufferBlob, _Mapping]] = ..., files: _Optional[_Iterable[_Union[ExternalFile, _Mapping]]] = ...) -> None: ...
+
+class ExternalFile(_message.Message):
+    __slots__ = ("name", "nbytes", "file", "sha256", "model_dir_path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    nbytes: int
+    file: int
+    sha256: str
+    model_dir_path: str
+    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ..., file: _Optional[int] = ..., sha256: _Optional[str] = ..., model_dir_path: _Optional[str] = ...) -> None: ...
 
 class BufferBlob(_message.Message):
     __slots__ = ("buffer", "nbytes")

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from ephost.v1 import common_pb2 as ephost_dot_v1_dot_common__pb2
+from ephost.v1 import ep_pb2 as ephost_dot_v1_dot_ep__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65phost/v1/worker.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"M\n\x0cHelloRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\x12\x16\n\x0e\x65phost_version\x18\x03 \x01(\t\"Z\n\rHelloResponse\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12#\n\x04info\x18\x02 \x01(\x0b\x32\x15.ephost.v1.WorkerInfo\x12\x11\n\tfd_socket\x18\x03 \x01(\t\"\x9a\x02\n\nWorkerInfo\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x38\n\nep_options\x18\x05 \x03(\x0b\x32$.ephost.v1.WorkerInfo.EpOptionsEntry\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x12\x16\n\x0e\x65phost_version\x18\x07 \x01(\t\x12\x1b\n\x13onnxruntime_version\x18\x08 \x01(\t\x12\x16\n\x0epython_version\x18\t \x01(\t\x1a\x30\n\x0e\x45pOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0bMethodStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\r\n\x05max_s\x18\x04 \x01(\x01\"\xd3\x04\n\x0bWorkerStats\x12\x34\n\x07methods\x18\x01 \x03(\x0b\x32#.ephost.v1.WorkerStats.MethodsEntry\x12\x14\n\x0c\x62ytes_copied\x18\x02 \x01(\x03\x12\x17\n\x0f\x62ytes_inline_in\x18\x03 \x01(\x03\x12\x18\n\x10\x62ytes_inline_out\x18\x04 \x01(\x03\x12\x14\n\x0c\x62uffers_live\x18\x05 \x01(\x03\x12\x0f\n\x07\x63lients\x18\x06 \x01(\x03\x12\x0e\n\x06\x63opies\x18\x07 \x01(\x03\x12\x1f\n\x17\x63ompute_inputs_resident\x18\x08 \x01(\x03\x12\"\n\x1a\x63ompute_inputs_transferred\x18\t \x01(\x03\x12 \n\x18\x63ompute_outputs_in_place\x18\n \x01(\x03\x12\x1e\n\x16\x63ompute_outputs_copied\x18\x0b \x01(\x03\x12\x17\n\x0f\x66\x61st_lane_calls\x18\x0c \x01(\x03\x12\x1d\n\x15\x66\x61st_lane_connections\x18\r \x01(\x03\x12\x1b\n\x13partitions_compiled\x18\x0e \x01(\x03\x12\x1b\n\x13partitions_restored\x18\x0f \x01(\x03\x12$\n\x1c\x63ompute_input_bytes_resident\x18\x10 \x01(\x03\x12\'\n\x1f\x63ompute_input_bytes_transferred\x18\x11 \x01(\x03\x1a\x46\n\x0cMethodsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.ephost.v1.MethodStats:\x02\x38\x01\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"%\n\x13\x45xportRegionRequest\x12\x0e\n\x06region\x18\x01 \x01(\x04\"1\n\x0f\x44\x61taPlaneTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06socket\x18\x02 \x01(\t\"6\n\x14\x45xportRegionResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x32\x97\x04\n\x06Worker\x12:\n\x05Hello\x12\x17.ephost.v1.HelloRequest\x1a\x18.ephost.v1.HelloResponse\x12-\n\x07Goodbye\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12+\n\x05Renew\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12\x32\n\x07GetInfo\x12\x10.ephost.v1.Empty\x1a\x15.ephost.v1.WorkerInfo\x12\x34\n\x08GetStats\x12\x10.ephost.v1.Empty\x1a\x16.ephost.v1.WorkerStats\x12\x38\n\x08Shutdown\x12\x1a.ephost.v1.ShutdownRequest\x1a\x10.ephost.v1.Empty\x12O\n\x0c\x45xportRegion\x12\x1e.ephost.v1.ExportRegionRequest\x1a\x1f.ephost.v1.ExportRegionResponse\x12\x41\n\x0cProbeSharing\x12\x10.ephost.v1.Empty\x1a\x1f.ephost.v1.ExportRegionResponse\x12=\n\rOpenDataPlane\x12\x10.ephost.v1.Empty\x1a\x1a.ephost.v1.DataPlaneTicketb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65phost/v1/worker.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\x1a\x12\x65phost/v1/ep.proto\"\x19\n\tModelPath\x12\x0c\n\x04path\x18\x01 \x01(\t\"C\n\nModelGraph\x12\r\n\x05model\x18\x01 \x01(\x0c\x12&\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x17.ephost.v1.ExternalFile\"\x19\n\x07\x42lobRef\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"I\n\tBlobChunk\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\".\n\nBlobStatus\x12\x10\n\x08\x63omplete\x18\x01 \x01(\x08\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"*\n\nFileTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0c\n\x04\x66ile\x18\x02 \x01(\x04\"M\n\x0cHelloRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\x12\x16\n\x0e\x65phost_version\x18\x03 \x01(\t\"Z\n\rHelloResponse\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12#\n\x04info\x18\x02 \x01(\x0b\x32\x15.ephost.v1.WorkerInfo\x12\x11\n\tfd_socket\x18\x03 \x01(\t\"\x9a\x02\n\nWorkerInfo\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x65p_name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x38\n\nep_options\x18\x05 \x03(\x0b\x32$.ephost.v1.WorkerInfo.EpOptionsEntry\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x12\x16\n\x0e\x65phost_version\x18\x07 \x01(\t\x12\x1b\n\x13onnxruntime_version\x18\x08 \x01(\t\x12\x16\n\x0epython_version\x18\t \x01(\t\x1a\x30\n\x0e\x45pOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0bMethodStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\r\n\x05max_s\x18\x04 \x01(\x01\"\xd6\x05\n\x0bWorkerStats\x12\x34\n\x07methods\x18\x01 \x03(\x0b\x32#.ephost.v1.WorkerStats.MethodsEntry\x12\x14\n\x0c\x62ytes_copied\x18\x02 \x01(\x03\x12\x17\n\x0f\x62ytes_inline_in\x18\x03 \x01(\x03\x12\x18\n\x10\x62ytes_inline_out\x18\x04 \x01(\x03\x12\x14\n\x0c\x62uffers_live\x18\x05 \x01(\x03\x12\x0f\n\x07\x63lients\x18\x06 \x01(\x03\x12\x0e\n\x06\x63opies\x18\x07 \x01(\x03\x12\x1f\n\x17\x63ompute_inputs_resident\x18\x08 \x01(\x03\x12\"\n\x1a\x63ompute_inputs_transferred\x18\t \x01(\x03\x12 \n\x18\x63ompute_outputs_in_place\x18\n \x01(\x03\x12\x1e\n\x16\x63ompute_outputs_copied\x18\x0b \x01(\x03\x12\x17\n\x0f\x66\x61st_lane_calls\x18\x0c \x01(\x03\x12\x1d\n\x15\x66\x61st_lane_connections\x18\r \x01(\x03\x12\x1b\n\x13partitions_compiled\x18\x0e \x01(\x03\x12\x1b\n\x13partitions_restored\x18\x0f \x01(\x03\x12$\n\x1c\x63ompute_input_bytes_resident\x18\x10 \x01(\x03\x12\'\n\x1f\x63ompute_input_bytes_transferred\x18\x11 \x01(\x03\x12\x16\n\x0e\x66iles_imported\x18\x12 \x01(\x03\x12\x1b\n\x13\x66ile_bytes_imported\x18\x13 \x01(\x03\x12\x1c\n\x14\x62lob_chunks_received\x18\x14 \x01(\x03\x12\x1b\n\x13\x62lob_bytes_received\x18\x15 \x01(\x03\x12\x11\n\tblob_hits\x18\x16 \x01(\x03\x1a\x46\n\x0cMethodsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.ephost.v1.MethodStats:\x02\x38\x01\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"%\n\x13\x45xportRegionRequest\x12\x0e\n\x06region\x18\x01 \x01(\x04\"1\n\x0f\x44\x61taPlaneTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06socket\x18\x02 \x01(\t\"6\n\x14\x45xportRegionResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x32\xf6\x05\n\x06Worker\x12:\n\x05Hello\x12\x17.ephost.v1.HelloRequest\x1a\x18.ephost.v1.HelloResponse\x12-\n\x07Goodbye\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12+\n\x05Renew\x12\x10.ephost.v1.Empty\x1a\x10.ephost.v1.Empty\x12\x32\n\x07GetInfo\x12\x10.ephost.v1.Empty\x1a\x15.ephost.v1.WorkerInfo\x12\x34\n\x08GetStats\x12\x10.ephost.v1.Empty\x1a\x16.ephost.v1.WorkerStats\x12\x38\n\x08Shutdown\x12\x1a.ephost.v1.ShutdownRequest\x1a\x10.ephost.v1.Empty\x12O\n\x0c\x45xportRegion\x12\x1e.ephost.v1.ExportRegionRequest\x1a\x1f.ephost.v1.ExportRegionResponse\x12\x41\n\x0cProbeSharing\x12\x10.ephost.v1.Empty\x1a\x1f.ephost.v1.ExportRegionResponse\x12=\n\rOpenDataPlane\x12\x10.ephost.v1.Empty\x1a\x1a.ephost.v1.DataPlaneTicket\x12\x35\n\nImportFile\x12\x10.ephost.v1.Empty\x1a\x15.ephost.v1.FileTicket\x12\x34\n\x07GetBlob\x12\x12.ephost.v1.BlobRef\x1a\x15.ephost.v1.BlobStatus\x12\x36\n\x07PutBlob\x12\x14.ephost.v1.BlobChunk\x1a\x15.ephost.v1.BlobStatus\x12\x38\n\tOpenModel\x12\x14.ephost.v1.ModelPath\x1a\x15.ephost.v1.ModelGraphb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +37,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_options = b'8\001'
   _globals['_WORKERSTATS_METHODSENTRY']._loaded_options = None
   _globals['_WORKERSTATS_METHODSENTRY']._serialized_options = b'8\001'
-  _globals['_HELLOREQUEST']._serialized_start=61
-  _globals['_HELLOREQUEST']._serialized_end=138
-  _globals['_HELLORESPONSE']._serialized_start=140
-  _globals['_HELLORESPONSE']._serialized_end=230
-  _globals['_WORKERINFO']._serialized_start=233
-  _globals['_WORKERINFO']._serialized_end=515
-  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_start=467
-  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_end=515
-  _globals['_METHODSTATS']._serialized_start=517
-  _globals['_METHODSTATS']._serialized_end=593
-  _globals['_WORKERSTATS']._serialized_start=596
-  _globals['_WORKERSTATS']._serialized_end=1191
-  _globals['_WORKERSTATS_METHODSENTRY']._serialized_start=1121
-  _globals['_WORKERSTATS_METHODSENTRY']._serialized_end=1191
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1193
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1227
-  _globals['_EXPORTREGIONREQUEST']._serialized_start=1229
-  _globals['_EXPORTREGIONREQUEST']._serialized_end=1266
-  _globals['_DATAPLANETICKET']._serialized_start=1268
-  _globals['_DATAPLANETICKET']._serialized_end=1317
-  _globals['_EXPORTREGIONRESPONSE']._serialized_start=1319
-  _globals['_EXPORTREGIONRESPONSE']._serialized_end=1373
-  _globals['_WORKER']._serialized_start=1376
-  _globals['_WORKER']._serialized_end=1911
+  _globals['_MODELPATH']._serialized_start=81
+  _globals['_MODELPATH']._serialized_end=106
+  _globals['_MODELGRAPH']._serialized_start=108
+  _globals['_MODELGRAPH']._serialized_end=175
+  _globals['_BLOBREF']._serialized_start=177
+  _globals['_BLOBREF']._serialized_end=202
+  _globals['_BLOBCHUNK']._serialized_start=204
+  _globals['_BLOBCHUNK']._serialized_end=277
+  _globals['_BLOBSTATUS']._serialized_start=279
+  _globals['_BLOBSTATUS']._serialized_end=325
+  _globals['_FILETICKET']._serialized_start=327
+  _globals['_FILETICKET']._serialized_end=369
+  _globals['_HELLOREQUEST']._serialized_start=371
+  _globals['_HELLOREQUEST']._serialized_end=448
+  _globals['_HELLORESPONSE']._serialized_start=450
+  _globals['_HELLORESPONSE']._serialized_end=540
+  _globals['_WORKERINFO']._serialized_start=543
+  _globals['_WORKERINFO']._serialized_end=825
+  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_start=777
+  _globals['_WORKERINFO_EPOPTIONSENTRY']._serialized_end=825
+  _globals['_METHODSTATS']._serialized_start=827
+  _globals['_METHODSTATS']._serialized_end=903
+  _globals['_WORKERSTATS']._serialized_start=906
+  _globals['_WORKERSTATS']._serialized_end=1632
+  _globals['_WORKERSTATS_METHODSENTRY']._serialized_start=1562
+  _globals['_WORKERSTATS_METHODSENTRY']._serialized_end=1632
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1634
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1668
+  _globals['_EXPORTREGIONREQUEST']._serialized_start=1670
+  _globals['_EXPORTREGIONREQUEST']._serialized_end=1707
+  _globals['_DATAPLANETICKET']._serialized_start=1709
+  _globals['_DATAPLANETICKET']._serialized_end=1758
+  _globals['_EXPORTREGIONRESPONSE']._serialized_start=1760
+  _globals['_EXPORTREGIONRESPONSE']._serialized_end=1814
+  _globals['_WORKER']._serialized_start=1817
+  _globals['_WORKER']._serialized_end=2575
 # @@protoc_insertion_point(module_scope)

@@ -1,11 +1,60 @@
 from ephost.v1 import common_pb2 as _common_pb2
+from ephost.v1 import ep_pb2 as _ep_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelPath(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class ModelGraph(_message.Message):
+    __slots__ = ("model", "files")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model: bytes
+    files: _containers.RepeatedCompositeFieldContainer[_ep_pb2.ExternalFile]
+    def __init__(self, model: _Optional[bytes] = ..., files: _Optional[_Iterable[_Union[_ep_pb2.ExternalFile, _Mapping]]] = ...) -> None: ...
+
+class BlobRef(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class BlobChunk(_message.Message):
+    __slots__ = ("sha256", "nbytes", "offset", "data")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    nbytes: int
+    offset: int
+    data: bytes
+    def __init__(self, sha256: _Optional[str] = ..., nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BlobStatus(_message.Message):
+    __slots__ = ("complete", "nbytes")
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    complete: bool
+    nbytes: int
+    def __init__(self, complete: _Optional[bool] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class FileTicket(_message.Message):
+    __slots__ = ("ticket", "file")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    file: int
+    def __init__(self, ticket: _Optional[bytes] = ..., file: _Optional[int] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_name", "protocol", "ephost_version")
@@ -69,7 +118,7 @@ class MethodStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., total_s: _Optional[float] = ..., max_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "partitions_compiled", "partitions_restored", "compute_input_bytes_resident", "compute_input_bytes_transferred")
+    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "partitions_compiled", "partitions_restored", "compute_input_bytes_resident", "compute_input_bytes_transferred", "files_imported", "file_bytes_imported", "blob_chunks_received", "blob_bytes_received", "blob_hits")
     class MethodsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +143,11 @@ class WorkerStats(_message.Message):
     PARTITIONS_RESTORED_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INPUT_BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INPUT_BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    FILES_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_HITS_FIELD_NUMBER: _ClassVar[int]
     methods: _containers.MessageMap[str, MethodStats]
     bytes_copied: int
     bytes_inline_in: int
@@ -111,7 +165,12 @@ class WorkerStats(_message.Message):
     partitions_restored: int
     compute_input_bytes_resident: int
     compute_input_bytes_transferred: int
-    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., partitions_compiled: _Optional[int] = ..., partitions_restored: _Optional[int] = ..., compute_input_bytes_resident: _Optional[int] = ..., compute_input_bytes_transferred: _Optional[int] = ...) -> None: ...
+    files_imported: int
+    file_bytes_imported: int
+    blob_chunks_received: int
+    blob_bytes_received: int
+    blob_hits: int
+    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., partitions_compiled: _Optional[int] = ..., partitions_restored: _Optional[int] = ..., compute_input_bytes_resident: _Optional[int] = ..., compute_input_bytes_transferred: _Optional[int] = ..., files_imported: _Optional[int] = ..., file_bytes_imported: _Optional[int] = ..., blob_chunks_received: _Optional[int] = ..., blob_bytes_received: _Optional[int] = ..., blob_hits: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s",)

@@ -80,6 +80,26 @@ class WorkerStub:
                 request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=ephost_dot_v1_dot_worker__pb2.DataPlaneTicket.FromString,
                 _registered_method=True)
+        self.ImportFile = channel.unary_unary(
+                '/ephost.v1.Worker/ImportFile',
+                request_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_worker__pb2.FileTicket.FromString,
+                _registered_method=True)
+        self.GetBlob = channel.unary_unary(
+                '/ephost.v1.Worker/GetBlob',
+                request_serializer=ephost_dot_v1_dot_worker__pb2.BlobRef.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_worker__pb2.BlobStatus.FromString,
+                _registered_method=True)
+        self.PutBlob = channel.unary_unary(
+                '/ephost.v1.Worker/PutBlob',
+                request_serializer=ephost_dot_v1_dot_worker__pb2.BlobChunk.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_worker__pb2.BlobStatus.FromString,
+                _registered_method=True)
+        self.OpenModel = channel.unary_unary(
+                '/ephost.v1.Worker/OpenModel',
+                request_serializer=ephost_dot_v1_dot_worker__pb2.ModelPath.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_worker__pb2.ModelGraph.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -152,6 +172,42 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportFile(self, request, context):
+        """A single-use ticket with which a client on this host hands the worker one open, read-only file (a
+        model's external data) on the descriptor socket, and the handle that names it from then on
+        (ModelRef.files). The worker checks that it is a regular file and maps it; it never opens a path a
+        client names. FAILED_PRECONDITION where the worker has no descriptor socket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBlob(self, request, context):
+        """Content-addressed blobs in the worker's disk cache (--cache-dir, --cache-max-mb): the external data files
+        of a client that shares no memory with the worker. GetBlob says whether a blob is here, or how many of its
+        bytes are (an interrupted upload resumes there); PutBlob appends one chunk at exactly that offset. A blob
+        counts once all its bytes are here and hash to its name. FAILED_PRECONDITION where the worker has no cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBlob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenModel(self, request, context):
+        """A model in the worker's --model-dir, named by its path relative to that directory: its graph (external
+        tensors left as references; their files named by `model_dir_path`) for the client to partition, and
+        then to send back in ModelRefs. NOT_FOUND where there is no such model, INVALID_ARGUMENT for a path that
+        leaves the directory, FAILED_PRECONDITION where the worker has no model directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +255,26 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.OpenDataPlane,
                     request_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=ephost_dot_v1_dot_worker__pb2.DataPlaneTicket.SerializeToString,
+            ),
+            'ImportFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportFile,
+                    request_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
+                    response_serializer=ephost_dot_v1_dot_worker__pb2.FileTicket.SerializeToString,
+            ),
+            'GetBlob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBlob,
+                    request_deserializer=ephost_dot_v1_dot_worker__pb2.BlobRef.FromString,
+                    response_serializer=ephost_dot_v1_dot_worker__pb2.BlobStatus.SerializeToString,
+            ),
+            'PutBlob': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBlob,
+                    request_deserializer=ephost_dot_v1_dot_worker__pb2.BlobChunk.FromString,
+                    response_serializer=ephost_dot_v1_dot_worker__pb2.BlobStatus.SerializeToString,
+            ),
+            'OpenModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenModel,
+                    request_deserializer=ephost_dot_v1_dot_worker__pb2.ModelPath.FromString,
+                    response_serializer=ephost_dot_v1_dot_worker__pb2.ModelGraph.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +520,114 @@ class Worker:
             '/ephost.v1.Worker/OpenDataPlane',
             ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ephost_dot_v1_dot_worker__pb2.DataPlaneTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/ImportFile',
+            ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ephost_dot_v1_dot_worker__pb2.FileTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/GetBlob',
+            ephost_dot_v1_dot_worker__pb2.BlobRef.SerializeToString,
+            ephost_dot_v1_dot_worker__pb2.BlobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/PutBlob',
+            ephost_dot_v1_dot_worker__pb2.BlobChunk.SerializeToString,
+            ephost_dot_v1_dot_worker__pb2.BlobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Worker/OpenModel',
+            ephost_dot_v1_dot_worker__pb2.ModelPath.SerializeToString,
+            ephost_dot_v1_dot_worker__pb2.ModelGraph.FromString,
             options,
             channel_credentials,
             insecure,

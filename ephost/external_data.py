@@ -1,0 +1,393 @@
+"""External data: initializers whose bytes live in files beside a model, kept as references (file, offset,
+length) until the side that runs their node needs them, and then mapped, never read through the application.
+
+On the wire a tensor's external_data `location` is a *name*, never a path: it names one entry of the
+ModelRef's `files`, which says where the bytes are (a descriptor this client handed the worker over the
+descriptor socket). The worker opens nothing a client names. Both sides hold the same object, `ExternalData`:
+names -> `ExternalFile` (an open, read-only descriptor and its size), mapped on first use. The application
+makes one from a model file (`load_model`), checking every reference; a worker makes one from the descriptors
+it was handed (`ExternalData.check` does the same checks against the sizes it sees itself).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpOutOfRange
+from ephost.types import dtype_of, nbytes_of
+
+log = logging.getLogger(__name__)
+
+# protobuf cannot serialize or parse a message over 2 GiB
+PROTOBUF_LIMIT = (2 << 30) - 1
+
+
+@dataclass(frozen=True)
+class ExternalRef:
+    """Where one tensor's bytes are: `location` (a name of ExternalData's files), offset and length."""
+
+    tensor: str
+    location: str
+    offset: int
+    length: int | None  # None: to the end of the file
+
+
+def external_ref(t: TensorProto) -> ExternalRef | None:
+    """The reference of a tensor whose data is external, or None for one with its data inline."""
+    if t.data_location != TensorProto.EXTERNAL:
+        return None
+    entries = {e.key: e.value for e in t.external_data}
+    try:
+        offset = int(entries.get("offset", "0") or 0)
+        length = int(entries["length"]) if entries.get("length") else None
+    except ValueError:
+        raise EpInvalidArgument(f"initializer {t.name!r} has an external offset or length that is not a number")
+    if offset < 0 or (length is not None and length < 0):
+        raise EpInvalidArgument(f"initializer {t.name!r} has a negative external offset or length")
+    return ExternalRef(t.name, entries.get("location", ""), offset, length)
+
+
+def graph_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
+    """Every initializer of a graph and of its nodes' subgraphs, and every tensor attribute (Constant values)."""
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield from g.initializer
+        yield from (s.values for s in g.sparse_initializer)
+        for node in g.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    stack.append(attr.g)
+                stack.extend(attr.graphs)
+
+
+def model_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
+    yield from graph_tensors(model.graph)
+    for f in model.functions:
+        for node in f.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                if attr.HasField("g"):
+                    yield from graph_tensors(attr.g)
+
+
+def external_refs(model: onnx.ModelProto) -> list[tuple[TensorProto, ExternalRef]]:
+    return [(t, r) for t in model_tensors(model) if (r := external_ref(t)) is not None]
+
+
+def has_external_data(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == TensorProto.EXTERNAL for t in model_tensors(model))
+
+
+def expected_bytes(t: TensorProto) -> int | None:
+    """The bytes a tensor of this type and shape holds, where the element type has a fixed size."""
+    try:
+        return nbytes_of(tuple(t.dims), dtype_of(t.data_type))
+    except EpInvalidArgument:
+        return None
+
+
+class ExternalFile:
+    """A read-only open file: its descriptor, its size, and (on first use) one read-only shared mapping of it.
+    Pages are read from disk when touched; untouched ones cost nothing."""
+
+    def __init__(self, name: str, fd: int, size: int | None = None, label: str | None = None):
+        self.name = name
+        self.fd = fd
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise EpInvalidArgument(f"external data {label or name!r} is not a regular file")
+        self.size = st.st_size if size is None else size
+        self.label = label or name  # how errors name it (a path on the application's side, else the name)
+        self.identity = (st.st_dev, st.st_ino)
+        self._map: mmap.mmap | None = None
+        self._sha256: str | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, name: str, path: str) -> "ExternalFile":
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return cls(name, fd, label=path)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """`length` bytes at `offset`, mapped (no copy)."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise EpOutOfRange(f"bytes {offset}..{offset + length} are past the end of external data "
+                               f"{self.label!r} ({self.size} bytes)")
+        if length == 0:
+            return memoryview(b"")
+        with self._lock:
+            if self._map is None:
+                self._map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            return memoryview(self._map)[offset: offset + length]
+
+    def sha256(self) -> str:
+        """The hash of the file's bytes (read once, by pread; kept): its name in a worker's blob cache."""
+        with self._lock:
+            if self._sha256 is None:
+                import hashlib
+                h = hashlib.sha256()
+                offset = 0
+                while offset < self.size:
+                    chunk = os.pread(self.fd, min(8 << 20, self.size - offset), offset)
+                    if not chunk:
+                        raise EpOutOfRange(f"external data {self.label!r} became shorter than {self.size} bytes")
+                    h.update(chunk)
+                    offset += len(chunk)
+                self._sha256 = h.hexdigest()
+            return self._sha256
+
+    def real_path(self) -> str | None:
+        """The path this very file has in this process's view of the file system: the descriptor's link in
+        /proc, trusted only where that path is still the same file (device and inode). None where it has none
+        (deleted, or in another mount namespace)."""
+        try:
+            path = os.readlink(f"/proc/self/fd/{self.fd}")
+            st = os.stat(path)
+        except OSError:
+            return None
+        if not os.path.isabs(path) or (st.st_dev, st.st_ino) != self.identity:
+            return None
+        return path
+
+    def close(self) -> None:
+        with self._lock:
+            if self._map is not None:
+                try:
+                    self._map.close()
+                except BufferError:  # views of it are still alive: the mapping goes with the last of them
+                    pass
+                self._map = None
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def __del__(self):
+        if getattr(self, "fd", -1) >= 0:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+class WorkerFile:
+    """An external data file that lives in a worker's model directory (--model-dir), known here by its name,
+    its size and its path there: only that worker reads it."""
+
+    fd = -1
+
+    def __init__(self, name: str, size: int, worker: str, path: str):
+        self.name, self.size, self.worker, self.path = name, size, worker, path
+        self.label = f"{path} in the model directory of worker {worker!r}"
+
+    def _elsewhere(self):
+        return EpFailedPrecondition(f"external data {self.label} is read by that worker only: the nodes that read "
+                                    "it must run there")
+
+    def view(self, offset: int, length: int) -> memoryview:
+        raise self._elsewhere()
+
+    def sha256(self) -> str:
+        raise self._elsewhere()
+
+    def real_path(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ExternalData:
+    """A model's external data files by name, as its tensors' `location`s say."""
+
+    def __init__(self, files: Mapping[str, ExternalFile]):
+        self.files = dict(files)
+
+    def __bool__(self) -> bool:
+        return bool(self.files)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def file(self, ref: ExternalRef) -> ExternalFile:
+        try:
+            return self.files[ref.location]
+        except KeyError:
+            raise EpInvalidArgument(f"initializer {ref.tensor!r} names external data {ref.location!r}, which is "
+                                    "not among the model's files") from None
+
+    def check(self, model: onnx.ModelProto) -> None:
+        """Every external tensor of `model` names one of these files and lies inside it, with the bytes its
+        type and shape need; else a typed error naming the tensor and the file."""
+        for t, ref in external_refs(model):
+            f = self.file(ref)
+            length = f.size - ref.offset if ref.length is None else ref.length
+            if ref.offset > f.size:
+                raise EpOutOfRange(f"initializer {ref.tensor!r}: offset {ref.offset} is past the end of external "
+                                   f"data {f.label!r} ({f.size} bytes)")
+            if ref.offset + length > f.size:
+                raise EpOutOfRange(f"initializer {ref.tensor!r}: external data {f.label!r} is {f.size} bytes, too "
+                                   f"short for {length} bytes at offset {ref.offset} (truncated?)")
+            need = expected_bytes(t)
+            if need is not None and need != length:
+                raise EpInvalidArgument(f"initializer {ref.tensor!r} of shape {list(t.dims)} needs {need} bytes; "
+                                        f"its external data in {f.label!r} is {length}")
+
+    def array(self, t: TensorProto) -> np.ndarray:
+        """The tensor's value over the mapping of its file: read-only, no copy."""
+        ref = external_ref(t)
+        f = self.file(ref)
+        length = f.size - ref.offset if ref.length is None else ref.length
+        dtype = dtype_of(t.data_type).newbyteorder("<")
+        return np.frombuffer(f.view(ref.offset, length), dtype).reshape(tuple(t.dims))
+
+    def inlined(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """A copy of `model` with the bytes of its external tensors inside it (a copy of each: for models, or
+        partitions, small enough to be one protobuf)."""
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        total = 0
+        for t, ref in external_refs(out):
+            data = bytes(self.array(t).data)
+            total += len(data)
+            if total > PROTOBUF_LIMIT:
+                raise EpInvalidArgument("the partition's initializers are over 2 GiB: they cannot be put inside "
+                                        "one protobuf")
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+            t.raw_data = data
+        return out
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def path_inside(base: str, location: str) -> str | None:
+    """The path of `location` under `base`, or None where it would leave it (absolute, `..`, a link out)."""
+    if not location or os.path.isabs(location) or "\0" in location:
+        return None
+    path = os.path.normpath(os.path.join(base, location))
+    real_base = os.path.realpath(base)
+    if os.path.commonpath([real_base, os.path.realpath(path)]) != real_base:
+        return None
+    return path
+
+
+def open_external_data(model: onnx.ModelProto, base_dir: str, what: str) -> ExternalData | None:
+    """Open, read-only, every file the model's external tensors name (relative to `base_dir`, never outside
+    it), and check every reference against the files' sizes. Nothing is read. None where it has none."""
+    refs = external_refs(model)
+    if not refs:
+        return None
+    files: dict[str, ExternalFile] = {}
+    try:
+        for t, ref in refs:
+            if ref.location in files:
+                continue
+            path = path_inside(base_dir, ref.location)
+            if path is None:
+                raise EpInvalidArgument(f"initializer {ref.tensor!r} of {what} names external data "
+                                        f"{ref.location!r}, which is outside the model's directory")
+            try:
+                files[ref.location] = ExternalFile.open(ref.location, path)
+            except FileNotFoundError:
+                raise EpNotFound(f"initializer {ref.tensor!r} of {what}: its external data file {path!r} does "
+                                 "not exist") from None
+            except IsADirectoryError:
+                raise EpInvalidArgument(f"initializer {ref.tensor!r} of {what}: its external data {path!r} is "
+                                        "a directory") from None
+            except OSError as e:
+                raise EpInvalidArgument(f"initializer {ref.tensor!r} of {what}: cannot open its external data "
+                                        f"file {path!r}: {e.strerror}") from None
+        data = ExternalData(files)
+        data.check(model)
+        return data
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+
+
+def check_inline_size(model: onnx.ModelProto) -> None:
+    """A model held in memory whose bytes are over protobuf's 2 GiB cannot be sent (or serialized) at all: say so,
+    and what to do instead, before anything tries."""
+    try:
+        size = model.ByteSize()
+    except Exception:  # some protobuf runtimes refuse to even count past the limit
+        size = PROTOBUF_LIMIT + 1
+    if size > PROTOBUF_LIMIT:
+        raise EpInvalidArgument(f"the model is {size} bytes with its weights inside: a protobuf over 2 GiB cannot be "
+                                "serialized; save it with its weights as external data (onnx.save(model, path, "
+                                "save_as_external_data=True)) and give its path")
+
+
+def load_model(path: str) -> tuple[onnx.ModelProto, ExternalData | None]:
+    """The model at `path`, its graph only: external tensors stay references, their files opened read-only
+    (and checked) but not read."""
+    what = f"model file {path!r}"
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise EpNotFound(f"{what} does not exist") from None
+    except OSError as e:
+        raise EpInvalidArgument(f"{what} cannot be read: {e.strerror}") from None
+    if size > PROTOBUF_LIMIT:
+        raise EpInvalidArgument(f"{what} is {size} bytes: a protobuf over 2 GiB cannot be parsed; save the model "
+                                "with its weights as external data (onnx.save(model, path, "
+                                "save_as_external_data=True))")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as e:
+        raise EpInvalidArgument(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+    return model, open_external_data(model, os.path.dirname(os.path.abspath(path)), what)
+
+
+def model_key(data_sha256: str, files: Mapping[str, tuple[int, int]] | None = None) -> str:
+    """How a worker knows a model it was sent (ModelRef.sha256): the hash of its bytes or, where it has
+    external data, the hash of that and of which file (handle, size) each name stands for."""
+    if not files:
+        return data_sha256
+    import hashlib
+    spec = ";".join(f"{name}={handle}:{nbytes}" for name, (handle, nbytes) in sorted(files.items()))
+    return hashlib.sha256(f"{data_sha256}\0files\0{spec}".encode()).hexdigest()
+
+
+def on_disk(model: onnx.ModelProto, external: ExternalData) -> tuple[onnx.ModelProto, str] | None:
+    """For a runtime that opens external data files itself (ONNX Runtime maps them): a copy of `model` whose
+    external tensors' locations are paths, relative to one folder, of the very files `external` holds open,
+    and that folder. The paths come from the descriptors (/proc/self/fd), checked to still be the same files,
+    never from the model. None where a file has no such path here (deleted, another mount namespace)."""
+    refs = external_refs(model)
+    paths: dict[str, str] = {}
+    for _, ref in refs:
+        if ref.location not in paths:
+            path = external.file(ref).real_path()
+            if path is None:
+                return None
+            paths[ref.location] = path
+    if not paths:
+        return model, ""
+    folder = os.path.commonpath([os.path.dirname(p) for p in paths.values()])
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for t, ref in external_refs(out):
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = os.path.relpath(paths[ref.location], folder)
+    return out, folder
