@@ -92,11 +92,10 @@ class ReferenceComputeInfo:
     def __init__(self, name: str, model: onnx.ModelProto, keep_context: bool = False, restored: bool = False,
                  constants: dict[str, Any] | None = None):
         """`constants`: initializers whose bytes are external, as arrays over the file's mapping (only this
-        partition's), given to the evaluator as feeds."""
+        partition's), given to the evaluator as feeds; `model` has them as graph inputs."""
         self.name = name
         self._constants = constants or {}
         if self._constants:
-            model = _with_external_as_inputs(model, self._constants)
             keep_context = False  # no compiled form: see CONTEXT_FORM
         self._input_names = [i.name for i in model.graph.input if i.name not in self._constants]
         try:
@@ -111,7 +110,7 @@ class ReferenceComputeInfo:
     def of(cls, graph: FusedGraph, ep, keep_context: bool) -> "ReferenceComputeInfo":
         constants = {name: v.local_array() if isinstance(v, Tensor) else v
                      for name, v in external_initializers(graph, ep).items()}
-        model = graph.model
+        model = _with_external_as_inputs(graph.model, constants) if constants else graph.model
         if graph.external is not None and has_external_data(model):  # in subgraphs or attributes: copied in
             model = graph.external.inlined(model)
         return cls(graph.name, model, keep_context, constants=constants)
