@@ -266,6 +266,28 @@ def test_dynamic_options_reach_the_workers_ep(npu, monkeypatch):
     np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
 
 
+def test_sequences_stay_inside_a_partition_or_on_ort(npu):
+    """A kernel context carries tensors only: a sequence made and read inside the worker's partition is fine; a
+    graph whose output is a sequence keeps the nodes around it on ORT's CPU EP (typed for the worker, no error)."""
+    inside = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+              helper.make_node("SequenceConstruct", ["r", "r"], ["s"], name="seq"),
+              helper.make_node("ConcatFromSequence", ["s"], ["c"], name="cat", axis=0),
+              helper.make_node("Neg", ["c"], ["y"], name="neg")]
+    model = models.model(inside, [models.tensor("x", [2, 3])], [models.tensor("y", [4, 3])])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+    session = session_on(npu, model)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], -np.concatenate([np.maximum(x, 0)] * 2))
+    assert set(owners(session).values()) == {npu}
+    out = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+           helper.make_node("SequenceConstruct", ["r", "r"], ["s"], name="seq")]
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, [2, 3]))
+    model = models.model(out, [models.tensor("x", [2, 3])], [helper.make_value_info("s", seq_type)])
+    session = session_on(npu, model)
+    (s,) = session.run(None, {"x": x})
+    assert len(s) == 2 and np.allclose(s[0], np.maximum(x, 0))
+    assert owners(session)["seq"] == "CPUExecutionProvider"
+
+
 def test_string_tensors_cross_the_bridge(npu):
     """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
     worker's with FillStringTensor."""
