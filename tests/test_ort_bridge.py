@@ -345,6 +345,16 @@ def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct()
         ephost.ort.unregister("crashy")
 
 
+def test_a_compile_failure_is_an_ort_error_at_session_creation():
+    ephost.ort.register("badcompile", "chaos", {"wrap": "onnxruntime", "fault": "raise", "at": "compile",
+                                                "every": "1"})
+    try:
+        with pytest.raises(Exception, match=r"EP_FAIL : badcompile: Compile: chaos: injected failure"):
+            session_on("badcompile", models.diamond())
+    finally:
+        ephost.ort.unregister("badcompile")
+
+
 def test_eight_threads_on_one_session_are_correct(npu):
     import threading
     path, _ = bundled_model("squeezenet")
