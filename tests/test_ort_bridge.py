@@ -345,6 +345,23 @@ def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct()
         ephost.ort.unregister("crashy")
 
 
+def test_a_hanging_worker_is_an_ort_error_at_its_deadline_and_the_next_run_is_correct():
+    """The supervision options of register (here timeout_s) hold through ORT: a Compute past its deadline is
+    abandoned, its worker ended and restarted, and ORT raises; the next run compiles again and is right."""
+    ephost.ort.register("hangs", "chaos", {"wrap": "onnxruntime", "fault": "hang", "at": "compute", "after": "2",
+                                           "timeout_s": "3"})
+    try:
+        session = session_on("hangs", models.diamond())
+        x = np.ones((2, 3), np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+        with pytest.raises(Exception, match=r"hangs: Compute of .*did not finish within its deadline of 3 s"):
+            session.run(None, {"x": x})
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+        del session
+    finally:
+        ephost.ort.unregister("hangs")
+
+
 def test_a_compile_failure_is_an_ort_error_at_session_creation():
     ephost.ort.register("badcompile", "chaos", {"wrap": "onnxruntime", "fault": "raise", "at": "compile",
                                                 "every": "1"})
