@@ -90,7 +90,7 @@ class GraphReader:
             value = c_void_p()
             self.abi.check(api.ValueInfo_GetInitializerValue(v, ctypes.byref(value)), "ValueInfo_GetInitializerValue")
             if value.value:
-                initializers.append(numpy_helper.from_array(np.array(tensor_view(self.abi, value.value)), tensor_name))
+                initializers.append(numpy_helper.from_array(tensor_view(self.abi, value.value), tensor_name))
         nodes, value_infos, seen = [], [], set()
         declared = {i.name for i in inputs} | {o.name for o in outputs}
         for node in self.array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
@@ -242,7 +242,8 @@ class GraphReader:
         if kind in (A.ATTR_INTS, A.ATTR_FLOATS, A.ATTR_STRING, A.ATTR_STRINGS):
             raw = self._read_sized(attr, kind)
             if kind == A.ATTR_INTS:
-                return helper.make_attribute(name, np.frombuffer(raw, np.int64).tolist(), attr_type=onnx.AttributeProto.INTS)
+                return helper.make_attribute(name, np.frombuffer(raw, np.int64).tolist(),
+                                             attr_type=onnx.AttributeProto.INTS)
             if kind == A.ATTR_FLOATS:
                 return helper.make_attribute(name, np.frombuffer(raw, np.float32).tolist(),
                                              attr_type=onnx.AttributeProto.FLOATS)
