@@ -288,6 +288,27 @@ def test_sequences_stay_inside_a_partition_or_on_ort(npu):
     assert owners(session)["seq"] == "CPUExecutionProvider"
 
 
+def test_two_bridged_eps_split_a_model_in_the_order_given():
+    """ORT asks the EPs in the order they were added: the first (a reference worker that takes Add) gets add; the
+    second (an onnxruntime worker) is shown add as taken (Node_GetEpName) and gets the rest."""
+    ephost.ort.register("adds", "reference", {"ops": "Add"})
+    ephost.ort.register("rest", "onnxruntime")
+    try:
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        for name in ("adds", "rest"):
+            options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == name], {})
+        session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+        session.disable_fallback()
+        x = np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert owners(session) == {"add": "adds", "relu": "rest", "mul": "rest"}
+        del session
+    finally:
+        ephost.ort.unregister("rest")
+        ephost.ort.unregister("adds")
+
+
 def test_string_tensors_cross_the_bridge(npu):
     """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
     worker's with FillStringTensor."""
