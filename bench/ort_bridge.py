@@ -31,7 +31,9 @@ def session(model, bridged: bool) -> ort.InferenceSession:
 def main(quick: bool = False) -> None:
     import numpy as np
     logging.getLogger("ephost").setLevel(logging.WARNING)
-    ephost.ort.register("bench_bridge", "onnxruntime")
+    # ORT thread spinning off in the worker too, as in this process (the data plane bench does the same)
+    ephost.ort.register("bench_bridge", "onnxruntime",
+                        {"session_config": ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())})
     try:
         rows = []
         squeezenet, _ = bundled_model("squeezenet")

@@ -266,6 +266,49 @@ def test_dynamic_options_reach_the_workers_ep(npu, monkeypatch):
     np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
 
 
+def test_sequences_stay_inside_a_partition_or_on_ort(npu):
+    """A kernel context carries tensors only: a sequence made and read inside the worker's partition is fine; a
+    graph whose output is a sequence keeps the nodes around it on ORT's CPU EP (typed for the worker, no error)."""
+    inside = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+              helper.make_node("SequenceConstruct", ["r", "r"], ["s"], name="seq"),
+              helper.make_node("ConcatFromSequence", ["s"], ["c"], name="cat", axis=0),
+              helper.make_node("Neg", ["c"], ["y"], name="neg")]
+    model = models.model(inside, [models.tensor("x", [2, 3])], [models.tensor("y", [4, 3])])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+    session = session_on(npu, model)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], -np.concatenate([np.maximum(x, 0)] * 2))
+    assert set(owners(session).values()) == {npu}
+    out = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+           helper.make_node("SequenceConstruct", ["r", "r"], ["s"], name="seq")]
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, [2, 3]))
+    model = models.model(out, [models.tensor("x", [2, 3])], [helper.make_value_info("s", seq_type)])
+    session = session_on(npu, model)
+    (s,) = session.run(None, {"x": x})
+    assert len(s) == 2 and np.allclose(s[0], np.maximum(x, 0))
+    assert owners(session)["seq"] == "CPUExecutionProvider"
+
+
+def test_two_bridged_eps_split_a_model_in_the_order_given():
+    """ORT asks the EPs in the order they were added: the first (a reference worker that takes Add) gets add; the
+    second (an onnxruntime worker) is shown add as taken (Node_GetEpName) and gets the rest."""
+    ephost.ort.register("adds", "reference", {"ops": "Add"})
+    ephost.ort.register("rest", "onnxruntime")
+    try:
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        for name in ("adds", "rest"):
+            options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == name], {})
+        session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+        session.disable_fallback()
+        x = np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert owners(session) == {"add": "adds", "relu": "rest", "mul": "rest"}
+        del session
+    finally:
+        ephost.ort.unregister("rest")
+        ephost.ort.unregister("adds")
+
+
 def test_string_tensors_cross_the_bridge(npu):
     """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
     worker's with FillStringTensor."""
@@ -321,6 +364,33 @@ def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct()
         del session
     finally:
         ephost.ort.unregister("crashy")
+
+
+def test_a_hanging_worker_is_an_ort_error_at_its_deadline_and_the_next_run_is_correct():
+    """The supervision options of register (here timeout_s) hold through ORT: a Compute past its deadline is
+    abandoned, its worker ended and restarted, and ORT raises; the next run compiles again and is right."""
+    ephost.ort.register("hangs", "chaos", {"wrap": "onnxruntime", "fault": "hang", "at": "compute", "after": "2",
+                                           "timeout_s": "3"})
+    try:
+        session = session_on("hangs", models.diamond())
+        x = np.ones((2, 3), np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+        with pytest.raises(Exception, match=r"hangs: Compute of .*did not finish within its deadline of 3 s"):
+            session.run(None, {"x": x})
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+        del session
+    finally:
+        ephost.ort.unregister("hangs")
+
+
+def test_a_compile_failure_is_an_ort_error_at_session_creation():
+    ephost.ort.register("badcompile", "chaos", {"wrap": "onnxruntime", "fault": "raise", "at": "compile",
+                                                "every": "1"})
+    try:
+        with pytest.raises(Exception, match=r"EP_FAIL : badcompile: Compile: chaos: injected failure"):
+            session_on("badcompile", models.diamond())
+    finally:
+        ephost.ort.unregister("badcompile")
 
 
 def test_eight_threads_on_one_session_are_correct(npu):

@@ -29,7 +29,8 @@ ORT_EP_FAIL = 11
 
 # OrtOpAttrType
 ATTR_INT, ATTR_INTS, ATTR_FLOAT, ATTR_FLOATS, ATTR_STRING, ATTR_STRINGS, ATTR_GRAPH, ATTR_TENSOR = range(1, 9)
-ONNX_TYPE_TENSOR = 1  # ONNXType
+ONNX_TYPE_TENSOR, ONNX_TYPE_SEQUENCE, ONNX_TYPE_MAP = 1, 2, 3  # ONNXType
+ONNX_TYPE_OPTIONAL = 6
 
 Status = c_void_p  # OrtStatus*; NULL is success
 
@@ -63,7 +64,15 @@ ORT_API: dict[str, tuple[int, Any, tuple]] = {
     "ReleaseStatus": (93, None, (_P,)),
     "ReleaseMemoryInfo": (94, None, (_P,)),
     "ReleaseValue": (96, None, (_P,)),
+    "ReleaseTypeInfo": (98, None, (_P,)),
     "ReleaseTensorTypeAndShapeInfo": (99, None, (_P,)),
+    "CastTypeInfoToMapTypeInfo": (103, _S, (_P, _PP)),
+    "CastTypeInfoToSequenceTypeInfo": (104, _S, (_P, _PP)),
+    "GetMapKeyType": (105, _S, (_P, POINTER(c_int))),
+    "GetMapValueType": (106, _S, (_P, _PP)),
+    "GetSequenceElementType": (107, _S, (_P, _PP)),
+    "CastTypeInfoToOptionalTypeInfo": (250, _S, (_P, _PP)),
+    "GetOptionalContainedTypeInfo": (251, _S, (_P, _PP)),
     "GetBuildInfoString": (254, c_char_p, ()),
     "ReadOpAttr": (272, _S, (_P, c_int, _P, c_size_t, _PSZ)),
     "GetValueInfoName": (289, _S, (_P, _STR)),

@@ -67,7 +67,14 @@ class BridgeEp:
             missing = [n for n in group.node_names if n not in read.nodes]
             if missing:
                 raise EpInvalidArgument(f"the worker claimed nodes the graph does not have: {missing[:5]}")
-        fused = acyclic_groups(index, [g.node_names for g in groups])
+        fused = []
+        for names in acyclic_groups(index, [g.node_names for g in groups]):
+            crossing = [v for v in (lambda io: io[0] + io[1])(index.partition_io(names)) if v in read.non_tensors]
+            if crossing:  # a kernel context carries tensors only: ORT's CPU EP keeps these nodes
+                log.info("%s: leaving %d node(s) to ORT: non-tensor values %s would cross the partition's edge",
+                         self.name, len(names), crossing[:3])
+                continue
+            fused.append(names)
         for names in fused:
             nodes = (c_void_p * len(names))(*[read.nodes[n] for n in names])
             self.abi.check(self.abi.ep_api.EpGraphSupportInfo_AddNodesToFuse(

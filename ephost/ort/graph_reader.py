@@ -22,6 +22,9 @@ class ReadGraph:
     model: onnx.ModelProto
     nodes: dict[str, int] = field(default_factory=dict)  # node name in `model` -> OrtNode*
     ids: dict[int, str] = field(default_factory=dict)    # OrtNode id (Node_GetId) -> node name in `model`
+    # values that are not tensors (sequences, maps, optionals): a fused node's kernel context carries tensors
+    # only, so none may cross a partition's boundary (inside one they are the worker's business)
+    non_tensors: set[str] = field(default_factory=set)
 
 
 class GraphReader:
@@ -87,11 +90,11 @@ class GraphReader:
             value = c_void_p()
             self.abi.check(api.ValueInfo_GetInitializerValue(v, ctypes.byref(value)), "ValueInfo_GetInitializerValue")
             if value.value:
-                initializers.append(numpy_helper.from_array(np.array(tensor_view(self.abi, value.value)), tensor_name))
+                initializers.append(numpy_helper.from_array(tensor_view(self.abi, value.value), tensor_name))
         nodes, value_infos, seen = [], [], set()
         declared = {i.name for i in inputs} | {o.name for o in outputs}
         for node in self.array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
-            proto = self._node(node, read)
+            proto, non_tensors = self._node(node, read)
             base, k = proto.name or proto.op_type, 0
             while proto.name in seen or not proto.name:
                 k += 1
@@ -100,6 +103,7 @@ class GraphReader:
             if top:
                 read.nodes[proto.name] = node
                 read.ids[self.node_id(node)] = proto.name
+                read.non_tensors |= non_tensors
             nodes.append(proto)
             for v in self.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs"):
                 if v:
@@ -124,12 +128,10 @@ class GraphReader:
         name = self.string(api.GetValueInfoName, v, "GetValueInfoName")
         type_info = c_void_p()
         self.abi.check(api.GetValueInfoTypeInfo(v, ctypes.byref(type_info)), "GetValueInfoTypeInfo")
-        kind = c_int()
-        if type_info.value:
-            self.abi.check(api.GetOnnxTypeFromTypeInfo(type_info, ctypes.byref(kind)), "GetOnnxTypeFromTypeInfo")
-        if kind.value != A.ONNX_TYPE_TENSOR:
-            if required:
-                raise EpInvalidArgument(f"value {name!r} is not a tensor; the bridge carries tensors only")
+        kind = self._kind(type_info.value)
+        if kind != A.ONNX_TYPE_TENSOR:
+            if required:  # a graph's own input or output: declared with its full type
+                return helper.make_value_info(name, self.type_proto(type_info.value))
             return None
         tensor_info = c_void_p()
         self.abi.check(api.CastTypeInfoToTensorInfo(type_info, ctypes.byref(tensor_info)), "CastTypeInfoToTensorInfo")
@@ -137,14 +139,60 @@ class GraphReader:
         shape = [d if d >= 0 else (s or None) for d, s in zip(shape_dims, symbols)] if dims else None
         return helper.make_tensor_value_info(name, elem, shape)
 
+    def _kind(self, type_info: int | None) -> int:
+        kind = c_int()
+        if type_info:
+            self.abi.check(self.api.GetOnnxTypeFromTypeInfo(type_info, ctypes.byref(kind)), "GetOnnxTypeFromTypeInfo")
+        return kind.value
+
+    def is_tensor(self, v: int) -> bool:
+        type_info = c_void_p()
+        self.abi.check(self.api.GetValueInfoTypeInfo(v, ctypes.byref(type_info)), "GetValueInfoTypeInfo")
+        return self._kind(type_info.value) == A.ONNX_TYPE_TENSOR
+
+    def type_proto(self, type_info: int) -> onnx.TypeProto:
+        """An OrtTypeInfo as ONNX's TypeProto: tensors, sequences, maps and optionals of them."""
+        api, check = self.api, self.abi.check
+        kind = self._kind(type_info)
+        if kind == A.ONNX_TYPE_TENSOR:
+            tensor_info = c_void_p()
+            check(api.CastTypeInfoToTensorInfo(type_info, ctypes.byref(tensor_info)), "CastTypeInfoToTensorInfo")
+            elem, _, _ = shape_of(self.abi, tensor_info.value, symbols=False)
+            return helper.make_tensor_type_proto(elem, None)
+        inner, cast, get = c_void_p(), c_void_p(), c_void_p()
+        if kind == A.ONNX_TYPE_SEQUENCE:
+            check(api.CastTypeInfoToSequenceTypeInfo(type_info, ctypes.byref(cast)), "CastTypeInfoToSequenceTypeInfo")
+            check(api.GetSequenceElementType(cast, ctypes.byref(inner)), "GetSequenceElementType")
+            make = helper.make_sequence_type_proto
+        elif kind == A.ONNX_TYPE_OPTIONAL:
+            check(api.CastTypeInfoToOptionalTypeInfo(type_info, ctypes.byref(cast)), "CastTypeInfoToOptionalTypeInfo")
+            check(api.GetOptionalContainedTypeInfo(cast, ctypes.byref(inner)), "GetOptionalContainedTypeInfo")
+            make = helper.make_optional_type_proto
+        elif kind == A.ONNX_TYPE_MAP:
+            key = c_int()
+            check(api.CastTypeInfoToMapTypeInfo(type_info, ctypes.byref(cast)), "CastTypeInfoToMapTypeInfo")
+            check(api.GetMapKeyType(cast, ctypes.byref(key)), "GetMapKeyType")
+            check(api.GetMapValueType(cast, ctypes.byref(inner)), "GetMapValueType")
+            make = lambda value: helper.make_map_type_proto(key.value, value)  # noqa: E731
+        else:
+            raise EpInvalidArgument(f"a value of ONNX type kind {kind} cannot be described to the worker")
+        try:
+            return make(self.type_proto(inner.value))
+        finally:
+            api.ReleaseTypeInfo(inner)
+
     # --- nodes ---
 
-    def _node(self, node: int, read: ReadGraph) -> onnx.NodeProto:
+    def _node(self, node: int, read: ReadGraph) -> tuple[onnx.NodeProto, set[str]]:
+        """The node, and those of the values it reads and makes that are not tensors."""
         api = self.api
         names = lambda values: [self.string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""  # noqa: E731
                                 for v in values]
-        inputs = names(self.array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs"))
-        outputs = names(self.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs"))
+        input_values = self.array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs")
+        output_values = self.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs")
+        inputs, outputs = names(input_values), names(output_values)
+        non_tensors = {name for v, name in zip([*input_values, *output_values], [*inputs, *outputs])
+                       if v and not self.is_tensor(v)}
         proto = helper.make_node(self.string(api.Node_GetOperatorType, node, "Node_GetOperatorType"), inputs, outputs,
                                  name=self.string(api.Node_GetName, node, "Node_GetName"),
                                  domain=self.string(api.Node_GetDomain, node, "Node_GetDomain") or None)
@@ -164,7 +212,7 @@ class GraphReader:
                     # a body's inputs keep their shapes (Loop needs its iteration count's), its outputs do not
                     proto.attribute.append(helper.make_attribute(
                         name, self._graph(g, read, top=False, exact_edges=False, exact_inputs=True)))
-        return proto
+        return proto, non_tensors
 
     def _attribute(self, attr: int) -> onnx.AttributeProto | None:
         api = self.api
@@ -194,7 +242,8 @@ class GraphReader:
         if kind in (A.ATTR_INTS, A.ATTR_FLOATS, A.ATTR_STRING, A.ATTR_STRINGS):
             raw = self._read_sized(attr, kind)
             if kind == A.ATTR_INTS:
-                return helper.make_attribute(name, np.frombuffer(raw, np.int64).tolist(), attr_type=onnx.AttributeProto.INTS)
+                return helper.make_attribute(name, np.frombuffer(raw, np.int64).tolist(),
+                                             attr_type=onnx.AttributeProto.INTS)
             if kind == A.ATTR_FLOATS:
                 return helper.make_attribute(name, np.frombuffer(raw, np.float32).tolist(),
                                              attr_type=onnx.AttributeProto.FLOATS)
