@@ -12,6 +12,9 @@ import ephost
 from ephost import backend
 from ephost.eps.reference import evaluator_ops
 
+# Each test runs some 1,700 cases: about a minute on a quiet 2-core machine, several on a loaded one.
+pytestmark = pytest.mark.timeout(900)
+
 
 def run_case(case, prepare) -> None:
     rep = prepare(case.model)
