@@ -392,10 +392,13 @@ class OrtEp(EpDefaults):
                 infos.append(self._restore(graph, node))
                 continue
             try:
-                with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
-                    path = os.path.join(tmp, "partition.onnx") if self._keep_context else None
-                    session = self._session(graph.model, context_path=path)
-                    context = self._context(path) if path else None
+                if self._keep_context:
+                    with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
+                        path = os.path.join(tmp, "partition.onnx")
+                        session = self._session(graph.model, context_path=path)
+                        context = self._context(path)
+                else:
+                    session, context = self._session(graph.model), None
             except EpError:
                 raise
             except Exception as e:
