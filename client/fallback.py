@@ -108,6 +108,10 @@ class CpuFallback:
         """`graph` compiled on `placement` (default: the first fallback EP), or on the next one where it
         cannot compile it, e.g. a partition with an op ORT lacks moved here after its EP failed."""
         check_domains(graph.source.model, graph.nodes)
+        node = graph.ep_context_node
+        if node is not None and ep_context.source_of(node) not in {p.ep_name for p in self.placements}:
+            raise EpNotFound(f"the fallback cannot run EPContext node {node.name!r}: only its EP "
+                             f"({ep_context.source_of(node)!r}) restores its compiled form")
         chain = list(self.placements)
         if placement is not None:
             chain = chain[chain.index(placement):]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping
 
 import onnx
+import onnx.defs
 from onnx import helper, shape_inference
 
 from ephost.errors import EpInvalidArgument
@@ -17,11 +18,12 @@ from ephost.errors import EpInvalidArgument
 log = logging.getLogger(__name__)
 
 
-# Operator domains ONNX and ONNX Runtime implement themselves (ONNX Runtime's contrib and internal ones too). A
-# node of any other domain needs a custom op library, unless its model defines it as a function.
-BUILTIN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training", "ai.onnx.training",
-                             "com.microsoft", "com.microsoft.nchwc", "com.microsoft.experimental",
-                             "com.ms.internal.nhwc", "org.pytorch.aten"})
+# Operator domains ONNX defines (every domain of the onnx package's schemas: ai.onnx.ml, ai.onnx.preview...) and
+# those ONNX Runtime implements itself (its contrib and internal ones). A node of any other domain needs a custom
+# op library, unless its model defines it as a function.
+BUILTIN_DOMAINS = frozenset({"ai.onnx", "ai.onnx.training", "com.microsoft", "com.microsoft.nchwc",
+                             "com.microsoft.experimental", "com.ms.internal.nhwc", "org.pytorch.aten",
+                             *(s.domain for s in onnx.defs.get_all_schemas_with_history())})
 
 
 def prepare_model(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -441,12 +441,14 @@ class OrtEp(EpDefaults):
                 infos.append(self._restore(graph, node))
                 continue
             try:
-                with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
-                    # A partition whose weights are external data has no compiled form: it would carry them all.
-                    keep = self._keep_context and graph.external is None
-                    path = os.path.join(tmp, "partition.onnx") if keep else None
-                    session = self._session(graph.model, graph.external, context_path=path)
-                    context = self._context(path) if path else None
+                # A partition whose weights are external data has no compiled form: it would carry them all.
+                if self._keep_context and graph.external is None:
+                    with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
+                        path = os.path.join(tmp, "partition.onnx")
+                        session = self._session(graph.model, context_path=path)
+                        context = self._context(path)
+                else:
+                    session, context = self._session(graph.model, graph.external), None
             except EpError:
                 raise
             except Exception as e:

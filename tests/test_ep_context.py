@@ -236,3 +236,29 @@ def test_a_compiled_form_that_names_a_file_is_refused(ctx_env):
     with pytest.raises(ephost.EpInvalidArgument, match="EPContext node 'EPContext_hostile'.*external file"):
         InferenceSession(hostile, options, env=ctx_env)
     assert ctx_env.get_worker_stats("ref").clients >= 1, "the worker is up"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fallback", ["onnxruntime", "reference"])
+def test_a_failed_context_partition_goes_to_a_fallback_that_restores_it_or_says_it_cannot(ctx_env, tmp_path,
+                                                                                         fallback):
+    """A worker (chaos around the onnxruntime EP) restores the context model's ORT partitions and segfaults on
+    its first Compute; under ep_failure_policy=fallback, ORT's CPU EP in process restores them in its place;
+    the reference evaluator alone cannot, and says so naming the node and its EP."""
+    compile_to(ctx_env, tmp_path, embed=True)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("c", "chaos", {"wrap": "onnxruntime", "fault": "segfault",
+                                                               "after": "1", "crash_window_s": "60"})
+        env.register_execution_provider_library("ref", "reference", {"ops": "Relu"})
+        options = options_for(env, "c", "ref", policy="fallback")
+        options.fallback = fallback
+        with InferenceSession(str(tmp_path / "mlp_ctx.onnx"), options, env=env) as session:
+            assert stats(env, "c") == (0, 2)
+            if fallback == "onnxruntime":
+                np.testing.assert_allclose(session.run(None, {"x": X})[0], expected(X), rtol=1e-5)
+                # each (restarted) chaos worker segfaults on its first Compute: both ORT partitions fall back
+                assert session.failure_counters["crashed"] == session.failure_counters["fell back"] == 2
+            else:
+                with pytest.raises(ephost.EpNotFound, match=r"the fallback cannot run EPContext node "
+                                                            r"'EPContext_ort_0': only its EP \('CPUExecutionProvider'\)"):
+                    session.run(None, {"x": X})
