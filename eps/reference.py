@@ -72,7 +72,7 @@ class ReferenceComputeInfo:
         self._lock = threading.Lock()  # the evaluator keeps state while it runs
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None) -> list[Any]:
+                timeout: float | None = None, into=None, leave=()) -> list[Any]:
         feeds = local_inputs(self.name, self._input_names, inputs)
         with self._lock:
             try:
