@@ -138,11 +138,11 @@ class _NextOnFailure:
         self.name = info.name
         self._info, self._graph, self._compile_next, self._next = info, graph, compile_next, None
 
-    def compute(self, inputs, allocator=None, keep=(), timeout=None, into=None):
+    def compute(self, inputs, allocator=None, keep=(), timeout=None, into=None, leave=()):
         if self._next is None:
             try:
-                return self._info.compute(inputs, allocator, keep, timeout, into)
+                return self._info.compute(inputs, allocator, keep, timeout, into, leave)
             except EpInternal as e:
                 log.warning("the fallback failed on %s (%s); the next fallback EP runs it", self.name, e)
                 self._next = self._compile_next()
-        return self._next.compute(inputs, allocator, keep, timeout, into)
+        return self._next.compute(inputs, allocator, keep, timeout, into, leave)

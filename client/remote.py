@@ -47,7 +47,8 @@ class RemoteComputeInfo(RemoteHandle):
         return self._ep.compile_handles([graph])[0][0]
 
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
-                timeout: float | None = None, into: Mapping[int, Tensor] | None = None) -> list[Any]:
+                timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
+                leave: Sequence[int] = ()) -> list[Any]:
         staged: list[Buffer] = []
         try:
             conn = self.link.conn
@@ -62,7 +63,7 @@ class RemoteComputeInfo(RemoteHandle):
             reply = self.link.call(lambda c: c.ep.Compute, request, conn=conn, timeout=timeout)
         finally:
             self._stager.release(staged)
-        outputs = [targets[i] if i in targets else self._output(v, allocator, conn)
+        outputs = [targets[i] if i in targets else self._output(v, allocator, conn, fetch=i not in leave)
                    for i, v in enumerate(reply.outputs)]
         self.link.between_calls()
         return outputs
@@ -72,7 +73,7 @@ class RemoteComputeInfo(RemoteHandle):
             return common_pb2.Value(onnx=values.encode(value))
         return common_pb2.Value(tensor=tensor_ref(value, "source", self.link, self._stager, staged))
 
-    def _output(self, message: common_pb2.Value, allocator: RemoteAllocator | None, conn) -> Any:
+    def _output(self, message: common_pb2.Value, allocator: RemoteAllocator | None, conn, fetch: bool = True) -> Any:
         if message.WhichOneof("kind") == "onnx":
             return values.decode(message.onnx)
         ref = message.tensor
@@ -82,9 +83,10 @@ class RemoteComputeInfo(RemoteHandle):
         buffer = allocator.adopt(ref.buffer, nbytes_of(shape, dtype), ref.mapped if ref.HasField("mapped") else None,
                                  conn)
         host = None
-        if buffer.region is None:
-            # Memory this process cannot map: fetch a copy (in chunks) for whoever reads it here or elsewhere;
-            # the worker keeps its own, which a later partition there reads by handle.
+        if buffer.region is None and fetch:
+            # Memory this process cannot map: fetch a copy (in chunks) for whoever reads it here or elsewhere
+            # (and to keep it should the worker die); the worker keeps its own, which a later partition there
+            # reads by handle. Outputs the caller leaves there (bound in the worker) are not fetched.
             host = np.empty(shape, dtype)
             allocator.read(buffer, host.reshape(-1).view(np.uint8))
         return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, host=host, allocator=allocator)

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
 from ephost.eps.base import capability
@@ -39,6 +38,7 @@ from ephost.client.handles import owned
 from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 from ephost.client.profiler import Profiler
+from ephost.client.runner import PartitionRunner
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +253,8 @@ class InferenceSession:
         self._entries: list[tuple[list[EpDevice], dict[str, str]]] = []
         self._async: ThreadPoolExecutor | None = None
         self.profiler = Profiler(bool(options.enable_profiling), options.profile_file_prefix)
+        self._runner = PartitionRunner(env, self._failures, self.profiler, self._link_of, self._constants,
+                                       self._external)
         try:
             with self.profiler.span("Session", "session_initialization"):
                 self._set_up(options.providers + self._provider_shortcuts(providers or []))
@@ -263,6 +265,7 @@ class InferenceSession:
     def _set_up(self, entries) -> None:
         self._entries = entries
         self._partitions = self._partition(entries)
+        self._runner.partitions = self._partitions
         self._compile()
         if self._context.enabled:
             self._write_context_model()
@@ -480,89 +483,16 @@ class InferenceSession:
     def _execute(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any,
                  placed: Mapping[str, MemoryInfo | None] | None = None,
                  targets: Mapping[str, Tensor] | None = None) -> list[Any]:
-        """One run: the requested outputs, in order, as graph values. `placed` names outputs to leave in an EP's
-        memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps
-        it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
-        that makes them can (a worker, into its own memory)."""
+        """One run: the requested outputs, in order, as graph values (see PartitionRunner.run for `placed` and
+        `targets`)."""
         if self._closed:
             raise EpFailedPrecondition("the session is closed")
         names = self._output_names(output_names)
         values = self._feeds(input_feed)
-        keep = set(names)
-        run = next(self._runs)
         timeout = _deadline(run_options.compute_timeout_s if run_options is not None
                             and run_options.compute_timeout_s is not None else self._timeout)
-        owners = {n: None if m is None else self._env.owner_of(m) for n, m in (placed or {}).items()}
-        made_by: dict[str, str] = {}
         self._failures.counters["runs"] += 1
-        with self.profiler.span("Session", "model_run", run=run):
-            self._run_partitions(run, values, keep, owners, made_by, timeout, targets or {})
-        for n in names:
-            if n not in values and n in self._constants:
-                t = self._constants[n]
-                values[n] = as_value(self._external.array(t).copy() if external_ref(t) is not None
-                                     else numpy_helper.to_array(t))
-        labelled: dict[int, Any] = {}  # one relabelled tensor per value, whatever the names it goes by
-        for n in names:
-            value = values[n]
-            if id(value) not in labelled:
-                labelled[id(value)] = self._labelled(value, made_by.get(n))
-        return [labelled[id(values[n])] for n in names]
-
-    def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
-                        made_by: dict[str, str], timeout: float | None, targets: Mapping[str, Tensor]) -> None:
-        for p in self._partitions:
-            inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
-            into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
-            with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes)) as args:
-                args.update(ep=p.placement.ep_name, registration=p.registration,
-                            call="Compute" if self._link_of(p.registration) is not None else "in process")
-                try:
-                    kept = self._kept(p, owners)
-                    outputs = p.compute_info.compute(inputs, p.allocator, kept, timeout, into=into) if into else \
-                        p.compute_info.compute(inputs, p.allocator, kept, timeout)
-                except EpError as error:
-                    with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
-                                            policy=self._failures.policy):
-                        outputs = self._failures.recover(run, p, self._partitions, inputs, error, timeout)
-            if len(outputs) != len(p.graph.outputs):
-                raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
-            values.update(zip(p.graph.outputs, outputs))
-            made_by.update(dict.fromkeys(p.graph.outputs, p.registration))
-            for v in p.last_reads:  # let go of values no later partition reads
-                if v not in keep:
-                    values.pop(v, None)
-
-    def _kept(self, p: Partition, owners: Mapping[str, Any]) -> tuple[int, ...]:
-        """Outputs of `p` to leave in its EP's memory: those a later partition there reads, and graph outputs
-        placed there for this run."""
-        if not owners or p.allocator is None:
-            return p.keep
-        registration = self._env.registration(p.registration) if self._env.is_registered(p.registration) else None
-        extra = [i for i, v in enumerate(p.graph.outputs)
-                 if v in owners and owners[v] in (None, registration) and i not in p.keep]
-        return p.keep + tuple(extra) if extra else p.keep
-
-    def _reachable(self, value: Any, p: Partition) -> Any:
-        """`value` as partition `p` can read it: a tensor in a worker's memory that neither this process nor
-        p's EP can address comes to the application first."""
-        if not isinstance(value, Tensor) or value.local_bytes() is not None:
-            return value
-        link = self._link_of(p.registration)
-        if link is not None and owned(value.buffer, link):
-            return value
-        host = Tensor.from_numpy(np.empty(value.shape, value.dtype))
-        with self.profiler.span("Copy", f"to the host for {p.graph.name}", bytes=value.nbytes,
-                                src=value.memory_info.name, dst=host.memory_info.name):
-            self._env.copy_tensors([value], [host])
-        return host
-
-    def _labelled(self, value: Any, registration: str | None) -> Any:
-        """A tensor an EP made, labelled with the MemoryInfo users know its memory by (the Environment's)."""
-        if not isinstance(value, Tensor) or registration is None or value.memory_info == HOST_MEMORY \
-                or not self._env.is_registered(registration):
-            return value
-        return value.relabeled(self._env.registration(registration).qualified(value.memory_info))
+        return self._runner.run(next(self._runs), values, names, timeout, placed or {}, targets or {})
 
     @property
     def environment(self):

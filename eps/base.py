@@ -117,7 +117,9 @@ class NodeComputeInfo(Protocol):
     next. `timeout` is the call's deadline in seconds: an EP in another process is abandoned (and its worker
     ended) past it; code running in this process cannot be interrupted and ignores it. `into` names outputs
     (by position) to write into given tensors (an IOBinding's bound outputs): a worker writes them there and
-    returns those tensors; an EP in this process may ignore it (the session copies then).
+    returns those tensors; an EP in this process may ignore it (the session copies then). `leave` names kept
+    outputs nobody in this process reads (outputs bound in the EP's memory): a worker that shares no memory with
+    this process does not send their bytes here. `into` and `leave` are only passed when not empty.
 
     Optional attributes: `ep_context` (an ephost.ep_context.EpContext: the partition's compiled form, made when
     the EP was created with ep.context_enable=1; None where the EP has none) and `restored` (True where the
@@ -126,7 +128,8 @@ class NodeComputeInfo(Protocol):
     name: str
 
     def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None, keep: Sequence[int] = (),
-                timeout: float | None = None, into: Mapping[int, "Tensor"] | None = None) -> list[Any]: ...
+                timeout: float | None = None, into: Mapping[int, "Tensor"] | None = None,
+                leave: Sequence[int] = ()) -> list[Any]: ...
 
 
 @runtime_checkable

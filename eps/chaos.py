@@ -95,9 +95,9 @@ class _Wrapper:
 
 class ChaosComputeInfo(_Wrapper):
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None) -> list[Any]:
+                timeout: float | None = None, into=None, leave=()) -> list[Any]:
         self._fault.check("compute")
-        return self._inner.compute(inputs, allocator, keep, timeout, into)
+        return self._inner.compute(inputs, allocator, keep, timeout, into, leave)
 
 
 class ChaosEp(_Wrapper):

@@ -154,7 +154,7 @@ class OrtComputeInfo:
         self._idle: list[_Binding] = []  # list.pop and append are atomic: no lock on the way in or out
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None) -> list[Any]:
+                timeout: float | None = None, into=None, leave=()) -> list[Any]:
         arrays = local_inputs(self.name, self._inputs, inputs)
         if not self._bindable or not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype)
                                          for v in arrays.values()):

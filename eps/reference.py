@@ -123,7 +123,7 @@ class ReferenceComputeInfo:
         return cls(graph.name, ep_context.model_of(node, context), keep_context, restored=True)
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None) -> list[Any]:
+                timeout: float | None = None, into=None, leave=()) -> list[Any]:
         feeds = local_inputs(self.name, self._input_names, inputs)
         if self._constants:
             feeds.update(self._constants)

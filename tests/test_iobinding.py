@@ -254,3 +254,31 @@ def test_an_output_asked_twice_comes_back_twice_and_stays_readable(env):
         first, second = session.run(["y", "y"], {"x": x})
         np.testing.assert_array_equal(first, second)
         np.testing.assert_allclose(y1.numpy(), first, rtol=1e-6)
+
+
+def test_without_shared_memory_a_bound_loop_moves_no_bytes_either():
+    """A worker this process cannot share memory with (a remote one): the bound output stays in its DEFAULT
+    memory and is neither read back nor sent again; copy_outputs_to_cpu fetches it at the end."""
+    model = recurrent()
+    x0 = np.random.default_rng(7).standard_normal((4, 256)).astype(np.float32)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("far", "onnxruntime", {"shared_memory": "false"})
+        device = device_of(env, "far")
+        assert device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE) is None
+        with InferenceSession(model, options_for(env, "far"), env=env) as session:
+            binding = session.io_binding()
+            binding.bind_cpu_input("x", x0)
+            binding.bind_output("y", device)
+            session.run_with_iobinding(binding)
+            first, calls = counters(env, "far"), env.get_worker_stats("far").methods
+            for _ in range(9):
+                (y,) = binding.get_outputs()
+                assert y.memory_info == device.memory_info(DeviceMemoryType.DEFAULT) and y.local_bytes() is None
+                binding.bind_ortvalue_input("x", y)
+                session.run_with_iobinding(binding)
+            after, calls_after = counters(env, "far"), env.get_worker_stats("far").methods
+            np.testing.assert_allclose(binding.copy_outputs_to_cpu()[0], ort_loop(model, x0, 10), rtol=1e-5, atol=1e-6)
+    assert after["compute_inputs_resident"] - first["compute_inputs_resident"] == 9
+    assert all(after[c] == first[c] for c in COUNTERS if "resident" not in c), (first, after)
+    assert (calls_after["Allocator/Read"].calls if "Allocator/Read" in calls_after else 0) == \
+        (calls["Allocator/Read"].calls if "Allocator/Read" in calls else 0)
