@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 # protobuf cannot serialize or parse a message over 2 GiB
 PROTOBUF_LIMIT = (2 << 30) - 1
+# How external data files are opened: read-only, and never waiting (a FIFO where a file should be is refused as
+# no regular file, not waited on for a writer)
+OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class ExternalFile:
 
     @classmethod
     def open(cls, name: str, path: str) -> "ExternalFile":
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, OPEN_FLAGS)
         return cls(name, fd, label=path)
 
     def view(self, offset: int, length: int) -> memoryview:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import onnx
 
-from ephost.external_data import ExternalData, model_key, path_inside
+from ephost.external_data import OPEN_FLAGS, ExternalData, model_key, path_inside
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted
 from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
@@ -204,7 +204,7 @@ class WorkerState:
     def open_in_model_dir(self, path: str, what: str) -> int:
         """A read-only descriptor of a file in the model directory."""
         try:
-            return os.open(self.model_dir_path(path, what), os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(self.model_dir_path(path, what), OPEN_FLAGS)
         except FileNotFoundError:
             raise EpNotFound(f"{what} {path!r} is not in the worker's model directory") from None
         except OSError as e:

@@ -478,3 +478,11 @@ def test_onnxruntime_copies_a_file_that_has_no_path_here_and_says_so(tmp_path, c
         assert "copied into ONNX Runtime" in caplog.text
     finally:
         external.close()
+
+
+def test_a_fifo_where_the_weights_should_be_is_refused_not_waited_on(env, tmp_path):
+    path, _, _ = small_model(tmp_path)
+    os.remove(tmp_path / "weights.bin")
+    os.mkfifo(tmp_path / "weights.bin")
+    with pytest.raises(ephost.EpInvalidArgument, match="not a regular file"):
+        InferenceSession(path, env=env, providers=["ref"])
