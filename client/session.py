@@ -22,8 +22,7 @@ import onnx
 
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
 from ephost.eps.base import capability
-from ephost.external_data import (ExternalData, WorkerFile, check_inline_size, external_ref, has_external_data,
-                                  load_model)
+from ephost.external_data import ExternalData, WorkerFile, check_inline_size, has_external_data, load_model
 from ephost.v1 import worker_pb2
 from ephost.graph import GraphIndex, prepare_model
 from ephost.tensor import Tensor
@@ -34,7 +33,6 @@ from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.feeds import check_feed, check_feed_names, shape_of, type_string
 from ephost.client.fallback import CpuFallback, default_fallback
 from ephost.client.context_model import ENABLE, CompiledPartition, ContextSettings, embed_files, write_context_model
-from ephost.client.handles import owned
 from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 from ephost.client.profiler import Profiler

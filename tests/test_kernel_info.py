@@ -1,7 +1,6 @@
 """KernelInfo: an EP's compute sees its partition's input and output names, element types and shapes and its
 provider options (ORT's KernelInfo_* calls), in process and in a worker; the `example` EP uses them."""
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper
 

@@ -3,7 +3,6 @@ EP (a worker hosting ORT's CPU EP) takes what the worker claims, ORT's own CPU E
 alone may fail through the bridge."""
 import warnings
 
-import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx.backend.test.case.node import collect_testcases

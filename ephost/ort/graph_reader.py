@@ -159,7 +159,7 @@ class GraphReader:
             check(api.CastTypeInfoToTensorInfo(type_info, ctypes.byref(tensor_info)), "CastTypeInfoToTensorInfo")
             elem, _, _ = shape_of(self.abi, tensor_info.value, symbols=False)
             return helper.make_tensor_type_proto(elem, None)
-        inner, cast, get = c_void_p(), c_void_p(), c_void_p()
+        inner, cast = c_void_p(), c_void_p()
         if kind == A.ONNX_TYPE_SEQUENCE:
             check(api.CastTypeInfoToSequenceTypeInfo(type_info, ctypes.byref(cast)), "CastTypeInfoToSequenceTypeInfo")
             check(api.GetSequenceElementType(cast, ctypes.byref(inner)), "GetSequenceElementType")
