@@ -52,11 +52,10 @@ def cases():
     return every, passing
 
 
-def through(env, providers, cases, fallback=None):
+def through(env, providers, cases, fallback=None, options=None):
     failures, partitions = [], collections.Counter()
-    options = None
     if fallback is not None:
-        options = ephost.SessionOptions()
+        options = options or ephost.SessionOptions()
         options.fallback = fallback
 
     def prepare(model):
@@ -147,17 +146,26 @@ def test_the_onnx_runtime_fallback_passes_what_ort_or_the_evaluator_passes(cases
     assert passed > len(ort_passing)
 
 
-def test_every_case_onnx_runtime_passes_in_process_passes_through_an_onnxruntime_worker(cases, ort_passing):
+# ep_failure_policy -> the cases that must pass at least (issue 12: bfloat16/float8/int4 reach ORT as OrtValues;
+# under "fallback" the three cases ORT fails at run time on a node it claimed re-run on the fallback).
+WORKER_TARGETS = {"raise": 1640, "fallback": 1643}
+
+
+@pytest.mark.timeout(900)  # two passes over the suite through a worker: minutes on a loaded 2-core machine
+@pytest.mark.parametrize("policy", list(WORKER_TARGETS))
+def test_every_case_onnx_runtime_passes_in_process_passes_through_an_onnxruntime_worker(cases, ort_passing, policy):
     """The vendor decides: ONNX Runtime in the worker takes what it can run; the fallback takes the rest, so
     cases ORT cannot run alone pass as well."""
     every, _ = cases
+    options = ephost.SessionOptions()
+    options.ep_failure_policy = policy
     with ephost.Environment() as env:
         env.register_execution_provider_library("ort", "onnxruntime")
-        failures, _ = through(env, ["ort"], every)
+        failures, _ = through(env, ["ort"], every, options=options)
     failed = {f.split(":", 1)[0] for f in failures}
     passed = len(every) - len(failed)
     print(f"\nONNX Runtime in process passes {len(ort_passing)} of {len(every)} node cases; through an onnxruntime "
-          f"worker with the default fallback {passed} pass")
+          f"worker with the default fallback and ep_failure_policy={policy!r} {passed} pass")
     regressions = sorted(ort_passing & failed)
     assert regressions == [], "\n".join(f for f in failures if f.split(":", 1)[0] in regressions)[:4000]
-    assert passed > len(ort_passing)
+    assert passed >= WORKER_TARGETS[policy], "\n".join(failures)[:4000]
