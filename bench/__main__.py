@@ -1,9 +1,9 @@
 import argparse
 
-from bench import copy_bandwidth, data_plane, fallback, recovery, session_overhead
+from bench import copy_bandwidth, data_plane, fallback, ort_bridge, recovery, session_overhead
 
 BENCHES = (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane", data_plane),
-           ("recovery", recovery), ("fallback", fallback))
+           ("recovery", recovery), ("fallback", fallback), ("ortbridge", ort_bridge))
 
 parser = argparse.ArgumentParser(prog="python -m bench")
 parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")

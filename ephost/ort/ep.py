@@ -1,0 +1,221 @@
+"""The bridged OrtEp and its OrtNodeComputeInfos: GetCapability, Compile and Compute forwarded to an ephost EP
+(a worker, through ephost's client), with ORT's graphs read as ONNX models and ORT's tensors as numpy views."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import c_int64, c_size_t, c_void_p
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ephost.eps.base import FusedGraph
+from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.graph import GraphIndex, cluster
+from ephost.ort import abi as A
+from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
+from ephost.ort.graph_reader import GraphReader
+from ephost.ort.values import tensor_view, write_strings
+from ephost.tensor import Tensor
+
+if TYPE_CHECKING:
+    from ephost.ort.factory import BridgeFactory
+
+log = logging.getLogger(__name__)
+
+
+class BridgeEp:
+    """OrtEp: one per ORT session that selected the bridged devices; an EP in the worker behind it."""
+
+    def __init__(self, factory: "BridgeFactory", remote):
+        self.factory, self.remote = factory, remote
+        self.abi = factory.abi
+        self.name = factory.name
+        self.guard = Guard(self.abi, self.name)
+        self.reader = GraphReader(self.abi)
+        self._strings = Strings()
+        self.fusion_options = A.OrtNodeFusionOptions(A.STRUCT_VERSION, True)  # initializers stay in the worker
+        self._capability = None  # (ReadGraph, GraphIndex, value types) of the last top-level GetCapability
+        self.struct = A.OrtEp()
+        fill(self.struct, A.EP_FUNCTIONS, {
+            "GetName": lambda this: self.guard.quiet("GetName", lambda: self._strings(self.name)),
+            "GetCapability": lambda this, graph, info: self.guard.status(
+                "GetCapability", lambda: self.get_capability(graph, info)),
+            "Compile": lambda this, graphs, fused, count, infos, ctx_nodes: self.guard.status(
+                "Compile", lambda: self.compile(graphs, fused, count, infos)),
+            "ReleaseNodeComputeInfos": lambda this, infos, count: self.guard.quiet(
+                "ReleaseNodeComputeInfos", lambda: self.release_node_compute_infos(infos, count)),
+            "SetDynamicOptions": lambda this, keys, values, count: self.guard.status(
+                "SetDynamicOptions", lambda: self.remote.set_dynamic_options(
+                    {keys[i].decode(): (values[i] or b"").decode() for i in range(count)})),
+            "GetCompiledModelCompatibilityInfo": lambda this, graph: self._strings(""),
+        })
+        self.address = keep(self, self.struct)
+
+    # --- GetCapability ---
+
+    def get_capability(self, graph: int, support_info: int) -> None:
+        if self.reader.is_nested(graph):
+            return  # a control-flow node's body: the worker is asked about the whole node in its parent graph
+        read = self.reader.read(graph)
+        index = GraphIndex.of(read.model)
+        g = read.model.graph
+        self._capability = (read, index, {v.name: tensor_kind(v) for v in [*g.input, *g.output, *g.value_info]})
+        claimed = frozenset(name for name, node in read.nodes.items() if self._assigned_elsewhere(node))
+        groups = self.remote.get_capability(read.model, claimed)
+        for group in groups:
+            missing = [n for n in group.node_names if n not in read.nodes]
+            if missing:
+                raise EpInvalidArgument(f"the worker claimed nodes the graph does not have: {missing[:5]}")
+        fused = []
+        for names in acyclic_groups(index, [g.node_names for g in groups]):
+            crossing = [v for v in (lambda io: io[0] + io[1])(index.partition_io(names)) if v in read.non_tensors]
+            if crossing:  # a kernel context carries tensors only: ORT's CPU EP keeps these nodes
+                log.info("%s: leaving %d node(s) to ORT: non-tensor values %s would cross the partition's edge",
+                         self.name, len(names), crossing[:3])
+                continue
+            fused.append(names)
+        for names in fused:
+            nodes = (c_void_p * len(names))(*[read.nodes[n] for n in names])
+            self.abi.check(self.abi.ep_api.EpGraphSupportInfo_AddNodesToFuse(
+                support_info, nodes, len(names), ctypes.addressof(self.fusion_options)),
+                "EpGraphSupportInfo_AddNodesToFuse")
+        log.info("%s: GetCapability took %d of %d nodes in %d group(s) (the worker said %d)", self.name,
+                 sum(map(len, fused)), len(read.nodes), len(fused), len(groups))
+
+    def _assigned_elsewhere(self, node: int) -> bool:
+        ep = ctypes.c_char_p()
+        self.abi.check(self.abi.api.Node_GetEpName(node, ctypes.byref(ep)), "Node_GetEpName")
+        return bool(ep.value) and ep.value.decode() != self.name
+
+    # --- Compile ---
+
+    def compile(self, graphs, fused_nodes, count: int, infos_out) -> None:
+        api = self.abi.api
+        fused: list[FusedGraph] = []
+        reused = 0
+        for i in range(count):
+            node = fused_nodes[i]
+            name = self.reader.string(api.Node_GetName, node, "Node_GetName")
+            inputs = [self.reader.string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
+                      for v in self.reader.array(api.Node_GetNumInputs, api.Node_GetInputs, node, "Node_GetInputs")]
+            outputs = [self.reader.string(api.GetValueInfoName, v, "GetValueInfoName") if v else ""
+                       for v in self.reader.array(api.Node_GetNumOutputs, api.Node_GetOutputs, node, "Node_GetOutputs")]
+            source, nodes = self._in_capability_model(graphs[i])
+            reused += source is not None
+            if source is None:  # not the graph GetCapability read: read this one
+                read = self.reader.read(graphs[i], exact_edges=False)
+                source, nodes = GraphIndex.of(read.model), tuple(read.nodes)
+            fused.append(FusedGraph(name, source, nodes, tuple(inputs), tuple(outputs)))
+        log.info("%s: Compile of %d partition(s), %d of them cut from the model GetCapability sent", self.name,
+                 count, reused)
+        compiled = self.remote.compile(fused)
+        made = [BridgeComputeInfo(self, graph, info) for graph, info in zip(fused, compiled)]
+        for i, info in enumerate(made):
+            infos_out[i] = info.address
+
+    def _in_capability_model(self, graph: int) -> tuple[GraphIndex | None, tuple[str, ...]]:
+        """The fused graph's nodes as names in the model GetCapability sent, which the worker already holds (so
+        Compile sends no weights again), where every node is one GetCapability read, by id and operator."""
+        if self._capability is None:
+            return None, ()
+        read, index, types = self._capability
+        api = self.abi.api
+        # the partition's edges must carry the element types the compile graph gives them
+        edges = self.reader.array(api.Graph_GetNumInputs, api.Graph_GetInputs, graph, "Graph_GetInputs") + \
+            self.reader.array(api.Graph_GetNumOutputs, api.Graph_GetOutputs, graph, "Graph_GetOutputs")
+        for v in edges:
+            info = self.reader.value_info(v, required=False) if v else None
+            if info is None or types.get(info.name) != tensor_kind(info):
+                return None, ()
+        names = []
+        for node in self.reader.array(api.Graph_GetNumNodes, api.Graph_GetNodes, graph, "Graph_GetNodes"):
+            name = read.ids.get(self.reader.node_id(node))
+            op = self.reader.string(api.Node_GetOperatorType, node, "Node_GetOperatorType")
+            if name is None or index.nodes[name].op_type != op:
+                return None, ()
+            names.append(name)
+        return index, tuple(names)
+
+    def release_node_compute_infos(self, infos, count: int) -> None:
+        owners = [forget(infos[i]) for i in range(count)]
+        remote = [o.remote for o in owners if isinstance(o, BridgeComputeInfo)]
+        if remote:
+            try:
+                self.remote.release_node_compute_infos(remote)
+            except EpNotFound as e:  # made on a worker that has since died: gone with it
+                log.debug("%s: releasing compute infos: %s", self.name, e)
+
+    def release(self) -> None:
+        forget(self.address)
+        self.remote.release()
+
+
+def tensor_kind(info) -> int:
+    """The element type of a tensor ValueInfoProto: what a partition edge must agree on (ORT's shapes of
+    intermediate values are not trusted, see GraphReader.value_info)."""
+    return info.type.tensor_type.elem_type
+
+
+def acyclic_groups(index: GraphIndex, groups: list[tuple[str, ...]]) -> list[list[str]]:
+    """The worker's groups, each split where fusing it whole would put a node outside it on a path between two of
+    its nodes (ephost's own rule, ephost.graph.cluster): ORT fuses what it is given without that check."""
+    key_of: dict[str, object] = {node: ("other", node) for node in index.order}
+    for i, names in enumerate(groups):
+        for name in names:
+            key_of[name] = i
+    clusters = cluster(index, key_of, set(range(len(groups))))
+    return [c.nodes for c in clusters if isinstance(c.key, int)]
+
+
+class BridgeComputeInfo:
+    """OrtNodeComputeInfo of one fused partition: Compute reads the kernel context's inputs (views of ORT's
+    memory), runs the partition in the worker over ephost's data plane, and writes ORT's outputs."""
+
+    def __init__(self, ep: BridgeEp, graph: FusedGraph, remote):
+        self.ep, self.graph, self.remote = ep, graph, remote
+        self.abi = ep.abi
+        guard = ep.guard
+        self.struct = A.OrtNodeComputeInfo()
+        fill(self.struct, A.COMPUTE_INFO_FUNCTIONS, {
+            "CreateState": lambda this, context, state: guard.status("CreateState", lambda: self._state(state)),
+            "Compute": lambda this, state, context: guard.status(f"Compute of {graph.name}",
+                                                                 lambda: self.compute(context)),
+            "ReleaseState": lambda this, state: None,
+        })
+        self.address = keep(self, self.struct)
+
+    def _state(self, state_out) -> None:
+        state_out[0] = self.address
+
+    def compute(self, context: int) -> None:
+        api, check = self.abi.api, self.abi.check
+        n = c_size_t()
+        check(api.KernelContext_GetInputCount(context, ctypes.byref(n)), "KernelContext_GetInputCount")
+        inputs: list[Any] = []
+        for i in range(n.value):
+            value = c_void_p()
+            check(api.KernelContext_GetInput(context, i, ctypes.byref(value)), "KernelContext_GetInput")
+            if not value.value:
+                raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
+            array = tensor_view(self.abi, value.value)
+            inputs.append(array if array.dtype == object else Tensor.from_numpy(array))
+        outputs = self.remote.compute(inputs, self.ep.factory.output_allocator())
+        check(api.KernelContext_GetOutputCount(context, ctypes.byref(n)), "KernelContext_GetOutputCount")
+        if n.value != len(outputs):
+            raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects {n.value}")
+        out_bytes = 0
+        for i, out in enumerate(outputs):
+            array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
+            dims = (c_int64 * array.ndim)(*array.shape)
+            value = c_void_p()
+            check(api.KernelContext_GetOutput(context, i, dims, array.ndim, ctypes.byref(value)),
+                  "KernelContext_GetOutput")
+            if array.dtype == object:
+                write_strings(self.abi, value.value, array)
+            elif array.size:
+                np.copyto(tensor_view(self.abi, value.value), array, casting="no")
+                out_bytes += array.nbytes
+            if isinstance(out, Tensor):
+                out.release()
+        self.ep.factory.stats.count(sum(t.nbytes for t in inputs if isinstance(t, Tensor)), out_bytes)

@@ -1,0 +1,150 @@
+"""The bridged OrtEpFactory: its devices are the worker's, its EP name the ORT registration name."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import c_void_p
+from typing import TYPE_CHECKING
+
+from ephost.errors import EpNotFound
+from ephost.ort import abi as A
+from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
+from ephost.ort.ep import BridgeEp
+
+if TYPE_CHECKING:
+    from ephost.ort.library import Binding
+
+log = logging.getLogger(__name__)
+
+# EP metadata keys ORT sets itself (from GetVersion and the library's path) and refuses from a factory.
+RESERVED_METADATA = frozenset({"version", "library_path"})
+
+
+def provider_options(config_entries: dict[str, str], ep_name: str) -> dict[str, str]:
+    """The options the application gave `add_provider_for_devices` for this EP: ORT keeps them in the session's
+    config entries as `ep.<ep name>.<key>` (the EP name lowercased), and they go to the worker's EP."""
+    prefix = f"ep.{ep_name.lower()}."
+    return {k[len(prefix):]: v for k, v in config_entries.items() if k.lower().startswith(prefix)}
+
+
+class BridgeFactory:
+    def __init__(self, binding: "Binding", abi: A.OrtAbi):
+        self.binding, self.abi = binding, abi
+        self.stats = binding.stats
+        self.name = binding.ort_name
+        self.registration = binding.registration
+        self.guard = Guard(abi, self.name)
+        self._strings = Strings()
+        self._device_of: dict[int, int] = {}  # OrtHardwareDevice* -> the worker's device index
+        remote = self.registration.factory
+        text = lambda what, fn: lambda this: self.guard.quiet(what, lambda: self._strings(fn()))  # noqa: E731
+        self.struct = A.OrtEpFactory()
+        fill(self.struct, A.FACTORY_FUNCTIONS, {
+            "GetName": text("GetName", lambda: self.name),
+            "GetVendor": text("GetVendor", remote.get_vendor),
+            "GetVersion": text("GetVersion", remote.get_version),
+            "GetVendorId": lambda this: self.guard.quiet("GetVendorId", remote.get_vendor_id, 0),
+            "GetSupportedDevices": lambda this, hw, n_hw, out, max_out, n_out: self.guard.status(
+                "GetSupportedDevices", lambda: self.get_supported_devices(hw, n_hw, out, max_out, n_out)),
+            "CreateEp": lambda this, hw, metadata, n, session_options, logger, ep_out: self.guard.status(
+                "CreateEp", lambda: self.create_ep(hw, n, session_options, ep_out)),
+            "ReleaseEp": lambda this, ep: self.guard.quiet("ReleaseEp", lambda: self.release_ep(ep)),
+            "ValidateCompiledModelCompatibilityInfo": lambda this, hw, n, info, out: self.guard.status(
+                "ValidateCompiledModelCompatibilityInfo", lambda: self._set_int(out, 0)),  # EP_NOT_APPLICABLE
+            "CreateAllocator": lambda this, memory_info, options, out: self.guard.status(
+                "CreateAllocator", lambda: self._set_null(out)),  # ORT's CPU allocator
+            "ReleaseAllocator": lambda this, allocator: None,
+            "CreateDataTransfer": lambda this, out: self.guard.status("CreateDataTransfer", lambda: self._set_null(out)),
+            "IsStreamAware": lambda this: False,
+            "CreateSyncStreamForDevice": lambda this, device, options, out: self.guard.status(
+                "CreateSyncStreamForDevice", lambda: self._set_null(out)),
+        })
+        self.address = keep(self, self.struct)
+
+    @staticmethod
+    def _set_null(out) -> None:
+        out[0] = None
+
+    @staticmethod
+    def _set_int(out, value: int) -> None:
+        out[0] = value
+
+    def output_allocator(self):
+        """Where partitions leave their outputs: the worker's memory this process maps, read in place."""
+        return self.registration.session_allocator()
+
+    # --- devices ---
+
+    def get_supported_devices(self, hw_devices, n_hw: int, out, max_out: int, n_out) -> None:
+        api, ep_api = self.abi.api, self.abi.ep_api
+        available = [hw_devices[i] for i in range(n_hw)]
+        made = 0
+        for device in self.registration.devices:
+            if made >= max_out:
+                break
+            hw = self._hardware_for(device, available)
+            if hw is None:
+                log.warning("%s: ONNX Runtime lists no %s device for the worker's %s device", self.name,
+                            device.device.type.name, device.ep_name)
+                continue
+            worker_metadata = {k: v for k, v in device.ep_metadata.items() if k not in RESERVED_METADATA}
+            metadata = self._pairs({**worker_metadata, "ephost.target": self.binding.target,
+                                    "ephost.worker_ep": device.ep_name})
+            options = self._pairs(device.ep_options)
+            try:
+                ep_device = c_void_p()
+                self.abi.check(ep_api.CreateEpDevice(self.address, hw, metadata, options, ctypes.byref(ep_device)),
+                               "CreateEpDevice")
+            finally:
+                api.ReleaseKeyValuePairs(metadata)
+                api.ReleaseKeyValuePairs(options)
+            out[made] = ep_device.value
+            self._device_of[hw] = device.index
+            made += 1
+        n_out[0] = made
+
+    def _hardware_for(self, device, available: list[int]) -> int | None:
+        api = self.abi.api
+        same_type = [hw for hw in available if api.HardwareDevice_Type(hw) == int(device.device.type)]
+        exact = [hw for hw in same_type if api.HardwareDevice_VendorId(hw) == device.device.vendor_id and
+                 api.HardwareDevice_DeviceId(hw) == device.device.device_id]
+        return (exact or same_type or [None])[0]
+
+    def _pairs(self, items: dict[str, str]) -> int:
+        kvps = c_void_p()
+        self.abi.api.CreateKeyValuePairs(ctypes.byref(kvps))
+        for key, value in items.items():
+            self.abi.api.AddKeyValuePair(kvps, str(key).encode(), str(value).encode())
+        return kvps.value
+
+    # --- EPs ---
+
+    def create_ep(self, hw_devices, n: int, session_options: int, ep_out) -> None:
+        indices = []
+        for i in range(n):
+            if hw_devices[i] not in self._device_of:
+                raise EpNotFound(f"{self.name} was given a device it did not offer")
+            indices.append(self._device_of[hw_devices[i]])
+        options = provider_options(self._config_entries(session_options), self.name)
+        remote = self.registration.factory.create_ep(indices, options)
+        ep_out[0] = BridgeEp(self, remote).address
+
+    def _config_entries(self, session_options: int) -> dict[str, str]:
+        api = self.abi.api
+        kvps = c_void_p()
+        self.abi.check(api.GetSessionOptionsConfigEntries(session_options, ctypes.byref(kvps)),
+                       "GetSessionOptionsConfigEntries")
+        try:
+            keys, values, n = A.POINTER(ctypes.c_char_p)(), A.POINTER(ctypes.c_char_p)(), ctypes.c_size_t()
+            api.GetKeyValuePairs(kvps, ctypes.byref(keys), ctypes.byref(values), ctypes.byref(n))
+            return {keys[i].decode(): (values[i] or b"").decode() for i in range(n.value)}
+        finally:
+            api.ReleaseKeyValuePairs(kvps)
+
+    def release_ep(self, address: int) -> None:
+        ep = owner_of(address)
+        if isinstance(ep, BridgeEp):
+            ep.release()
+
+    def release(self) -> None:
+        forget(self.address)

@@ -1,0 +1,26 @@
+"""What crossed the bridge for one ORT registration name."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BridgeStats:
+    """Compute calls, and the bytes this process copied for them (ORT's input tensors into the worker's memory or
+    the call, the worker's outputs into ORT's output tensors)."""
+
+    computes: int = 0
+    bytes_in_copied: int = 0
+    bytes_out_copied: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, bytes_in: int, bytes_out: int) -> None:
+        with self._lock:
+            self.computes += 1
+            self.bytes_in_copied += bytes_in
+            self.bytes_out_copied += bytes_out
+
+    def snapshot(self) -> "BridgeStats":
+        with self._lock:
+            return BridgeStats(self.computes, self.bytes_in_copied, self.bytes_out_copied)

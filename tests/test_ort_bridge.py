@@ -1,0 +1,452 @@
+"""ephost as an ONNX Runtime plugin EP library (ephost.ort): ORT's own sessions run nodes in ephost workers.
+
+Each test is an ORT application that knows nothing of ephost beyond `ephost.ort.register`: it selects the
+bridged devices with ORT's `add_provider_for_devices` and compares against ORT alone (its CPU EP in process).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+import ephost
+import ephost.ort
+from ephost.errors import EpFailedPrecondition
+from ephost.ort import abi, build
+from ephost.run_command import bundled_input, bundled_model
+import models
+
+
+@pytest.fixture(scope="module")
+def npu():
+    """'npu' in ORT: a worker hosting ORT's CPU EP, behind the bridge."""
+    ephost.ort.register("npu", "onnxruntime")
+    yield "npu"
+    ephost.ort.unregister("npu")
+
+
+def session_on(name: str, model, **config) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    for key, value in config.items():
+        options.add_session_config_entry(key, value)
+    options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == name], {})
+    source = model if isinstance(model, str) else model.SerializeToString()
+    session = ort.InferenceSession(source, options)
+    session.disable_fallback()  # a failure through the bridge must fail the test, not rerun on ORT's CPU EP
+    return session
+
+
+def owners(session: ort.InferenceSession) -> dict[str, str]:
+    return {n.name: s.ep_name for s in session.get_provider_graph_assignment_info() for n in s.get_nodes()}
+
+
+def test_library_path_is_a_shim_built_with_the_system_compiler():
+    path = ephost.ort.library_path()
+    assert os.path.isfile(path) and f"ort{ort.__version__}" in path
+    lib = ctypes.CDLL(path)
+    assert lib.CreateEpFactories and lib.ReleaseEpFactory and lib.ephost_ort_set_callbacks
+
+
+def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(EpFailedPrecondition, match="none of cc, gcc, clang is on PATH"):
+        build.built_library(ort.__version__)
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(EpFailedPrecondition, match="no-such-cc"):
+        build.built_library(ort.__version__)
+
+
+def test_an_unchecked_onnx_runtime_is_refused():
+    with pytest.raises(EpFailedPrecondition, match=r"checked against ONNX Runtime 1\.32\.0, not 1\.31\.1"):
+        abi.check_version("1.31.1")
+    abi.check_version(ort.__version__)
+
+
+def test_register_refuses_a_taken_name_and_a_bad_target_leaves_nothing(npu):
+    with pytest.raises(ephost.EpAlreadyExists, match="npu"):
+        ephost.ort.register(npu, "onnxruntime")
+    with pytest.raises(ephost.EpError, match="no-such-ep"):
+        ephost.ort.register("broken", "no-such-ep")
+    assert "broken" not in {d.ep_name for d in ort.get_ep_devices()}
+    with pytest.raises(ephost.EpNotFound, match="broken"):
+        ephost.ort.unregister("broken")
+
+
+def test_devices_are_the_workers_under_the_registration_name(npu):
+    (device,) = [d for d in ort.get_ep_devices() if d.ep_name == npu]
+    (cpu,) = [d for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider"]
+    assert device.ep_vendor == cpu.ep_vendor  # the worker's EP is ORT's CPU EP
+    assert device.device.type == cpu.device.type
+    metadata = dict(device.ep_metadata)
+    assert metadata["ephost.worker_ep"] == "CPUExecutionProvider" and metadata["ephost.target"] == "onnxruntime"
+    assert metadata["onnxruntime_version"] == ort.__version__
+
+
+def test_a_small_model_runs_in_the_worker(npu):
+    model = models.diamond()
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    session = session_on(npu, model)
+    before = ephost.ort.stats(npu)
+    (y,) = session.run(None, {"x": x})
+    after = ephost.ort.stats(npu)
+    np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
+    assert set(owners(session).values()) == {npu}
+    # one Compute; ORT's input copied toward the worker, the worker's output into ORT's tensor
+    assert (after.computes - before.computes, after.bytes_in_copied - before.bytes_in_copied,
+            after.bytes_out_copied - before.bytes_out_copied) == (1, x.nbytes, y.nbytes)
+
+
+@pytest.mark.parametrize("name", ["squeezenet", "resnet50"])
+def test_a_real_model_matches_onnx_runtime_alone(npu, name, caplog):
+    path, _ = bundled_model(name)
+    alone = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (arg,) = alone.get_inputs()
+    x = bundled_input(arg)
+    (expected,) = alone.run(None, {arg.name: x})
+    with caplog.at_level(logging.INFO, logger="ephost.ort"):
+        session = session_on(npu, path)
+    # Compile names nodes of the model GetCapability sent: the worker has its weights already
+    assert "Compile of 1 partition(s), 1 of them cut from the model GetCapability sent" in caplog.text
+    for _ in range(2):  # the second run reuses what the first compiled and staged
+        (y,) = session.run(None, {arg.name: x})
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-6)
+    assert set(owners(session).values()) == {npu}  # every node ORT kept after its own optimizations
+
+
+def test_attributes_and_initializers_cross_the_bridge(npu):
+    """Conv (ints attributes), a Constant (tensor attribute), LeakyRelu (float), weights as an initializer."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1], strides=[1, 1]),
+             helper.make_node("Constant", [], ["k"], name="k", value=numpy_helper.from_array(np.float32([2.0]))),
+             helper.make_node("Mul", ["c", "k"], ["m"], name="mul"),
+             helper.make_node("LeakyRelu", ["m"], ["y"], name="leaky", alpha=0.25)]
+    model = models.model(nodes, [models.tensor("x", [1, 3, 5, 5])], [models.tensor("y", [1, 4, 5, 5])],
+                         [numpy_helper.from_array(w, "w")])
+    x = rng.standard_normal((1, 3, 5, 5)).astype(np.float32)
+    (expected,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    session = session_on(npu, model)
+    (y,) = session.run(None, {"x": x})
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert npu in set(owners(session).values())
+
+
+def test_control_flow_goes_whole_with_its_subgraphs_and_profiling_names_the_bridged_ep(npu, tmp_path):
+    """If reads x2 and the initializer w from the outer scope inside its branches; the worker gets the node
+    with both branches (read through Node_GetSubgraphs) and ORT's profile names the bridged EP."""
+    import json
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == npu], {})
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    session = ort.InferenceSession(models.with_if().SerializeToString(), options)
+    session.disable_fallback()
+    x = np.array([-1.0, 2.0, 3.0], np.float32)
+    w = np.array([1.0, 2.0, 3.0], np.float32)
+    for cond, expected in ((True, np.maximum(x, 0) + w), (False, np.maximum(x, 0) - w)):
+        np.testing.assert_allclose(session.run(None, {"x": x, "cond": np.array(cond)})[0], expected)
+    assert owners(session) == {"relu": npu, "if": npu}
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    assert {e["args"].get("provider") for e in events if e.get("cat") == "Node"} == {npu}
+
+
+def test_a_group_that_would_make_a_cycle_is_split_not_lost():
+    """A reference worker that takes Add and Mul claims {add, mul} as one group, with Relu (left to ORT's CPU EP)
+    on the path between them. ORT refuses such a group whole (every node would go to its CPU EP); the bridge
+    splits it with ephost's own rule, so both nodes still run in the worker."""
+    ephost.ort.register("refnpu", "reference", {"ops": "Add,Mul"})
+    try:
+        session = session_on("refnpu", models.diamond())
+        x = np.random.default_rng(5).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert owners(session) == {"add": "refnpu", "mul": "refnpu", "relu": "CPUExecutionProvider"}
+        del session
+    finally:
+        ephost.ort.unregister("refnpu")
+
+
+def test_a_running_worker_by_address_and_a_plugin_library_by_path():
+    """The other two kinds of target: a worker an operator started (by its address), and a vendor's ORT plugin EP
+    library by path (OpenVINO's: it loads in the worker and, without Intel hardware, offers no device, so ORT
+    lists none under the name, as it would in process)."""
+    from helpers import Worker
+    worker = Worker("--ep", "onnxruntime")
+    try:
+        ephost.ort.register("remote_npu", worker.address)
+        try:
+            session = session_on("remote_npu", models.diamond())
+            x = np.random.default_rng(6).standard_normal((2, 3)).astype(np.float32)
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+            assert set(owners(session).values()) == {"remote_npu"}
+            del session
+        finally:
+            ephost.ort.unregister("remote_npu")
+    finally:
+        worker.stop()
+    import onnxruntime_ep_openvino
+    ephost.ort.register("ov", onnxruntime_ep_openvino.get_library_path())
+    try:
+        assert "ov" not in {d.ep_name for d in ort.get_ep_devices()}
+        assert ephost.ort.environment("ov").registration("ov").devices == []
+    finally:
+        ephost.ort.unregister("ov")
+
+
+@functools.lru_cache(maxsize=1)
+def node_cases() -> dict:
+    import warnings
+    from onnx.backend.test.case.node import collect_testcases
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {c.name: c for c in collect_testcases(None)}
+
+
+@pytest.mark.parametrize("case_name", ["test_affine_grid_2d_expanded", "test_loop11", "test_scan9_sum"])
+def test_node_cases_whose_intermediate_shapes_ort_gets_wrong(npu, case_name):
+    """ORT's graph can carry shapes for intermediate values that a run does not have (here inside an expanded
+    function and If branches); the worker binds a partition's outputs by declared shapes, so the bridge sends
+    only element types for them, and keeps a body's input shapes (Loop needs its iteration count's)."""
+    from onnx.backend.test.runner import Runner
+    from ephost.eps.onnxruntime import readable_model
+    case = node_cases()[case_name]
+    session = session_on(npu, readable_model(case.model))
+    names = [i.name for i in case.model.graph.input]
+    for inputs, expected in case.data_sets:
+        outputs = session.run(None, dict(zip(names, inputs)))
+        Runner.assert_similar_outputs(expected, outputs, rtol=case.rtol, atol=case.atol, model_dir=None)
+    assert set(owners(session).values()) == {npu}
+
+
+def test_provider_options_reach_the_workers_ep(npu, monkeypatch):
+    """add_provider_for_devices(devices, options): ORT keeps them as `ep.<name>.<key>` session entries; the
+    bridge reads them (GetSessionOptionsConfigEntries) and creates the worker's EP with them."""
+    from ephost.ort.factory import provider_options
+    assert provider_options({"ep.npu.a": "1", "ep.NPU.b": "2", "ep.other.c": "3", "session.d": "4"}, "npu") == \
+        {"a": "1", "b": "2"}
+    factory = ephost.ort.environment(npu).registration(npu).factory
+    seen = []
+    create_ep = factory.create_ep
+    monkeypatch.setattr(factory, "create_ep", lambda indices, options: seen.append(dict(options)) or
+                        create_ep(indices, options))
+    options = ort.SessionOptions()
+    options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == npu],
+                                     {"intra_op_num_threads": "1"})
+    session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+    assert seen == [{"intra_op_num_threads": "1"}]
+
+
+def test_dynamic_options_reach_the_workers_ep(npu, monkeypatch):
+    """InferenceSession.set_ep_dynamic_options -> OrtEp::SetDynamicOptions -> the worker's EP."""
+    from ephost.client.remote import RemoteEp
+    seen = []
+    original = RemoteEp.set_dynamic_options
+    monkeypatch.setattr(RemoteEp, "set_dynamic_options",
+                        lambda self, options: seen.append(dict(options)) or original(self, options))
+    session = session_on(npu, models.diamond())
+    session.set_ep_dynamic_options({"ep.dynamic.workload_type": "Efficient"})
+    assert seen == [{"ep.dynamic.workload_type": "Efficient"}]
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+
+
+def test_sequences_stay_inside_a_partition_or_on_ort(npu):
+    """A kernel context carries tensors only: a sequence made and read inside the worker's partition is fine; a
+    graph whose output is a sequence keeps the nodes around it on ORT's CPU EP (typed for the worker, no error)."""
+    inside = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+              helper.make_node("SequenceConstruct", ["r", "r"], ["s"], name="seq"),
+              helper.make_node("ConcatFromSequence", ["s"], ["c"], name="cat", axis=0),
+              helper.make_node("Neg", ["c"], ["y"], name="neg")]
+    model = models.model(inside, [models.tensor("x", [2, 3])], [models.tensor("y", [4, 3])])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+    session = session_on(npu, model)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], -np.concatenate([np.maximum(x, 0)] * 2))
+    assert set(owners(session).values()) == {npu}
+    out = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+           helper.make_node("SequenceConstruct", ["r", "r"], ["s"], name="seq")]
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, [2, 3]))
+    model = models.model(out, [models.tensor("x", [2, 3])], [helper.make_value_info("s", seq_type)])
+    session = session_on(npu, model)
+    (s,) = session.run(None, {"x": x})
+    assert len(s) == 2 and np.allclose(s[0], np.maximum(x, 0))
+    assert owners(session)["seq"] == "CPUExecutionProvider"
+
+
+def test_two_bridged_eps_split_a_model_in_the_order_given():
+    """ORT asks the EPs in the order they were added: the first (a reference worker that takes Add) gets add; the
+    second (an onnxruntime worker) is shown add as taken (Node_GetEpName) and gets the rest."""
+    ephost.ort.register("adds", "reference", {"ops": "Add"})
+    ephost.ort.register("rest", "onnxruntime")
+    try:
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        for name in ("adds", "rest"):
+            options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == name], {})
+        session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+        session.disable_fallback()
+        x = np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert owners(session) == {"add": "adds", "relu": "rest", "mul": "rest"}
+        del session
+    finally:
+        ephost.ort.unregister("rest")
+        ephost.ort.unregister("adds")
+
+
+def test_string_tensors_cross_the_bridge(npu):
+    """ORT keeps strings as C++ objects: the bridge reads them with GetStringTensorContent and writes the
+    worker's with FillStringTensor."""
+    nodes = [helper.make_node("StringConcat", ["a", "b"], ["y"], name="concat")]
+    model = models.model(nodes, [models.tensor("a", [3], onnx.TensorProto.STRING),
+                                 models.tensor("b", [3], onnx.TensorProto.STRING)],
+                         [models.tensor("y", [3], onnx.TensorProto.STRING)], opset=[helper.make_opsetid("", 20)])
+    session = session_on(npu, model)
+    a, b = np.array(["ab", "é", ""], dtype=object), np.array(["c", "ü", ""], dtype=object)
+    (y,) = session.run(None, {"a": a, "b": b})
+    assert y.tolist() == ["abc", "éü", ""]
+    assert owners(session) == {"concat": npu}
+
+
+def test_the_bridge_needs_no_ephost_import_beyond_register(tmp_path):
+    """An unchanged ORT script: only the register line is ephost's."""
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, onnxruntime as ort
+        import ephost.ort
+        ephost.ort.register("vendor_npu", "onnxruntime")
+        devices = [d for d in ort.get_ep_devices() if d.ep_name == "vendor_npu"]
+        options = ort.SessionOptions()
+        options.add_provider_for_devices(devices, {})
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        session = ort.InferenceSession(sys_argv_model, options)
+        x = np.ones((2, 3), np.float32)
+        (y,) = session.run(None, {"x": x})
+        print(float(y.sum()), sorted({s.ep_name for s in session.get_provider_graph_assignment_info()}))
+    """).replace("sys_argv_model", repr(str(tmp_path / "m.onnx"))))
+    onnx.save(models.diamond(), str(tmp_path / "m.onnx"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] == str(float(models.diamond_expected(np.ones((2, 3), np.float32)).sum()))
+    assert "['vendor_npu']" in done.stdout
+
+
+def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct():
+    """The chaos EP segfaults (a real SIGSEGV) in its second Compute: ORT raises naming the EP, the call and the
+    signal; supervision restarts the worker and the bridge compiles again from what it recorded."""
+    ephost.ort.register("crashy", "chaos", {"wrap": "onnxruntime", "fault": "segfault", "at": "compute",
+                                            "after": "2"})
+    try:
+        session = session_on("crashy", models.diamond())  # without fallback: ORT's Python API would rerun on CPU
+        x = np.random.default_rng(1).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        with pytest.raises(Exception, match=r"crashy: Compute of .*(SIGSEGV|signal 11)") as failure:
+            session.run(None, {"x": x})
+        assert "EP_FAIL" in str(failure.value) or "EPFail" in type(failure.value).__name__
+        for _ in range(1):  # the restarted worker's first Compute is fine again
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert set(owners(session).values()) == {"crashy"}
+        del session
+    finally:
+        ephost.ort.unregister("crashy")
+
+
+def test_a_hanging_worker_is_an_ort_error_at_its_deadline_and_the_next_run_is_correct():
+    """The supervision options of register (here timeout_s) hold through ORT: a Compute past its deadline is
+    abandoned, its worker ended and restarted, and ORT raises; the next run compiles again and is right."""
+    ephost.ort.register("hangs", "chaos", {"wrap": "onnxruntime", "fault": "hang", "at": "compute", "after": "2",
+                                           "timeout_s": "3"})
+    try:
+        session = session_on("hangs", models.diamond())
+        x = np.ones((2, 3), np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+        with pytest.raises(Exception, match=r"hangs: Compute of .*did not finish within its deadline of 3 s"):
+            session.run(None, {"x": x})
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+        del session
+    finally:
+        ephost.ort.unregister("hangs")
+
+
+def test_a_compile_failure_is_an_ort_error_at_session_creation():
+    ephost.ort.register("badcompile", "chaos", {"wrap": "onnxruntime", "fault": "raise", "at": "compile",
+                                                "every": "1"})
+    try:
+        with pytest.raises(Exception, match=r"EP_FAIL : badcompile: Compile: chaos: injected failure"):
+            session_on("badcompile", models.diamond())
+    finally:
+        ephost.ort.unregister("badcompile")
+
+
+def test_eight_threads_on_one_session_are_correct(npu):
+    import threading
+    path, _ = bundled_model("squeezenet")
+    session = session_on(npu, path)
+    (arg,) = session.get_inputs()
+    rng = np.random.default_rng(2)
+    feeds = [rng.random((1, 3, 224, 224), dtype=np.float32) for _ in range(8)]
+    alone = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    expected = [alone.run(None, {arg.name: f})[0] for f in feeds]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(5):
+                (y,) = session.run(None, {arg.name: feeds[i]})
+                np.testing.assert_allclose(y, expected[i], rtol=1e-4, atol=1e-6)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_a_get_capability_failure_leaves_the_nodes_to_ort_cpu(caplog):
+    ephost.ort.register("capfail", "chaos", {"wrap": "onnxruntime", "fault": "raise", "at": "get_capability",
+                                             "every": "1"})
+    try:
+        session = session_on("capfail", models.diamond())
+        x = np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert set(owners(session).values()) == {"CPUExecutionProvider"}
+        # the worker's error came back to ORT as a status (ORT logs it and moves on), not as an exception in C
+        assert any("capfail: GetCapability failed" in r.getMessage() and "chaos" in r.getMessage()
+                   for r in caplog.records)
+        del session
+    finally:
+        ephost.ort.unregister("capfail")
+
+
+def test_the_library_loaded_without_ephost_fails_with_a_status_not_a_crash(tmp_path):
+    """What a C++ or C# application would see: ORT loads the shim, and with no Python behind it
+    CreateEpFactories returns an error status naming what to do."""
+    path = ephost.ort.library_path()
+    code = f"""
+import onnxruntime as ort
+try:
+    ort.register_execution_provider_library("alone", {path!r})
+except Exception as e:
+    print("refused:", e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "register this library with ephost.ort.register()" in done.stdout
