@@ -52,6 +52,9 @@ SPARE_THREADS = 4
 # After the drain's grace, how long the gRPC server may take to stop before the worker exits regardless
 # (grpcio can hang in stop() after a malformed client stream).
 STOP_SLACK_S = 2.0
+# Once the last ephost call has returned, how long gRPC may still take to send its reply before the server
+# stops: what else it holds open then is health Watch streams, which never end by themselves.
+REPLY_SLACK_S = 1.0
 
 
 @dataclass
@@ -189,10 +192,10 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     state.draining.set()
     health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + grace[0]
-    # Once no ephost call is under way, what gRPC still holds open is health Watch streams, which never end
-    # by themselves: they get no more of the grace.
     idle = dispatcher.admission.wait_idle(grace[0])
-    left = 0.0 if idle else max(0.0, deadline - time.monotonic())
+    left = max(0.0, deadline - time.monotonic())
+    if idle:  # a handler has returned, its reply may still be on its way: not cancelled, not waited on for long
+        left = min(left, REPLY_SLACK_S)
     if not server.stop(left).wait(left + STOP_SLACK_S):
         log.warning("the gRPC server did not stop within %.1f s; exiting regardless", grace[0] + STOP_SLACK_S)
         _remove_sockets(listen)
