@@ -7,6 +7,7 @@ picks the chain: "onnxruntime", "reference", or None (no fallback: a node no EP 
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from typing import Any, Callable
@@ -68,7 +69,13 @@ class CpuFallback:
         if kind is not None and kind not in CHAINS:
             raise EpInvalidArgument(f"SessionOptions.fallback must be one of {sorted(CHAINS)} or None, got {kind!r}")
         self.kind = kind
-        self.placements: tuple[Placement, ...] = tuple(self._placement(ep) for ep in CHAINS.get(kind, ()))
+        self._chain: tuple[str, ...] = tuple(CHAINS.get(kind, ()))
+
+    @functools.cached_property
+    def placements(self) -> tuple[Placement, ...]:
+        """Made on first use: a session whose EPs take every node never loads the fallback's EPs (the first
+        one in a process costs a quarter of a second: ORT's factory, the evaluator's op list)."""
+        return tuple(self._placement(ep) for ep in self._chain)
 
     @staticmethod
     def _placement(ep: str) -> Placement:
@@ -76,10 +83,10 @@ class CpuFallback:
         return Placement(FALLBACK, factory.get_name(), factory.create_ep([0], {}))
 
     def __bool__(self) -> bool:
-        return bool(self.placements)
+        return bool(self._chain)
 
     def owns(self, placement: Placement) -> bool:
-        return any(placement is p for p in self.placements)
+        return "placements" in self.__dict__ and any(placement is p for p in self.placements)
 
     def claims(self, model: onnx.ModelProto, claimed: frozenset[str],
                external: ExternalData | None = None) -> list[Claim]:
