@@ -228,6 +228,21 @@ def _call(channel, service: str, method: D.MethodDescriptor, payloads: list[byte
     return channel.unary_unary(path)(payloads[0], **kw)
 
 
+def assert_serving(client: RawClient) -> None:
+    health = health_pb2_grpc.HealthStub(client.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+
+def say_goodbye(*clients: RawClient) -> None:
+    for client in clients:
+        try:
+            client(client.worker.Goodbye, common_pb2.Empty())
+        except grpc.RpcError:
+            pass  # the fuzz may have said goodbye for it
+        client.close()
+
+
 @pytest.mark.parametrize("service,method", METHODS, ids=[f"{s}/{m.name}" for s, m in METHODS])
 def test_every_rpc_survives_hostile_input(fuzzed, service, method):
     w, _ = fuzzed
@@ -258,16 +273,9 @@ def test_every_rpc_survives_hostile_input(fuzzed, service, method):
 
     try:
         fuzz()
-        health = health_pb2_grpc.HealthStub(owner.channel)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert_serving(owner)
     finally:
-        for client in (owner, other):
-            try:
-                client(client.worker.Goodbye, common_pb2.Empty())
-            except grpc.RpcError:
-                pass  # the fuzz may have said goodbye for it
-            client.close()
+        say_goodbye(owner, other)
 
 
 # --- the fast lane: the same methods as frames on a SOCK_SEQPACKET socket ----------------------------------
@@ -383,18 +391,11 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
 
     try:
         fuzz()
-        health = health_pb2_grpc.HealthStub(owner.channel)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert_serving(owner)
     finally:
         for lane in lanes:
             lane.close()
-        for client in (owner, other):
-            try:
-                client(client.worker.Goodbye, common_pb2.Empty())
-            except grpc.RpcError:
-                pass
-            client.close()
+        say_goodbye(owner, other)
 
 
 def test_nothing_is_left_after_the_clients_leave(fuzzed):

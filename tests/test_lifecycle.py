@@ -33,17 +33,23 @@ def wait_gone(pid: int, seconds: float) -> bool:
     return False
 
 
+def queue_copies(env, w):
+    """Seconds of copies queued on a stream inside worker `w`: (its device, the stream)."""
+    env.register_execution_provider_library("w", w.address)
+    (device,) = env.get_ep_devices()
+    allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
+    a, b = (Tensor.empty((128 << 20,), np.uint8, allocator) for _ in range(2))
+    stream = device.create_sync_stream()
+    for _ in range(64):
+        env.copy_tensors([a, b], [b, a], stream=stream)
+    return device, stream
+
+
 def test_sigterm_drains_in_flight_calls_then_exits(worker):
     # A grace long enough for the queued copies on a loaded machine (the default 5 s is an operator's choice).
     w = worker("--ep", "reference", "--drain-grace-s", "120")
     with ephost.Environment() as env:
-        env.register_execution_provider_library("w", w.address)
-        (device,) = env.get_ep_devices()
-        allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
-        a, b = (Tensor.empty((128 << 20,), np.uint8, allocator) for _ in range(2))
-        stream = device.create_sync_stream()
-        for _ in range(64):  # seconds of copies queued inside the worker
-            env.copy_tensors([a, b], [b, a], stream=stream)
+        device, stream = queue_copies(env, w)
         results = []
         thread = threading.Thread(target=lambda: results.append(stream.flush()))
         thread.start()
@@ -71,13 +77,7 @@ def test_sigterm_drains_in_flight_calls_then_exits(worker):
 def test_a_call_longer_than_the_drain_grace_is_cut_and_the_worker_exits(worker):
     w = worker("--ep", "reference", "--drain-grace-s", "0.2")
     with ephost.Environment() as env:
-        env.register_execution_provider_library("w", w.address)
-        (device,) = env.get_ep_devices()
-        allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
-        a, b = (Tensor.empty((128 << 20,), np.uint8, allocator) for _ in range(2))
-        stream = device.create_sync_stream()
-        for _ in range(64):
-            env.copy_tensors([a, b], [b, a], stream=stream)
+        _, stream = queue_copies(env, w)
         errors = []
 
         def flush():
