@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PROTOS := $(wildcard protos/ephost/v1/*.proto)
 
-.PHONY: run test fuzz bench proto clean
+.PHONY: run test fuzz conformance bench proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ FUZZ_SEED ?= 15
 fuzz: $(VENV)/.installed-test
 	EPHOST_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) EPHOST_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
 		-o timeout=3600 tests/test_fuzz.py
+
+# The ONNX node suite in full (`make test` runs a fixed quarter of its cases) and the counts the README quotes.
+conformance: $(VENV)/.installed-test
+	EPHOST_NODE_CASES=all $(BIN)/python -m pytest -q -s tests/test_conformance.py tests/test_ort_bridge_conformance.py
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench

@@ -4,13 +4,14 @@ import collections
 import warnings
 
 import pytest
-from onnx.backend.test.case.node import collect_testcases
 from onnx.backend.test.runner import Runner
 from onnx.reference import ReferenceEvaluator
 
 import ephost
 from ephost import backend
 from ephost.eps.reference import evaluator_ops
+
+from helpers import ALL_NODE_CASES, node_cases
 
 # Each test runs some 1,700 cases: about a minute on a quiet 2-core machine, several on a loaded one.
 pytestmark = pytest.mark.timeout(900)
@@ -39,9 +40,9 @@ class _InProcess:
 @pytest.fixture(scope="module")
 def cases():
     """(all node cases, those the reference evaluator passes in one process)."""
+    every = node_cases()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        every = collect_testcases(None)
         passing = []
         for case in every:
             try:
@@ -75,7 +76,7 @@ def through(env, providers, cases, fallback=None, options=None):
 
 def test_every_case_the_evaluator_passes_passes_on_a_reference_worker(cases):
     every, passing = cases
-    assert len(every) > 1500 and len(passing) > 1500
+    assert len(every) > (1500 if ALL_NODE_CASES else 350) and len(passing) > 0.8 * len(every)
     with ephost.Environment() as env:
         env.register_execution_provider_library("worker", "reference")
         failures, partitions = through(env, ["worker"], passing)
@@ -96,7 +97,7 @@ def test_every_case_passes_split_across_two_workers_and_the_reference_fallback(c
     print(f"\nsplit across two workers and the reference fallback: {len(passing) - len(failures)} of {len(passing)} "
           f"pass; {multi} models ran as several partitions (up to {max(partitions)})")
     assert failures == [], "\n".join(failures[:20])
-    assert multi > 200
+    assert multi > 0.2 * len(passing), "most models that could be split ran as one partition"
 
 
 class InProcessOrt:
@@ -146,7 +147,7 @@ def test_the_onnx_runtime_fallback_passes_what_ort_or_the_evaluator_passes(cases
     assert passed > len(ort_passing)
 
 
-# ep_failure_policy -> the cases that must pass at least (issue 12: bfloat16/float8/int4 reach ORT as OrtValues;
+# ep_failure_policy -> the cases of the whole suite that must pass at least (`make conformance`; issue 12: bfloat16/float8/int4 reach ORT as OrtValues;
 # under "fallback" the three cases ORT fails at run time on a node it claimed re-run on the fallback).
 WORKER_TARGETS = {"raise": 1640, "fallback": 1643}
 
@@ -168,4 +169,6 @@ def test_every_case_onnx_runtime_passes_in_process_passes_through_an_onnxruntime
           f"worker with the default fallback and ep_failure_policy={policy!r} {passed} pass")
     regressions = sorted(ort_passing & failed)
     assert regressions == [], "\n".join(f for f in failures if f.split(":", 1)[0] in regressions)[:4000]
-    assert passed >= WORKER_TARGETS[policy], "\n".join(failures)[:4000]
+    if ALL_NODE_CASES:
+        assert passed >= WORKER_TARGETS[policy], "\n".join(failures)[:4000]
+    assert passed > len(ort_passing), "the fallback takes what ORT cannot run: more cases pass than ORT alone"

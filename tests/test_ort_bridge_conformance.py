@@ -5,11 +5,12 @@ import warnings
 
 import onnxruntime as ort
 import pytest
-from onnx.backend.test.case.node import collect_testcases
 from onnx.backend.test.runner import Runner
 
 import ephost.ort
 from ephost.eps.onnxruntime import readable_model
+
+from helpers import node_cases
 
 
 def run_case(case, options_of) -> set[str]:
@@ -55,9 +56,7 @@ def passing(cases, options_of) -> tuple[set[str], dict[str, str], set[str]]:
 @pytest.mark.timeout(1800)
 def test_no_node_case_regresses_through_the_bridge():
     ort.set_default_logger_severity(4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        every = collect_testcases(None)
+    every = node_cases()
     by_ort, _, _ = passing(every, alone)
     ephost.ort.register("bridged", "onnxruntime")
     try:
