@@ -154,14 +154,18 @@ class FreeQueue:
                     return
                 pending, self._pending = self._pending, {}
                 self._sending += 1
-            for allocator, buffers in pending.items():
-                try:
-                    allocator.free_many(buffers)
-                except EpError as e:  # the worker may be gone; its memory went with it
-                    log.debug("freeing %d buffer(s) failed: %s", len(buffers), e)
-            with self._cond:
-                self._sending -= 1
-                self._cond.notify_all()
+            try:
+                for allocator, buffers in pending.items():
+                    try:
+                        allocator.free_many(buffers)
+                    # The worker may be gone, its memory with it; or its channel was closed under us (grpc
+                    # raises ValueError for a call on a closed channel): either way nothing is left to free.
+                    except (EpError, ValueError) as e:
+                        log.debug("freeing %d buffer(s) failed: %s", len(buffers), e)
+            finally:
+                with self._cond:
+                    self._sending -= 1
+                    self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
