@@ -298,7 +298,7 @@ def default_eps(env) -> list[EpArg]:
     if any(d.registration_name == "openvino" for d in env.get_ep_devices()):
         return [EpArg("openvino")]
     env.unregister_execution_provider_library("openvino")
-    from ephost.eps.reference import cpu_device
+    from ephost.eps.host import cpu_device
     vendor = cpu_device().vendor
     print(f"OpenVINO EP: its library loads but reports no device here (it takes Intel devices; this CPU is "
           f"{vendor}); using ONNX Runtime's CPU EP")

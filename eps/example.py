@@ -25,10 +25,8 @@ import onnx
 
 from ephost.eps import check_options
 from ephost.eps.base import EpDefaults, FusedGraph, KernelInfo, NodeGroup, split_session_options
-from ephost.eps.host import HostMemoryFactory, local_inputs
-from ephost.eps.reference import cpu_device
+from ephost.eps.host import EphostCpuFactory, local_inputs
 from ephost.errors import EpInvalidArgument
-from ephost.types import EpDeviceInfo
 from ephost.values import as_value
 
 EP_NAME = "example"
@@ -94,34 +92,13 @@ class ExampleEp(EpDefaults):
         return [ExampleComputeInfo(g, g.kernel_info(self.options)) for g in graphs]
 
 
-class ExampleEpFactory(HostMemoryFactory):
+class ExampleEpFactory(EphostCpuFactory):
+    name, version = EP_NAME, VERSION
+
     def __init__(self, options: Mapping[str, str] | None = None):
         check_options(EP_NAME, dict(options or {}), {})
-        device = cpu_device()
-        self._init_memory(EP_NAME, device.vendor_id)
-        self._device = EpDeviceInfo(0, EP_NAME, "ephost", device, self.memory_infos, {"version": VERSION}, {})
-
-    def get_name(self) -> str:
-        return EP_NAME
-
-    def get_vendor(self) -> str:
-        return "ephost"
-
-    def get_vendor_id(self) -> int:
-        return 0
-
-    def get_version(self) -> str:
-        return VERSION
-
-    def get_supported_devices(self) -> list[EpDeviceInfo]:
-        return [self._device]
+        self._init_device({}, {})
 
     def create_ep(self, device_indices: Sequence[int], session_options: Mapping[str, str]) -> ExampleEp:
         self._check_devices(device_indices)
         return ExampleEp(session_options)
-
-    def release_ep(self, ep: ExampleEp) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

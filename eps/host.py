@@ -3,6 +3,8 @@ EPs that run on the CPU): HOST_ACCESSIBLE arenas of shared memory the applicatio
 private memory, a data transfer that copies bytes, and queue streams."""
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Mapping, Sequence
 
 from ephost.eps.arena import ArenaAllocator
@@ -11,7 +13,24 @@ from ephost.eps.transfer import HostDataTransfer
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.memory import Region
 from ephost.tensor import Tensor
-from ephost.types import AllocatorType, DeviceMemoryType, HardwareDeviceType, MemoryInfo
+from ephost.types import AllocatorType, DeviceMemoryType, EpDeviceInfo, HardwareDevice, HardwareDeviceType, MemoryInfo
+
+
+_CPU_VENDORS = {"GenuineIntel": ("Intel", 0x8086), "AuthenticAMD": ("AMD", 0x1022)}
+
+
+@functools.cache
+def cpu_device() -> HardwareDevice:
+    vendor, vendor_id = "unknown", 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor, vendor_id = _CPU_VENDORS.get(line.split(":", 1)[1].strip(), (vendor, 0))
+                    break
+    except OSError:
+        pass
+    return HardwareDevice(HardwareDeviceType.CPU, vendor_id, vendor, 0, {"cores": str(os.cpu_count() or 1)})
 
 
 def local_inputs(partition: str, names: Sequence[str], inputs: Sequence[Any]) -> dict[str, Any]:
@@ -68,3 +87,38 @@ class HostMemoryFactory:
     def create_sync_stream_for_device(self, device_index: int, options: Mapping[str, str]) -> QueueStream:
         self._check_devices([device_index])
         return QueueStream(f"{self.get_name()} stream")
+
+
+class EphostCpuFactory(HostMemoryFactory):
+    """A factory of one of ephost's own EPs on this machine's CPU (vendor "ephost", one device, host memory).
+    Subclasses set `name` and `version`, call `_init_device` in __init__ and make their EP in `create_ep`."""
+
+    name: str
+    version: str
+
+    def _init_device(self, metadata: Mapping[str, str], options: Mapping[str, str]) -> None:
+        device = cpu_device()
+        self._init_memory(self.name, device.vendor_id)
+        self._device = EpDeviceInfo(0, self.name, "ephost", device, self.memory_infos,
+                                    {"version": self.version, **metadata}, dict(options))
+
+    def get_name(self) -> str:
+        return self.name
+
+    def get_vendor(self) -> str:
+        return "ephost"
+
+    def get_vendor_id(self) -> int:
+        return 0
+
+    def get_version(self) -> str:
+        return self.version
+
+    def get_supported_devices(self) -> list[EpDeviceInfo]:
+        return [self._device]
+
+    def release_ep(self, ep) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

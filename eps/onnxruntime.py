@@ -25,10 +25,9 @@ from ephost.eps import check_options
 from ephost import ep_context
 from ephost.ep_context import EpContext
 from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, split_session_options
-from ephost.eps.host import HostMemoryFactory, local_inputs
+from ephost.eps.host import HostMemoryFactory, cpu_device, local_inputs
 from ephost.eps.library_paths import resolve_library
 from ephost.eps.ort_values import from_ort_value, is_exotic_type, onnx_type_of, to_ort_value
-from ephost.eps.reference import cpu_device
 from ephost.graph import BUILTIN_DOMAINS
 from ephost.external_data import ExternalData, has_external_data, on_disk
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound

@@ -6,7 +6,6 @@ It is ephost's CPU fallback and the EP every test can rely on. Option `ops` limi
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -20,18 +19,16 @@ from ephost import ep_context
 from ephost.ep_context import EpContext
 from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, external_initializers
 from ephost.external_data import has_external_data
-from ephost.eps.host import HostMemoryFactory, local_inputs
+from ephost.eps.host import EphostCpuFactory, local_inputs
 from ephost.errors import EpError, EpInvalidArgument
 from ephost.tensor import Tensor
 from ephost.values import as_value
-from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType
 
 EP_NAME = "reference"
 VERSION = "0.1.0"
 OPTIONS = {"ops": "comma-separated op types to claim (default: every op the reference evaluator runs)"}
 
 _ONNX_DOMAINS = ("", "ai.onnx")
-_CPU_VENDORS = {"GenuineIntel": ("Intel", 0x8086), "AuthenticAMD": ("AMD", 0x1022)}
 
 
 @functools.cache
@@ -50,20 +47,6 @@ def evaluator_ops() -> frozenset[str]:
     schemas = [s for s in onnx.defs.get_all_schemas() if s.domain in _ONNX_DOMAINS]
     return frozenset(s.name for s in schemas
                      if s.has_function or s.has_context_dependent_function or has_kernel(s.name))
-
-
-@functools.cache
-def cpu_device() -> HardwareDevice:
-    vendor, vendor_id = "unknown", 0
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    vendor, vendor_id = _CPU_VENDORS.get(line.split(":", 1)[1].strip(), (vendor, 0))
-                    break
-    except OSError:
-        pass
-    return HardwareDevice(HardwareDeviceType.CPU, vendor_id, vendor, 0, {"cores": str(os.cpu_count() or 1)})
 
 
 def _with_external_as_inputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
@@ -165,7 +148,9 @@ class ReferenceEp(EpDefaults):
         return out
 
 
-class ReferenceEpFactory(HostMemoryFactory):
+class ReferenceEpFactory(EphostCpuFactory):
+    name, version = EP_NAME, VERSION
+
     def __init__(self, options: Mapping[str, str] | None = None):
         options = dict(options or {})
         check_options(EP_NAME, options, OPTIONS)
@@ -179,35 +164,8 @@ class ReferenceEpFactory(HostMemoryFactory):
             self._ops = ops
         else:
             self._ops = known
-        device = cpu_device()
-        self._init_memory(EP_NAME, device.vendor_id)
-        self._device = EpDeviceInfo(
-            index=0, ep_name=EP_NAME, ep_vendor="ephost", device=device, memory_infos=self.memory_infos,
-            ep_metadata={"version": VERSION, "ops": str(len(self._ops))},
-            ep_options={k: v for k, v in options.items()},
-        )
-
-    def get_name(self) -> str:
-        return EP_NAME
-
-    def get_vendor(self) -> str:
-        return "ephost"
-
-    def get_vendor_id(self) -> int:
-        return 0
-
-    def get_version(self) -> str:
-        return VERSION
-
-    def get_supported_devices(self) -> list[EpDeviceInfo]:
-        return [self._device]
+        self._init_device({"ops": str(len(self._ops))}, options)
 
     def create_ep(self, device_indices: Sequence[int], session_options: Mapping[str, str]) -> ReferenceEp:
         self._check_devices(device_indices)
         return ReferenceEp(self._ops, session_options)
-
-    def release_ep(self, ep: ReferenceEp) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
