@@ -58,50 +58,38 @@ class DescriptorServer:
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        abstract = path.startswith("\0")  # Linux's abstract namespace: no file, gone with the process
-        if not abstract:
-            remove_stale_socket(path)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(path)
-        if not abstract:
-            os.chmod(path, 0o600)
-        self._sock.listen(64)
+        self._sock = listen_unix(path, socket.SOCK_STREAM)
         self._sock.settimeout(SWEEP_S)  # the accept loop wakes to sweep expired tickets
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="ephost-fdshare", daemon=True)
         self._thread.start()
 
-    def issue(self, fd: int, size: int, *, owner: Any = None, group: Any = None) -> bytes:
+    def _issue(self, fd: int | None, size: int, owner: Any, group: Any = None, **kind) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
-        # A duplicate, so the region may be released before the ticket is redeemed.
-        entry = _Ticket(os.dup(fd), size, time.monotonic() + TICKET_TTL_S, owner, group)
+        entry = _Ticket(fd, size, time.monotonic() + TICKET_TTL_S, owner, group, **kind)
         with self._lock:
             self._tickets[ticket] = entry
+        return ticket
+
+    def issue(self, fd: int, size: int, *, owner: Any = None, group: Any = None) -> bytes:
+        # A duplicate, so the region may be released before the ticket is redeemed.
+        ticket = self._issue(os.dup(fd), size, owner, group)
         self.sweep()
         return ticket
 
     def issue_probe(self, *, owner: Any = None) -> bytes:
         """A ticket with which a client hands over a segment it made, to show that both share this host."""
-        ticket = secrets.token_bytes(TICKET_BYTES)
-        with self._lock:
-            self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, owner)
-        return ticket
+        return self._issue(None, 0, owner)
 
     def issue_import(self, sink, *, owner: Any = None) -> bytes:
         """A ticket with which a client hands over one open file: `sink(fd)` takes it (and owns the descriptor;
         it raises to refuse it, and closes it then)."""
-        ticket = secrets.token_bytes(TICKET_BYTES)
-        with self._lock:
-            self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, owner, sink=sink)
-        return ticket
+        return self._issue(None, 0, owner, sink=sink)
 
     def issue_lane(self, client_id: str) -> bytes:
         """A ticket that binds one data-plane connection to this client (redeemed with `redeem_lane`, on the
         lane's socket; this socket refuses it)."""
-        ticket = secrets.token_bytes(TICKET_BYTES)
-        with self._lock:
-            self._tickets[ticket] = _Ticket(None, 0, time.monotonic() + TICKET_TTL_S, client_id, lane=True)
-        return ticket
+        return self._issue(None, 0, client_id, lane=True)
 
     def redeem_lane(self, ticket: bytes) -> str | None:
         """The client a live lane ticket was issued to, the ticket used up; None for any other ticket."""
@@ -164,8 +152,7 @@ class DescriptorServer:
 
     def _answer(self, conn: socket.socket) -> None:
         # The peer first: a process of another user gets nothing, and is not even read from.
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        if uid != os.getuid():
+        if peer_uid(conn) != os.getuid():
             return
         conn.settimeout(IDLE_S)
         ticket, fds, _, _ = socket.recv_fds(conn, TICKET_BYTES, 1)
@@ -255,6 +242,26 @@ def prove_sharing(path: str, ticket: bytes, timeout: float = 5.0) -> bool:
     finally:
         os.close(fd)
     return reply[:2] == _OK and reply[2:] == hashlib.sha256(nonce).digest()
+
+
+def listen_unix(path: str, kind: int) -> socket.socket:
+    """A listening unix socket at `path` (mode 0600), or at a name in Linux's abstract namespace (a path starting
+    with NUL: no file, gone with the process). A socket a dead process left there is removed first."""
+    abstract = path.startswith("\0")
+    if not abstract:
+        remove_stale_socket(path, kind)
+    sock = socket.socket(socket.AF_UNIX, kind)  # close-on-exec, as Python makes them
+    sock.bind(path)
+    if not abstract:
+        os.chmod(path, 0o600)
+    sock.listen(64)
+    return sock
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a unix socket (SO_PEERCRED)."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return uid
 
 
 def remove_stale_socket(path: str, kind: int = socket.SOCK_STREAM) -> None:

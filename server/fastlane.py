@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import socket
-import struct
 import threading
 import time
 from typing import Callable
@@ -25,7 +24,7 @@ from google.protobuf.message import DecodeError
 from ephost.errors import EpError
 from ephost.fastlane import (BY_ID, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError, FrameReader,
                              configure, encode_error, send_frame, send_regions)
-from ephost.fdshare import TICKET_BYTES, DescriptorServer, remove_stale_socket
+from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
 from ephost.server.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -54,14 +53,7 @@ class LaneServer:
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        abstract = path.startswith("\0")
-        if not abstract:
-            remove_stale_socket(path, socket.SOCK_SEQPACKET)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # close-on-exec, as Python makes them
-        self._sock.bind(path)
-        if not abstract:
-            os.chmod(path, 0o600)
-        self._sock.listen(64)
+        self._sock = listen_unix(path, socket.SOCK_SEQPACKET)
         threading.Thread(target=self._accept, name="ephost-lane", daemon=True).start()
 
     def issue(self, client_id: str) -> bytes:
@@ -103,7 +95,7 @@ class LaneServer:
     def _bind(self, conn: socket.socket) -> str | None:
         """The client a new connection speaks for: same uid, and a ticket issued to that client."""
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        uid = peer_uid(conn)
         ticket = conn.recv(TICKET_BYTES)
         client_id = self._tickets.redeem_lane(ticket) if uid == os.getuid() else None
         if client_id is None:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import onnx
 
 from ephost.external_data import OPEN_FLAGS, ExternalData, model_key, path_inside
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted
+from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted
 from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
 from ephost.memory import Region
@@ -111,12 +111,9 @@ class WorkerState:
 
     def export_region(self, client_id: str, region_id: int) -> tuple[int, int] | None:
         """(a duplicate of its descriptor, its size) for a shareable region of this client's; None otherwise."""
-        client = next((c for c in self.clients.all() if c.client_id == client_id), None)
-        if client is None:
-            return None
         try:
-            _, region = self.region(client, region_id)
-        except EpNotFound:
+            _, region = self.region(self.clients.lookup(client_id), region_id)
+        except EpError:  # an unknown client, or not its region
             return None
         try:
             return (os.dup(region.fd), region.size) if region.fd is not None else None
