@@ -20,9 +20,7 @@ from ephost.graph import GraphIndex, subgraph_inputs
 
 log = logging.getLogger(__name__)
 
-ENABLE = "ep.context_enable"
-FILE_PATH = "ep.context_file_path"
-EMBED_MODE = "ep.context_embed_mode"
+ENABLE, FILE_PATH, EMBED_MODE = ep_context.ENABLE, ep_context.FILE_PATH, ep_context.EMBED_MODE
 MS_OPSET = helper.make_opsetid(ep_context.DOMAIN, 1)
 
 

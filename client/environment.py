@@ -174,6 +174,12 @@ class Environment:
 
     # --- copies (ORT: CopyTensors) ----------------------------------------------------------------
 
+    def to_host(self, tensor: Tensor) -> Tensor:
+        """A copy of `tensor` in this process's own memory."""
+        host = Tensor.from_numpy(np.empty(tensor.shape, tensor.dtype))
+        self.copy_tensors([tensor], [host])
+        return host
+
     def copy_tensors(self, src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStream | None = None) -> None:
         """Copy src[i] into dst[i], in one batched call per EP. With a stream the copies are ordered on it:
         they are done once a notification activated after them fires, or the stream is flushed."""
@@ -182,9 +188,7 @@ class Environment:
         for s, d in zip(src, dst):
             owners = {self._owner(s.memory_info), self._owner(d.memory_info)} - {None}
             if len(owners) > 1:  # device to device across EPs: through the host
-                bounce = Tensor.from_numpy(np.empty(s.shape, s.dtype))
-                self.copy_tensors([s], [bounce])
-                self.copy_tensors([bounce], [d])
+                self.copy_tensors([self.to_host(s)], [d])
                 continue
             owner = owners.pop() if owners else None
             batch = batches.setdefault(owner, ([], []))

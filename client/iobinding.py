@@ -233,6 +233,4 @@ class IOBinding:
         local = value.local_array()
         if local is not None:
             return local.copy()
-        host = Tensor.from_numpy(np.empty(value.shape, value.dtype))
-        self._env.copy_tensors([value], [host])
-        return host.numpy()
+        return self._env.to_host(value).numpy()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 from onnx import numpy_helper
 
 from ephost.errors import EpError, EpInvalidArgument
@@ -125,11 +124,9 @@ class PartitionRunner:
         link = self._link_of(p.registration)
         if link is not None and owned(value.buffer, link):
             return value
-        host = Tensor.from_numpy(np.empty(value.shape, value.dtype))
         with self.profiler.span("Copy", f"to the host for {p.graph.name}", bytes=value.nbytes,
-                                src=value.memory_info.name, dst=host.memory_info.name):
-            self._env.copy_tensors([value], [host])
-        return host
+                                src=value.memory_info.name, dst=HOST_MEMORY.name):
+            return self._env.to_host(value)
 
     def _labelled(self, value: Any, registration: str | None) -> Any:
         """A tensor an EP made, labelled with the MemoryInfo users know its memory by (the Environment's)."""

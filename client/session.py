@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 import onnx
 
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
@@ -234,6 +233,9 @@ class InferenceSession:
         self._index.external = self._external
         graph = self._model.graph
         self._inputs = [i for i in graph.input if i.name not in self._index.initializers]
+        # As ORT does: an input of optional type that is not fed is an empty optional (None).
+        self._empty_optionals = {i.name: None for i in self._inputs
+                                 if i.type.WhichOneof("value") == "optional_type"}
         self._outputs = list(graph.output)
         self._constants = {t.name: t for t in graph.initializer}
 
@@ -499,9 +501,8 @@ class InferenceSession:
 
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
         expected = {i.name: i for i in self._inputs}
-        # As ORT does: an input of optional type that is not fed is an empty optional (None).
-        input_feed = {**{i.name: None for i in self._inputs if i.type.WhichOneof("value") == "optional_type"},
-                      **input_feed}
+        if self._empty_optionals:
+            input_feed = {**self._empty_optionals, **input_feed}
         check_feed_names(expected, self._constants, input_feed)
         values = {}
         for name, value in input_feed.items():
@@ -509,9 +510,7 @@ class InferenceSession:
                 check_feed(name, expected[name].type, value)
             value = as_value(value)
             if isinstance(value, Tensor) and value.local_bytes() is None and value.buffer.owner is None:
-                host = Tensor.from_numpy(np.empty(value.shape, value.dtype))
-                self._env.copy_tensors([value], [host])
-                value = host
+                value = self._env.to_host(value)
             values[name] = value
         return values
 

@@ -41,40 +41,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
-def _without_environment_arguments(argv: list[str]) -> list[str]:
-    """The command line less the environment's flags: what the worker is run with inside its environment."""
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        flag = arg.split("=", 1)[0]
-        if flag in ("--python", "--find-links"):
-            i += 1 if "=" in arg else 2
-        elif flag == "--no-index":
-            i += 1
-        elif flag == "--requirements":
-            i += 1
-            if "=" not in arg:
-                while i < len(argv) and not argv[i].startswith("-"):
-                    i += 1
-        else:
-            out.append(arg)
-            i += 1
-    return out
+# Set in the environment of a worker re-run inside its own environment, which then takes it as it is. (Editing
+# the command line instead missed abbreviated flags, which argparse accepts, and re-ran the worker forever.)
+IN_WORKER_ENV = "EPHOST_IN_WORKER_ENV"
 
 
 def cmd_worker(args) -> int:
     from ephost.server.main import parse_listen, serve
     from ephost.worker_env import WorkerEnvironment
 
-    environment = WorkerEnvironment.take(environment_options(args))
-    if not environment.is_default:
+    environment = None if os.environ.get(IN_WORKER_ENV) else WorkerEnvironment.take(environment_options(args))
+    if environment is not None and not environment.is_default:
         # The worker runs inside its environment: this process becomes it.
         python = environment.interpreter()
-        argv = [python, "-m", "ephost", *_without_environment_arguments(args.argv)]
         log.info("running the worker with %s", python)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execv(python, argv)
+        os.execve(python, [python, "-m", "ephost", *args.argv], {**os.environ, IN_WORKER_ENV: "1"})
     from ephost.server.security import Security
 
     security = Security(args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import time
 
-from ephost.errors import EpNotFound
-from ephost.run_command import AddEnvironmentOption, AddEp, AddOption, add_environment_arguments, format_table
+from ephost import ep_context
+from ephost.run_command import (AddEnvironmentOption, AddEp, AddOption, add_environment_arguments, add_eps,
+                                 format_table)
 
 
 def add_parser(sub) -> None:
@@ -32,16 +33,10 @@ def main(args) -> int:
 
     with Environment() as env:
         options = SessionOptions()
-        options.add_session_config_entry("ep.context_enable", "1")
-        options.add_session_config_entry("ep.context_file_path", args.output)
-        options.add_session_config_entry("ep.context_embed_mode", "1" if args.embed else "0")
-        for i, ep in enumerate(args.ep):
-            name = ep.target if ep.target not in [e.target for e in args.ep[:i]] else f"{ep.target}#{i}"
-            env.register_execution_provider_library(name, ep.target, ep.options)
-            devices = [d for d in env.get_ep_devices() if d.registration_name == name]
-            if not devices:
-                raise EpNotFound(f"{ep.target} reports no device on this machine")
-            options.add_provider_for_devices(devices)
+        options.add_session_config_entry(ep_context.ENABLE, "1")
+        options.add_session_config_entry(ep_context.FILE_PATH, args.output)
+        options.add_session_config_entry(ep_context.EMBED_MODE, "1" if args.embed else "0")
+        add_eps(env, options, args.ep)
         start = time.perf_counter()
         with InferenceSession(args.model, options, env=env) as session:
             seconds = time.perf_counter() - start

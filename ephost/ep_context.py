@@ -20,6 +20,11 @@ from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound
 
 OP_TYPE = "EPContext"
 DOMAIN = "com.microsoft"
+# ONNX Runtime's session config entries for EP context models. ENABLE also reaches an EP as a provider option
+# (eps.base.split_session_options): with it the EP gives each compute info it compiles an `ep_context`.
+ENABLE = "ep.context_enable"
+FILE_PATH = "ep.context_file_path"
+EMBED_MODE = "ep.context_embed_mode"
 
 
 def is_ep_context(node: onnx.NodeProto) -> bool:

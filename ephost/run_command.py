@@ -171,15 +171,7 @@ def main(args) -> int:
         options = SessionOptions()
         options.ep_failure_policy = args.on_failure
         options.compute_timeout_s = args.timeout
-        eps = args.ep or default_eps(env)
-        for i, ep in enumerate(eps):
-            name = ep.target if ep.target not in [e.target for e in eps[:i]] else f"{ep.target}#{i}"
-            if not env.is_registered(name):
-                env.register_execution_provider_library(name, ep.target, ep.options)
-            devices = [d for d in env.get_ep_devices() if d.registration_name == name]
-            if not devices:
-                raise EpNotFound(f"{ep.target} reports no device on this machine")
-            options.add_provider_for_devices(devices)
+        add_eps(env, options, args.ep or default_eps(env))
         with _progress(path):
             session = InferenceSession(path, options, env=env)
         with session:
@@ -284,6 +276,19 @@ def _show_failures(session, run: int) -> None:
             entry["shown"] = True
             error = f": {entry['error']}" if entry["error"] else ""
             print(f"run {run}: {entry['registration']} {entry['what']} {entry['event']}{error}")
+
+
+def add_eps(env, options, eps: list[EpArg]) -> None:
+    """Register each `--ep` (a target given twice gets a second registration, `target#i`) and use its devices in
+    `options`, in the order given."""
+    for i, ep in enumerate(eps):
+        name = ep.target if ep.target not in [e.target for e in eps[:i]] else f"{ep.target}#{i}"
+        if not env.is_registered(name):
+            env.register_execution_provider_library(name, ep.target, ep.options)
+        devices = [d for d in env.get_ep_devices() if d.registration_name == name]
+        if not devices:
+            raise EpNotFound(f"{ep.target} reports no device on this machine")
+        options.add_provider_for_devices(devices)
 
 
 def default_eps(env) -> list[EpArg]:

@@ -98,7 +98,7 @@ class DataTransfer(Protocol):
 
 # Session config entries (ONNX Runtime's names) that reach an EP among CreateEp's session options, beside its
 # provider options: with ep.context_enable=1 the EP gives each compute info it compiles an `ep_context`.
-EP_CONTEXT_ENABLE = "ep.context_enable"
+EP_CONTEXT_ENABLE = ep_context.ENABLE
 SESSION_CONFIG_PREFIXES = ("ep.context_", "session.")
 
 

@@ -349,8 +349,8 @@ class OrtEp(EpDefaults):
             if self._factory.provider == CPU:
                 options.optimized_model_filepath = context_path
             else:  # a vendor EP makes its own EPContext model where it can (OpenVINO's does)
-                for key, value in (("ep.context_enable", "1"), ("ep.context_file_path", context_path),
-                                   ("ep.context_embed_mode", "1")):
+                for key, value in ((ep_context.ENABLE, "1"), (ep_context.FILE_PATH, context_path),
+                                   (ep_context.EMBED_MODE, "1")):
                     options.add_session_config_entry(key, value)
         for library in f.custom_ops_libraries:
             options.register_custom_ops_library(library)
