@@ -3,6 +3,7 @@ fed, and each tensor of the declared element type, rank and fixed dimensions. Al
 are described to users (NodeArg's type strings and shapes)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -33,10 +34,9 @@ def shape_of(type_proto: onnx.TypeProto) -> list | None:
             for d in type_proto.tensor_type.shape.dim]
 
 
-def check_feed_names(inputs: Mapping[str, onnx.ValueInfoProto], constants: Mapping[str, Any],
-                     input_feed: Mapping[str, Any]) -> None:
+def check_feed_names(inputs: Mapping[str, Any], constants: Mapping[str, Any], input_feed: Mapping[str, Any]) -> None:
     """Every fed name is an input (or an initializer a feed may override), and every input is fed."""
-    unknown = sorted(set(input_feed) - set(inputs) - set(constants))
+    unknown = sorted(n for n in input_feed if n not in inputs and n not in constants)
     if unknown:
         raise EpInvalidArgument(f"unknown input name(s) {unknown}; the model's inputs are {sorted(inputs)}")
     missing = [n for n in inputs if n not in input_feed]
@@ -46,33 +46,55 @@ def check_feed_names(inputs: Mapping[str, onnx.ValueInfoProto], constants: Mappi
 
 def check_feed(name: str, type_proto: onnx.TypeProto, value: Any) -> None:
     """A tensor of the declared element type and rank, with the declared size along every fixed dimension."""
-    if type_proto.WhichOneof("value") != "tensor_type":
-        return
-    tensor_type = type_proto.tensor_type
-    if isinstance(value, Tensor):
-        dtype, shape = value.dtype, value.shape
-    elif isinstance(value, (np.ndarray, np.generic)):
-        dtype, shape = np.asarray(value).dtype, np.shape(value)
-    else:
-        raise EpInvalidArgument(f"input {name!r} must be a tensor ({type_string(type_proto)}), "
-                                f"got {type(value).__name__}")
-    declared = tensor_type.elem_type
-    if declared == TensorProto.STRING:
-        ok = dtype.kind in "OUS"
-    else:
-        expected = _declared_dtype(declared)
-        ok = expected is None or dtype == expected  # types numpy lacks (bfloat16...) are the EP's to check
-    if not ok:
-        raise EpInvalidArgument(f"input {name!r} expects {type_string(type_proto)}, got a {dtype} array")
-    if tensor_type.HasField("shape"):
+    FeedCheck.of(name, type_proto)(value)
+
+
+@dataclass(frozen=True)
+class FeedCheck:
+    """check_feed for one input, its declared type read once (a session makes one per input, at creation)."""
+    name: str
+    type_proto: onnx.TypeProto
+    tensor: bool                          # other types (sequences, optionals...) are the EPs' to check
+    dtype: np.dtype | None                # None: strings, or a type numpy lacks (bfloat16...: the EP checks it)
+    string: bool
+    rank: int | None                      # None: no declared shape
+    fixed: tuple[tuple[int, int], ...]    # (axis, size) of every fixed dimension
+
+    @classmethod
+    def of(cls, name: str, type_proto: onnx.TypeProto) -> "FeedCheck":
+        if type_proto.WhichOneof("value") != "tensor_type":
+            return cls(name, type_proto, False, None, False, None, ())
+        tensor_type = type_proto.tensor_type
+        string = tensor_type.elem_type == TensorProto.STRING
+        dtype = None if string else _declared_dtype(tensor_type.elem_type)
+        if not tensor_type.HasField("shape"):
+            return cls(name, type_proto, True, dtype, string, None, ())
         dims = tensor_type.shape.dim
-        if len(dims) != len(shape):
-            raise EpInvalidArgument(f"input {name!r} expects rank {len(dims)} (shape {shape_of(type_proto)}), "
-                                    f"got rank {len(shape)} (shape {list(shape)})")
-        for axis, (d, n) in enumerate(zip(dims, shape)):
-            if d.HasField("dim_value") and d.dim_value != n:
-                raise EpInvalidArgument(f"input {name!r} expects {d.dim_value} along axis {axis} "
-                                        f"(shape {shape_of(type_proto)}), got shape {list(shape)}")
+        fixed = tuple((axis, d.dim_value) for axis, d in enumerate(dims) if d.HasField("dim_value"))
+        return cls(name, type_proto, True, dtype, string, len(dims), fixed)
+
+    def __call__(self, value: Any) -> None:
+        if not self.tensor:
+            return
+        if isinstance(value, (Tensor, np.ndarray)):
+            dtype, shape = value.dtype, value.shape
+        elif isinstance(value, np.generic):
+            dtype, shape = np.asarray(value).dtype, np.shape(value)
+        else:
+            raise EpInvalidArgument(f"input {self.name!r} must be a tensor ({type_string(self.type_proto)}), "
+                                    f"got {type(value).__name__}")
+        ok = dtype.kind in "OUS" if self.string else self.dtype is None or dtype == self.dtype
+        if not ok:
+            raise EpInvalidArgument(f"input {self.name!r} expects {type_string(self.type_proto)}, got a {dtype} array")
+        if self.rank is None:
+            return
+        if self.rank != len(shape):
+            raise EpInvalidArgument(f"input {self.name!r} expects rank {self.rank} (shape "
+                                    f"{shape_of(self.type_proto)}), got rank {len(shape)} (shape {list(shape)})")
+        for axis, size in self.fixed:
+            if shape[axis] != size:
+                raise EpInvalidArgument(f"input {self.name!r} expects {size} along axis {axis} "
+                                        f"(shape {shape_of(self.type_proto)}), got shape {list(shape)}")
 
 
 def _declared_dtype(elem_type: int):

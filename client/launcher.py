@@ -99,7 +99,7 @@ class WorkerProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self.proc.poll()
+        return self.proc.returncode  # set by the watcher thread (poll() could not reap while it waits)
 
     def crashed_error(self, call: str) -> EpWorkerCrashed | None:
         """The typed error for a call that failed because this worker died, or None if it is alive."""

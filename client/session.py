@@ -29,7 +29,7 @@ from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value, to_python
 from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
-from ephost.client.feeds import check_feed, check_feed_names, shape_of, type_string
+from ephost.client.feeds import FeedCheck, check_feed_names, shape_of, type_string
 from ephost.client.fallback import CpuFallback, default_fallback
 from ephost.client.context_model import ENABLE, CompiledPartition, ContextSettings, embed_files, write_context_model
 from ephost.client.iobinding import IOBinding
@@ -236,7 +236,9 @@ class InferenceSession:
         # As ORT does: an input of optional type that is not fed is an empty optional (None).
         self._empty_optionals = {i.name: None for i in self._inputs
                                  if i.type.WhichOneof("value") == "optional_type"}
+        self._feed_checks = {i.name: FeedCheck.of(i.name, i.type) for i in self._inputs}
         self._outputs = list(graph.output)
+        self._output_names_known = dict.fromkeys(o.name for o in self._outputs)  # in order
         self._constants = {t.name: t for t in graph.initializer}
 
         options = sess_options or SessionOptions()
@@ -473,8 +475,8 @@ class InferenceSession:
         iobinding.set_results(dict(zip(names, results)))
 
     def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
-        names = list(output_names) if output_names else [o.name for o in self._outputs]
-        known = {o.name for o in self._outputs}
+        known = self._output_names_known
+        names = list(output_names) if output_names else list(known)
         unknown = [n for n in names if n not in known]
         if unknown:
             raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")
@@ -500,14 +502,15 @@ class InferenceSession:
         return self._env
 
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
-        expected = {i.name: i for i in self._inputs}
+        checks = self._feed_checks
         if self._empty_optionals:
             input_feed = {**self._empty_optionals, **input_feed}
-        check_feed_names(expected, self._constants, input_feed)
+        check_feed_names(checks, self._constants, input_feed)
         values = {}
         for name, value in input_feed.items():
-            if name in expected:
-                check_feed(name, expected[name].type, value)
+            check = checks.get(name)
+            if check is not None:
+                check(value)
             value = as_value(value)
             if isinstance(value, Tensor) and value.local_bytes() is None and value.buffer.owner is None:
                 value = self._env.to_host(value)

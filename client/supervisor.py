@@ -216,6 +216,8 @@ class WorkerLink:
     @property
     def conn(self) -> WorkerConnection:
         """The live connection; waits while a worker that died is being replaced."""
+        if self._failed is None and not self._restarting and not self._dead():
+            return self._conn  # the common case, read without the condition's lock (each read is atomic)
         if not self.wait_healthy(self.policy.connect_timeout_s + self.policy.max_backoff_s):
             if self._failed is None:
                 raise EpWorkerUnavailable(f"worker for {self.name!r} is being restarted and is not back yet")

@@ -116,14 +116,17 @@ class Stager:
 
 
 def tensor_ref(tensor: Tensor, role: str, link: WorkerLink, stager: Stager, staged: list[Buffer],
-               copy_back: list[tuple[Buffer, Tensor]] | None = None) -> common_pb2.TensorRef:
+               copy_back: list[tuple[Buffer, Tensor]] | None = None,
+               out: common_pb2.TensorRef | None = None) -> common_pb2.TensorRef:
     """How to name `tensor` in one call to the worker of `link`: by handle where that worker has it, else staged
     through a buffer of its (noted in `staged`, to give back after the call), else inline. `role` is "source"
     (the worker reads it) or "destination" (the worker writes it: staged destinations are noted in `copy_back`,
-    inline ones come back in the reply)."""
-    desc = desc_to_proto(tensor.shape, tensor.dtype)
+    inline ones come back in the reply). Written into `out` where given (a field of the request being built)."""
+    ref = common_pb2.TensorRef() if out is None else out
+    desc_to_proto(tensor.shape, tensor.dtype, ref.desc)
     if owned(tensor.buffer, link):
-        return common_pb2.TensorRef(desc=desc, buffer=tensor.buffer.handle)
+        ref.buffer = tensor.buffer.handle
+        return ref
     data = tensor.local_bytes()
     if data is None:
         raise EpNotFound(f"a {role} lives in {tensor.memory_info.name} memory, which neither this process nor the "
@@ -135,10 +138,12 @@ def tensor_ref(tensor: Tensor, role: str, link: WorkerLink, stager: Stager, stag
             stager.write(buffer, data)  # straight into the worker's memory where mapped, else in chunks
         else:
             copy_back.append((buffer, tensor))
-        return common_pb2.TensorRef(desc=desc, buffer=buffer.handle)
-    if role == "source":
-        return common_pb2.TensorRef(desc=desc, inline=data.tobytes())
-    return common_pb2.TensorRef(desc=desc, reply=common_pb2.InlineReply())
+        ref.buffer = buffer.handle
+    elif role == "source":
+        ref.inline = data.tobytes()
+    else:
+        ref.reply.SetInParent()
+    return ref
 
 
 class ModelSender:
@@ -153,6 +158,7 @@ class ModelSender:
         self._link, self._stager = link, stager
         self._lock = threading.Lock()
         self._hashes: dict[int, tuple[onnx.ModelProto, str]] = {}
+        self._inlined_models: dict[int, tuple[onnx.ModelProto, onnx.ModelProto]] = {}  # for workers off this host
         self._sent: set[str] = set()
         self._files: dict[int, tuple[ExternalFile, int]] = {}  # id(file) -> (file, handle), this generation
         self._blobs: set[str] = set()  # digests the worker's blob cache has, this generation
@@ -275,12 +281,14 @@ class ModelSender:
 
     def _inlined(self, model: onnx.ModelProto, external: ExternalData) -> onnx.ModelProto:
         with self._lock:
-            cached = self._hashes.get(-id(model))
+            cached = self._inlined_models.get(id(model))
         if cached is not None and cached[0] is model:
             return cached[1]
         inlined = external.inlined(model)
         with self._lock:
-            self._hashes[-id(model)] = (model, inlined)
+            self._inlined_models[id(model)] = (model, inlined)
+            while len(self._inlined_models) > 2:  # copies with all their weights: keep few
+                self._inlined_models.pop(next(iter(self._inlined_models)))
         return inlined
 
 

@@ -34,6 +34,7 @@ STATUS_OK = 0
 REGIONS = 0xFFFF
 REGION = struct.Struct("<QQ")
 MAX_FDS = 16
+_TRUNC = int(socket.MSG_TRUNC)  # a plain int: an IntFlag's & costs more than the rest of a frame's reading
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class FrameReader:
             n, ancillary, flags, _ = self._sock.recvmsg_into([self._packet], self._ancillary, self._flags)
         if n == 0:
             return None
-        if flags & socket.MSG_TRUNC:
+        if flags & _TRUNC:
             raise FrameError(f"a packet longer than {PACKET} bytes")
         if n < HEADER.size:
             raise FrameError(f"a frame of {n} bytes, shorter than its {HEADER.size}-byte header")
@@ -167,7 +168,7 @@ class FrameReader:
             k, _, flags, _ = self._sock.recvmsg_into([view[got:got + PACKET]])
             if k == 0:
                 return None
-            if flags & socket.MSG_TRUNC:
+            if flags & _TRUNC:
                 raise FrameError("a continuation packet longer than announced")
             got += k
         return Frame(method, status, timeout_s, payload)

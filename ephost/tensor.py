@@ -10,7 +10,7 @@ import numpy as np
 
 from ephost.errors import EpError, EpInvalidArgument
 from ephost.memory import Buffer
-from ephost.types import HOST_MEMORY, MemoryInfo, checked_shape, describe, elem_type_of, nbytes_of
+from ephost.types import HOST_MEMORY, MAX_RANK, MemoryInfo, checked_shape, describe, elem_type_of, nbytes_of
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ class Tensor:
             self._finalizer = weakref.finalize(self, _free_quietly, allocator, buffer)
             self._finalizer.atexit = False
 
+    @classmethod
+    def trusted(cls, shape: tuple[int, ...], dtype: np.dtype, memory_info: MemoryInfo, nbytes: int, *,
+                buffer: Buffer | None = None, host: np.ndarray | None = None) -> "Tensor":
+        """A tensor whose shape, dtype and size were checked already (by desc_from_proto, or as a numpy
+        array's own): the constructor without its checks, for the paths every Compute takes."""
+        tensor = cls.__new__(cls)
+        tensor.shape, tensor.dtype, tensor.nbytes, tensor.memory_info = shape, dtype, nbytes, memory_info
+        tensor._buffer, tensor._host, tensor._finalizer = buffer, host, None
+        return tensor
+
     # --- construction (ORT: OrtValue.ortvalue_from_numpy, OrtValue.ortvalue_from_shape_and_type) ----
 
     @classmethod
@@ -52,7 +62,10 @@ class Tensor:
         if not array.flags.c_contiguous:
             raise EpInvalidArgument("Tensor.from_numpy needs a C-contiguous array; pass np.ascontiguousarray(a)")
         if allocator is None:
-            return cls(array.shape, array.dtype, HOST_MEMORY, host=array)
+            elem_type_of(array.dtype)  # a dtype ephost carries
+            if array.ndim > MAX_RANK:
+                checked_shape(array.shape)  # refused here, as the constructor would
+            return cls.trusted(array.shape, array.dtype, HOST_MEMORY, nbytes_of(array.shape, array.dtype), host=array)
         tensor = cls.empty(array.shape, array.dtype, allocator)
         dst = tensor.local_bytes()
         if dst is not None:
@@ -99,6 +112,9 @@ class Tensor:
         return self._buffer.host_view(owner=self)[: self.nbytes]
 
     def local_array(self) -> np.ndarray | None:
+        host = self._host
+        if host is not None and host.shape == self.shape and host.dtype == self.dtype:
+            return host  # the array itself (every Compute reads its inputs so: no views to make)
         raw = self.local_bytes()
         return None if raw is None else raw.view(self.dtype).reshape(self.shape)
 

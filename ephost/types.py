@@ -181,12 +181,15 @@ def checked_shape(shape) -> tuple[int, ...]:
 def nbytes_of(shape: tuple[int, ...], dtype: np.dtype) -> int:
     # Python integers do not overflow; every dimension is bounded too, zeros aside, so that numpy (whose sizes
     # are 64-bit) is never handed a shape it would overflow on, even one with a zero dimension.
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = dtype.itemsize if isinstance(dtype, np.dtype) else np.dtype(dtype).itemsize
+    n = math.prod(shape) * itemsize
+    if 0 < n <= MAX_TENSOR_BYTES:  # no zero dimension, and the whole bounded: every dimension is bounded too
+        return n
     if any(d * itemsize > MAX_TENSOR_BYTES for d in shape) or \
             math.prod(d for d in shape if d) * itemsize > MAX_TENSOR_BYTES:
         raise EpInvalidArgument(f"shape {list(shape)} of {np.dtype(dtype)} needs more bytes than any tensor may have "
                                 f"({MAX_TENSOR_BYTES}): more than any tensor may be")
-    return math.prod(shape) * itemsize
+    return n
 
 
 def refuse_external_data(message, what: str) -> None:
@@ -215,12 +218,20 @@ def describe(shape, dtype) -> str:
     return f"{np.dtype(dtype)}{list(shape)}"
 
 
-def desc_to_proto(shape, dtype) -> pb.TensorDesc:
-    return pb.TensorDesc(elem_type=elem_type_of(dtype), shape=list(shape))
+def desc_to_proto(shape, dtype, out: pb.TensorDesc | None = None) -> pb.TensorDesc:
+    """The TensorDesc of a tensor; written into `out` where given (a field of a message being built, which
+    costs half of building one and copying it in)."""
+    if out is None:
+        return pb.TensorDesc(elem_type=elem_type_of(dtype), shape=shape)
+    out.elem_type = elem_type_of(dtype)
+    out.shape.extend(shape)
+    return out
 
 
 def desc_from_proto(d: pb.TensorDesc) -> tuple[tuple[int, ...], np.dtype]:
     dtype = dtype_of(d.elem_type)
-    shape = checked_shape(d.shape)
+    shape = tuple(d.shape)  # int64s: Python ints already
+    if len(shape) > MAX_RANK or (shape and min(shape) < 0):
+        checked_shape(shape)  # raises, saying which
     nbytes_of(shape, dtype)
     return shape, dtype

@@ -189,18 +189,19 @@ class OrtComputeInfo:
             target = _writable_target(into, i, static, arrays.values())
             if target is not None:
                 array = target.local_array()
+                address = array.ctypes.data
                 written[i] = target
             elif allocator is not None and (i in keep or static[2] >= PLACE_BYTES):
                 # ORT writes the result straight into a buffer of the allocator (shared memory the client
                 # maps, for a worker's client): it leaves by handle, without a copy.
                 tensor = Tensor.empty(static[0], static[1], allocator)
                 array = tensor.local_array()
+                address = array.ctypes.data
                 placed[i] = tensor
             else:
                 # Into memory kept with the binding (bound once), read out after the run: small outputs
                 # travel inline anyway, and an allocation for them would be waste.
-                array = binding.scratch(i, static)
-            address = array.ctypes.data
+                array, address = binding.scratch(i, static)
             if binding.outputs[i] != address:
                 io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
                 binding.outputs[i] = address
@@ -218,7 +219,7 @@ class OrtComputeInfo:
             if i in placed or i in written:
                 out.append(placed[i] if i in placed else written[i])
             elif static is not None:
-                out.append(as_value(binding.scratch(i, static).copy()))
+                out.append(as_value(binding.scratch(i, static)[0].copy()))
             else:
                 out.append(as_value(produced[i].numpy().copy()))
         self._idle.append(binding)
@@ -266,14 +267,16 @@ class _Binding:
         self.inputs: dict[str, tuple] = {}                     # name -> (address, shape, dtype) bound
         self.copies: dict[str, tuple[np.ndarray, tuple]] = {}  # name -> (kept array, its binding)
         self.outputs: list[int | None] = [-1] * len(outputs)  # address bound; None: ORT allocates; -1: unbound
-        self._scratch: dict[int, np.ndarray] = {}
+        self._scratch: dict[int, tuple[np.ndarray, int]] = {}
         self.ort_allocated = any(static is None for _, static in outputs)
 
-    def scratch(self, i: int, static) -> np.ndarray:
-        array = self._scratch.get(i)
-        if array is None:
-            array = self._scratch[i] = np.empty(static[0], static[1])
-        return array
+    def scratch(self, i: int, static) -> tuple[np.ndarray, int]:
+        """Output i's memory kept with the binding, and its address (asking numpy for it costs microseconds)."""
+        kept = self._scratch.get(i)
+        if kept is None:
+            array = np.empty(static[0], static[1])
+            kept = self._scratch[i] = (array, array.ctypes.data)
+        return kept
 
 
 def _static(arg) -> tuple[tuple[int, ...], np.dtype, int] | None:

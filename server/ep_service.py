@@ -48,25 +48,37 @@ class EpService(Servicer):
         for i, message in enumerate(request.inputs):
             value, here = input_value(self.state, client, message, i)
             inputs.append(value)
-            nbytes = value.nbytes if isinstance(value, Tensor) else len(message.onnx.data)
-            resident += here
-            bytes_here += nbytes if here else 0
-            bytes_moved += 0 if here else nbytes
-            inline += nbytes if message.WhichOneof("kind") == "onnx" or message.tensor.HasField("inline") else 0
+            if here:
+                resident += 1
+                bytes_here += value.nbytes
+            elif isinstance(value, Tensor):
+                bytes_moved += value.nbytes
+                inline += value.nbytes if message.tensor.WhichOneof("location") == "inline" else 0
+            else:
+                bytes_moved += len(message.onnx.data)
+                inline += len(message.onnx.data)
         into = output_buffers(self.state, client, request.output_buffers)
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
         outputs = info.compute(inputs, allocator, tuple(request.keep), into=into) if into else \
             info.compute(inputs, allocator, tuple(request.keep))
-        self.state.stats.add(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident,
-                             compute_input_bytes_resident=bytes_here, compute_input_bytes_transferred=bytes_moved,
-                             bytes_inline_in=inline)
-        keep = set(request.keep)
-        return ep_pb2.ComputeResponse(outputs=[
-            into_value(self.state, client, request.output_buffers[i], into[i], v) if i in into else
-            output_value(self.state, client, allocator, 0 if i in keep else request.inline_limit, v)
-            for i, v in enumerate(outputs)])
+        counts = dict(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident,
+                      compute_input_bytes_resident=bytes_here, compute_input_bytes_transferred=bytes_moved,
+                      bytes_inline_in=inline)
+        reply = ep_pb2.ComputeResponse()
+        keep = set(request.keep) if request.keep else ()
+        try:
+            for i, value in enumerate(outputs):
+                out = reply.outputs.add()
+                if i in into:
+                    into_value(client, request.output_buffers[i], into[i], value, out, counts)
+                else:
+                    output_value(self.state, client, allocator, 0 if i in keep else request.inline_limit, value,
+                                 out, counts)
+        finally:
+            self.state.stats.add(**counts)  # one lock for the call's counters
+        return reply
 
     @rpc
     def ReleaseNodeComputeInfos(self, request, call):

@@ -30,15 +30,11 @@ class DataTransferService(Servicer):
         copied = transfer.copy_tensors(src.tensors, dst.tensors, stream)
         if stream is not None and dst.replies:
             stream.flush(call.time_remaining())  # the reply must carry the bytes, so wait for them
-        for s_ref, d_ref in zip(request.src, request.dst):
-            if d_ref.WhichOneof("location") == "buffer":
-                client.get("buffer", d_ref.buffer).produced = _made_here(client, s_ref)
+        for made, entry in zip(src.entries, dst.entries):
+            if entry is not None:  # bytes made in this worker stay so in their copy
+                entry.produced = made is not None and made.produced
         replies = [dst.tensors[i].numpy().tobytes() for i in dst.replies]
         self.state.stats.add(bytes_copied=copied or 0, copies=len(src.tensors), bytes_inline_in=src.inline_bytes,
                              bytes_inline_out=sum(map(len, replies)))
         return data_transfer_pb2.CopyTensorsResponse(replies=replies)
 
-
-def _made_here(client, ref) -> bool:
-    """Whether a copy source's bytes were made in this worker (so the copy's destination's are too)."""
-    return ref.WhichOneof("location") == "buffer" and client.get("buffer", ref.buffer).produced
