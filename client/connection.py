@@ -17,6 +17,7 @@ from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, Ep
                            reason_of)
 from ephost.client.fastlane import FastLane, LaneUnavailable
 from ephost.fastlane import METHODS as LANE_METHODS
+from ephost.wire import SPIN_S
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
 from ephost.wire import CHUNK_BYTES, MAX_MESSAGE, PROTOCOL, read_file
@@ -62,7 +63,7 @@ class Credentials:
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
-                 fast_lane: bool = True):
+                 fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -125,7 +126,7 @@ class WorkerConnection:
             log.info("no shared memory with the worker at %s: tensors and models travel inline, in chunks", address)
         # The data plane: Compute, CopyTensors, Alloc and Free over the fast lane where it opens, else gRPC.
         if fast_lane and self.fd_socket:
-            lane = FastLane(self._lane_ticket, self._lane_lost, self.adopt_region)
+            lane = FastLane(self._lane_ticket, self._lane_lost, self.adopt_region, fast_lane_spin_s)
             if lane.open():
                 self.lane = lane
                 self._lane_methods = {self.ep.Compute: LANE_METHODS["Ep/Compute"],

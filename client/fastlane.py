@@ -23,6 +23,7 @@ import grpc
 from ephost.errors import EpDeadlineExceeded, EpError, EpPermissionDenied, error_for_status
 from ephost.fastlane import (STATUS_OK, TICKET_OK, FrameError, FrameReader, Method, configure, decode_error,
                              send_frame)
+from ephost.wire import SPIN_S
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,9 @@ class LaneUnavailable(Exception):
 class _Connection:
     __slots__ = ("sock", "reader", "timeout", "__weakref__")
 
-    def __init__(self, sock: socket.socket, adopt):
+    def __init__(self, sock: socket.socket, adopt, spin_s: float):
         self.sock = sock
-        self.reader = FrameReader(sock, adopt)
+        self.reader = FrameReader(sock, adopt, spin_s)
         self.timeout = sock.gettimeout()
 
     def close(self) -> None:
@@ -52,8 +53,9 @@ class _Connection:
 
 class FastLane:
     def __init__(self, ticket: Callable[[], tuple[bytes, str]], lost: Callable[[str], EpError],
-                 adopt: Callable[[int, int, int], None]):
+                 adopt: Callable[[int, int, int], None], spin_s: float = SPIN_S):
         self._ticket = ticket  # (ticket, socket path), from Worker.OpenDataPlane
+        self._spin_s = spin_s  # how long a thread polls for its reply before it sleeps (FrameReader)
         self._lost = lost
         self._adopt = adopt    # (region, size, fd): a region's descriptor, handed over with a reply naming it
         self._local = threading.local()
@@ -95,7 +97,7 @@ class FastLane:
             sock.close()
             raise LaneUnavailable("the worker refused the data-plane connection") from \
                 EpPermissionDenied("the worker refused the data-plane connection (ticket unknown or expired)")
-        conn = _Connection(sock, self._adopt)
+        conn = _Connection(sock, self._adopt, self._spin_s)
         with self._lock:
             self._connections.add(conn)
         self._local.conn = conn

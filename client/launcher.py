@@ -10,7 +10,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import grpc
 
@@ -35,14 +35,14 @@ class WorkerProcess:
     requirements, ...) name or make."""
 
     def __init__(self, ep: str, options: Mapping[str, str] | None = None, *, startup_timeout: float = 60.0,
-                 on_exit: Callable[["WorkerProcess"], None] | None = None):
+                 on_exit: Callable[["WorkerProcess"], None] | None = None, worker_args: Sequence[str] = ()):
         self.ep = ep
         self.options = dict(options or {})
         self._dir: str | None = None  # the worker's private socket directory
         # The worker logs (ONNX Runtime's own warnings included) in detail when this process does.
         verbose = ["--verbose"] if logging.getLogger("ephost").isEnabledFor(logging.INFO) else []
         self.python = WorkerEnvironment.take(self.options).interpreter()
-        command = [self.python, "-m", "ephost", *verbose, "worker", "--ep", ep, "--exit-with-parent"]
+        command = [self.python, "-m", "ephost", *verbose, "worker", "--ep", ep, "--exit-with-parent", *worker_args]
         for key, value in self.options.items():
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit

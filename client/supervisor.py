@@ -19,6 +19,7 @@ from ephost.client.connection import Credentials, WorkerConnection
 from ephost.client.crash_budget import CrashBudget
 from ephost.client.health import HealthWatcher
 from ephost.client.launcher import WorkerProcess, describe_exit
+from ephost.wire import MAX_SPIN_S, SPIN_S
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class SupervisionPolicy:
     connect_timeout_s: float = 10.0
     shared_memory: bool = True    # use shared memory where the worker proves it shares this host
     fast_lane: bool = True        # Compute and CopyTensors over the data-plane socket where memory is shared
+    fast_lane_spin_us: float = SPIN_S * 1e6  # each end polls this long for the next frame before it sleeps
 
     OPTIONS = {
         "restart": "restart a launched worker that dies (default true)",
@@ -46,6 +48,8 @@ class SupervisionPolicy:
         "connect_timeout_s": "how long to wait for the worker to answer at all (default 10)",
         "shared_memory": "share memory with a worker on this host when it proves it can (default true)",
         "fast_lane": "carry Compute and CopyTensors over a unix socket where memory is shared (default true)",
+        "fast_lane_spin_us": "how long each end of the fast lane polls for the next frame before it sleeps, while "
+                             f"frames come that fast (default {SPIN_S * 1e6:g}; 0: never)",
     }
 
     @classmethod
@@ -58,6 +62,11 @@ class SupervisionPolicy:
                           for k, v in mine.items()})
         except ValueError as e:
             raise EpInvalidArgument(f"bad supervision option: {e}") from None
+
+    def __post_init__(self):
+        if not 0 <= self.fast_lane_spin_us <= MAX_SPIN_S * 1e6:  # nan fails too
+            raise EpInvalidArgument(f"bad supervision option: fast_lane_spin_us must be between 0 and "
+                                    f"{MAX_SPIN_S * 1e6:g}, got {self.fast_lane_spin_us:g}")
 
     def crash_budget(self) -> CrashBudget:
         return CrashBudget(self.crash_limit, self.crash_window_s, self.backoff_s, self.max_backoff_s)
@@ -74,7 +83,8 @@ class ProcessSupervisor:
 
     def launch(self) -> str:
         """Start a worker; its address."""
-        self.process = WorkerProcess(self.ep, self._options, on_exit=self._on_exit)
+        self.process = WorkerProcess(self.ep, self._options, on_exit=self._on_exit,
+                                     worker_args=("--lane-spin-us", f"{self._policy.fast_lane_spin_us:g}"))
         return self.process.address
 
     @property
@@ -173,7 +183,8 @@ class WorkerLink:
             conn = WorkerConnection(address, name=self.name, timeout_s=self.policy.timeout_s,
                                     connect_timeout_s=self.policy.connect_timeout_s, process=self.process,
                                     credentials=self.credentials, shared_memory=self.policy.shared_memory,
-                                    fast_lane=self.policy.fast_lane)
+                                    fast_lane=self.policy.fast_lane,
+                                    fast_lane_spin_s=self.policy.fast_lane_spin_us * 1e-6)
         except BaseException:
             if self.supervisor is not None:
                 self.supervisor.stop()

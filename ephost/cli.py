@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ephost.errors import EpError
-from ephost.wire import MAX_GRACE_S
+from ephost.wire import MAX_GRACE_S, MAX_SPIN_S, SPIN_S
 
 log = logging.getLogger(__name__)
 from ephost.run_command import add_environment_arguments, environment_options, format_table
@@ -68,7 +68,8 @@ def cmd_worker(args) -> int:
                  exit_with_parent=args.exit_with_parent, max_message=args.max_message_mb << 20, security=security,
                  client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None,
                  drain_grace_s=args.drain_grace_s, cache_dir=args.cache_dir,
-                 cache_max_bytes=args.cache_max_mb << 20, model_dir=args.model_dir)
+                 cache_max_bytes=args.cache_max_mb << 20, model_dir=args.model_dir,
+                 lane_spin_s=args.lane_spin_us * 1e-6)
 
 
 def _grace(text: str) -> float:
@@ -76,6 +77,13 @@ def _grace(text: str) -> float:
     if not (math.isfinite(seconds) and 0 <= seconds <= MAX_GRACE_S):
         raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_GRACE_S:g} seconds")
     return seconds
+
+
+def _spin(text: str) -> float:
+    microseconds = float(text)
+    if not (math.isfinite(microseconds) and 0 <= microseconds <= MAX_SPIN_S * 1e6):
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SPIN_S * 1e6:g} microseconds")
+    return microseconds
 
 
 def _registered(args):
@@ -231,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--drain-grace-s", type=_grace, default=5.0,
                    help="on SIGTERM or SIGINT, how long calls under way may take to finish (default 5); keep it "
                         "under the orchestrator's own grace (Kubernetes: terminationGracePeriodSeconds)")
+    w.add_argument("--lane-spin-us", type=_spin, default=SPIN_S * 1e6,
+                   help="how long a fast-lane connection's thread polls for the next request before it sleeps, "
+                        f"while requests come that fast (default {SPIN_S * 1e6:g}; 0: never)")
     w.add_argument("--cache-dir", help="where external data files sent by clients that share no memory with the "
                                        "worker are kept, by content (default $EPHOST_CACHE_DIR/blobs, "
                                        "~/.cache/ephost/blobs)")

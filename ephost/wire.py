@@ -16,6 +16,10 @@ CHUNK_BYTES = 16 << 20
 
 # The longest drain a worker grants calls under way when it stops (Worker.Shutdown's grace_s, --drain-grace-s).
 MAX_GRACE_S = 600.0
+# The fast lane: how long either end polls for the next frame before it sleeps (FrameReader), by default and
+# at most.
+SPIN_S = 500e-6
+MAX_SPIN_S = 0.1
 
 # A failed call may say *why* in its trailing metadata under this key, so that a peer can act on the reason
 # without matching the message text. The values are the REASON_* constants below.

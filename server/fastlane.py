@@ -41,12 +41,13 @@ def lane_path(fd_socket: str) -> str:
 
 class LaneServer:
     def __init__(self, path: str, tickets: DescriptorServer, dispatch: Dispatch, stats: WorkerStats,
-                 export: Callable[[str, int], tuple[int, int] | None] | None = None):
+                 export: Callable[[str, int], tuple[int, int] | None] | None = None, spin_s: float = 0.0):
         """`dispatch` runs a call as the gRPC path does. `export(client_id, region)`: a duplicate descriptor of
         one of that client's shareable regions and its size, or None; the region rides along with the first
         reply on a connection that names it."""
         self.path = path
         self._export = export
+        self._spin_s = spin_s  # how long a connection's thread polls for the next request before it sleeps
         self._tickets = tickets
         self._dispatch = dispatch
         self._stats = stats
@@ -109,7 +110,7 @@ class LaneServer:
         return client_id
 
     def _loop(self, conn: socket.socket, client_id: str) -> None:
-        reader = FrameReader(conn)
+        reader = FrameReader(conn, spin_s=self._spin_s)
         dispatch = self._dispatch
         sent: set[int] = set()  # regions whose descriptors this connection's peer has
         while True:

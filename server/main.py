@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ephost.errors import EpError
 from ephost.eps import load_factory
+from ephost.wire import SPIN_S
 from ephost.fdshare import DescriptorServer, remove_stale_socket
 from ephost import wire
 from ephost.worker_env import cache_dir as default_cache_root
@@ -97,13 +98,14 @@ def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Liste
 def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_parent: bool = False,
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
           client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, drain_grace_s: float = 5.0,
-          cache_dir: str | None = None, cache_max_bytes: int = 10 << 30, model_dir: str | None = None) -> int:
+          cache_dir: str | None = None, cache_max_bytes: int = 10 << 30, model_dir: str | None = None,
+          lane_spin_s: float = SPIN_S) -> int:
     limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
     blobs = BlobCache(cache_dir or str(default_cache_root() / "blobs"), cache_max_bytes) if cache_max_bytes > 0 \
         else None
     try:
         return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits,
-                      drain_grace_s, blobs, model_dir)
+                      drain_grace_s, blobs, model_dir, lane_spin_s)
     finally:
         _remove_sockets(listen)
 
@@ -115,7 +117,7 @@ def default_max_alloc() -> int:
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
            security: Security, client_lease_s: float, limits: Limits, drain_grace_s: float,
-           blobs: BlobCache | None = None, model_dir: str | None = None) -> int:
+           blobs: BlobCache | None = None, model_dir: str | None = None, lane_spin_s: float = SPIN_S) -> int:
     max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
@@ -153,7 +155,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     server.add_generic_rpc_handlers(dispatcher.grpc_handlers())
     if fd_server is not None:  # the fast lane, for clients on this host: the same dispatch, another transport
         state.lane = LaneServer(lane_path(listen.fd_socket), fd_server, dispatcher.dispatch, state.stats,
-                                export=state.export_region)
+                                export=state.export_region, spin_s=lane_spin_s)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Server reflection, so that standard gRPC tools (grpcurl, grpc_cli) can list and call the services.

@@ -359,3 +359,58 @@ def test_a_new_regions_descriptor_rides_along_with_the_first_reply_naming_it(tra
         assert exports == 0
     else:
         assert exports >= 1
+
+
+def test_a_spinning_reader_reads_every_frame_whatever_the_gaps():
+    """A reader that polls before it sleeps (the lane's default) loses no frame and no end of file, whether a
+    frame comes within its spin, long after it, or in several packets."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    reader = FrameReader(b, spin_s=0.002)
+    payloads = [b"first", b"x" * 200_000, b"", b"after a long gap", b"again at once"]
+    gaps = [0.0, 0.0, 0.05, 0.05, 0.0]
+
+    def peer():
+        for gap, payload in zip(gaps, payloads):
+            time.sleep(gap)
+            send_frame(a, METHODS["Ep/Compute"].id, 0, 1.5, payload)
+        time.sleep(0.05)
+        a.close()  # end of file, long after the reader began to spin for it
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    try:
+        for payload in payloads:
+            frame = reader.read()
+            assert (frame.method, frame.timeout_s, bytes(frame.payload)) == (METHODS["Ep/Compute"].id, 1.5, payload)
+        assert reader.read() is None
+    finally:
+        thread.join()
+        b.close()
+
+
+def test_how_long_each_end_spins_is_a_registration_option():
+    def worker_command(env, name):
+        with open(f"/proc/{env.registration(name).process.pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("default", "reference")
+        env.register_execution_provider_library("off", "reference", {"fast_lane_spin_us": "0"})
+        assert b"--lane-spin-us" in worker_command(env, "default")
+        command = worker_command(env, "off")
+        assert command[command.index(b"--lane-spin-us") + 1] == b"0", "the launched worker spins as its client does"
+        with diamond_session(env, "off") as s:  # a lane that never spins serves as one that does
+            assert lane_of(env, "off") is not None
+            np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+        for bad in ("-1", "nan", "1e9"):
+            with pytest.raises(ephost.EpInvalidArgument, match="fast_lane_spin_us"):
+                env.register_execution_provider_library(f"bad{bad}", "reference", {"fast_lane_spin_us": bad})
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "1e9"])
+def test_a_worker_refuses_a_spin_out_of_range(value):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "ephost", "worker", "--ep", "reference", "--lane-spin-us", value],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--lane-spin-us" in result.stderr and "microseconds" in result.stderr
