@@ -127,9 +127,10 @@ def test_worker_killed_while_a_thread_is_blocked_in_a_lane_call(policy):
     """The call in flight fails within a second with EpWorkerCrashed naming the call (raise), or is made
     again on the restarted worker (retry) or on the CPU fallback (fallback)."""
     with ephost.Environment() as env:
-        # The 2nd compute hangs, so that a thread is surely blocked in it when the worker is killed.
+        # The 2nd compute hangs, so that a thread is surely blocked in it when the worker is killed. (Under
+        # `retry` the last run below is the new worker's 2nd compute: it hangs to its deadline, then is retried.)
         env.register_execution_provider_library("chaos", "chaos", {"fault": "hang", "at": "compute", "after": "2",
-                                                                    "timeout_s": "30"})
+                                                                    "timeout_s": "5"})
         pid = env.registration("chaos").process.pid
         with diamond_session(env, "chaos", policy) as s:
             np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
