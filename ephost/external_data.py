@@ -59,32 +59,41 @@ def external_ref(t: TensorProto) -> ExternalRef | None:
     return ExternalRef(t.name, entries.get("location", ""), offset, length)
 
 
-def graph_tensors(graph: onnx.GraphProto) -> Iterator[TensorProto]:
-    """Every initializer of a graph and of its nodes' subgraphs, and every tensor attribute (Constant values)."""
-    stack = [graph]
-    while stack:
-        g = stack.pop()
+def _sparse(s: onnx.SparseTensorProto) -> tuple[TensorProto, TensorProto]:
+    return s.values, s.indices
+
+
+def _attribute_tensors(nodes, graphs: list[onnx.GraphProto]) -> Iterator[TensorProto]:
+    """The tensors the nodes' attributes hold (Constant values, dense and sparse); their subgraphs go on `graphs`."""
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield from _sparse(attr.sparse_tensor)
+            for sparse in attr.sparse_tensors:
+                yield from _sparse(sparse)
+            if attr.HasField("g"):
+                graphs.append(attr.g)
+            graphs.extend(attr.graphs)
+
+
+def graph_tensors(graph: onnx.GraphProto, functions=()) -> Iterator[TensorProto]:
+    """Every tensor that can hold data: initializers (dense and sparse) and tensor attributes, of the graph, of
+    its nodes' subgraphs, and of the bodies of `functions` (and their subgraphs)."""
+    graphs = [graph]
+    yield from _attribute_tensors((node for f in functions for node in f.node), graphs)
+    while graphs:
+        g = graphs.pop()
         yield from g.initializer
-        yield from (s.values for s in g.sparse_initializer)
-        for node in g.node:
-            for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t
-                yield from attr.tensors
-                if attr.HasField("g"):
-                    stack.append(attr.g)
-                stack.extend(attr.graphs)
+        for sparse in g.sparse_initializer:
+            yield from _sparse(sparse)
+        yield from _attribute_tensors(g.node, graphs)
 
 
 def model_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
-    yield from graph_tensors(model.graph)
-    for f in model.functions:
-        for node in f.node:
-            for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t
-                if attr.HasField("g"):
-                    yield from graph_tensors(attr.g)
+    return graph_tensors(model.graph, model.functions)
 
 
 def external_refs(model: onnx.ModelProto) -> list[tuple[TensorProto, ExternalRef]]:

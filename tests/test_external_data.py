@@ -54,6 +54,37 @@ def test_a_location_outside_the_models_directory_is_refused(env, tmp_path):
             InferenceSession(path, env=env, providers=["ref"])
 
 
+@pytest.mark.parametrize("where", ["graph", "function"])
+def test_a_sparse_constant_outside_the_models_directory_is_refused(env, tmp_path, where):
+    """Every tensor that can name a file is checked: a sparse Constant's values, in the graph or in the body of
+    a model function, as much as an initializer."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "weights.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    values = helper.make_tensor("sparse_values", TensorProto.FLOAT, [1], [0.0])
+    values.ClearField("float_data")
+    values.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "../weights.bin"), ("offset", "0"), ("length", "4")):
+        values.external_data.add(key=key, value=value)
+    sparse = helper.make_sparse_tensor(values, helper.make_tensor("sparse_indices", TensorProto.INT64, [1], [2]), [4])
+    constant = helper.make_node("Constant", [], ["c"], sparse_value=sparse)
+    add = helper.make_node("Add", ["x", "c"], ["y"])
+    functions = []
+    if where == "function":
+        functions = [helper.make_function("local", "AddConstant", ["x"], ["y"], [constant, add],
+                                          [helper.make_opsetid("", 18)])]
+        nodes = [helper.make_node("AddConstant", ["x"], ["y"], domain="local")]
+    else:
+        nodes = [constant, add]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, functions=functions, opset_imports=[helper.make_opsetid("", 18),
+                                                                         helper.make_opsetid("local", 1)])
+    path = tmp_path / "m" / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(ephost.EpInvalidArgument, match=r"'sparse_values'.*outside the model's directory"):
+        InferenceSession(str(path), env=env, providers=["ref"])
+
+
 def test_a_link_out_of_the_models_directory_is_refused(env, tmp_path):
     (tmp_path / "m").mkdir()
     path, _, _ = small_model(tmp_path / "m")
