@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
                            EpInternal, EpInvalidArgument, EpNotFound, EpOutOfRange, EpPermissionDenied,
@@ -16,10 +16,27 @@ from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpE
 from ephost.tensor import Tensor
 from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, HardwareDevice, HardwareDeviceType,
                           MemoryInfo)
-from ephost.client import (Environment, EpDevice, InferenceSession, IOBinding, ModelOnWorker, NodeArg, RunOptions,
-                           SessionOptions, SharedAllocator, SyncNotification, SyncStream)
+
+if TYPE_CHECKING:
+    from ephost.client import (Environment, EpDevice, InferenceSession, IOBinding, ModelOnWorker, NodeArg,
+                               RunOptions, SessionOptions, SharedAllocator, SyncNotification, SyncStream)
 
 __version__ = "0.1.0"
+
+# The application's side (ephost.client) is imported on first use of one of its names, not with the package: a
+# worker imports ephost too, and the client's modules would cost every worker start (and restart) a third of its
+# import time and memory it never uses.
+_CLIENT_NAMES = frozenset({"Environment", "EpDevice", "InferenceSession", "IOBinding", "ModelOnWorker", "NodeArg",
+                           "RunOptions", "SessionOptions", "SharedAllocator", "SyncNotification", "SyncStream"})
+
+
+def __getattr__(name: str):
+    if name in _CLIENT_NAMES:
+        from ephost import client
+        value = getattr(client, name)
+        globals()[name] = value  # once
+        return value
+    raise AttributeError(f"module 'ephost' has no attribute {name!r}")
 
 _default: Environment | None = None
 _default_lock = threading.Lock()
@@ -29,6 +46,7 @@ def get_default_environment() -> Environment:
     global _default
     with _default_lock:
         if _default is None:
+            from ephost.client import Environment
             _default = Environment()
             atexit.register(_default.close)
         return _default
