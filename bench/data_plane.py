@@ -24,9 +24,9 @@ import onnx
 from onnx import TensorProto, helper
 
 import ephost
-from ephost import DeviceMemoryType, InferenceSession, SessionOptions, Tensor
+from ephost import DeviceMemoryType, InferenceSession, Tensor
 from ephost.run_command import bundled_input, bundled_model
-from bench.session_overhead import SESSION_CONFIG, in_process_session, tiny_model
+from bench.session_overhead import SESSION_CONFIG, in_process_session, options_for, tiny_model
 
 CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
 TRANSPORTS = {"lane": {}, "grpc": {"fast_lane": "false"}}
@@ -48,13 +48,6 @@ def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: in
                 fn()
                 block.append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def options_for(env, *registrations: str) -> SessionOptions:
-    options = SessionOptions()
-    for r in registrations:
-        options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == r])
-    return options
 
 
 def pin(pid: int, cpus: set[int]) -> None:

@@ -16,8 +16,9 @@ import tempfile
 import time
 
 import ephost
-from ephost import InferenceSession, SessionOptions
+from ephost import InferenceSession
 from ephost.run_command import bundled_model
+from bench.session_overhead import options_for
 
 
 def compile_seconds(env, name: str) -> float:
@@ -27,8 +28,7 @@ def compile_seconds(env, name: str) -> float:
 
 def session_compile(env, name: str, path: str, config: dict[str, str] | None = None) -> tuple[float, float]:
     """(seconds the worker spent in Compile, seconds the session took to create) for one session of `path`."""
-    options = SessionOptions()
-    options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == name])
+    options = options_for(env, name)
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     before = compile_seconds(env, name)

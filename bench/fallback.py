@@ -3,24 +3,17 @@ each CPU fallback beside ONNX Runtime's CPU EP in process, and the ratio. The ch
 Compute with crash_limit 1, so the EP is marked failed and every later run is the fallback's."""
 from __future__ import annotations
 
-import statistics
-import time
 
 import onnx
 
 import ephost
 from ephost import InferenceSession, SessionOptions
 from ephost.run_command import bundled_input, bundled_model
+from bench.session_overhead import side_by_side
 
 
 def median_ms(run, n: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    return side_by_side({"run": run}, n)["run"] * 1000
 
 
 def after_a_crash_ms(model: onnx.ModelProto, fallback: str, n: int) -> float:

@@ -75,9 +75,11 @@ def in_process_session(model: onnx.ModelProto, label: str):
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
 
-def options_for(env, registration: str) -> SessionOptions:
+def options_for(env, *registrations: str) -> SessionOptions:
+    """SessionOptions with the devices of these registrations, in this order."""
     options = SessionOptions()
-    options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == registration])
+    for r in registrations:
+        options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == r])
     return options
 
 

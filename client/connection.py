@@ -154,8 +154,8 @@ class WorkerConnection:
         code, details = e.code(), e.details() or ""
         call = _method_name(method)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.UNKNOWN) and self.process is not None:
-            crashed = self.process.crashed_error(call)
+                    grpc.StatusCode.UNKNOWN):
+            crashed = self._crashed(call)
             if crashed is not None:
                 return crashed
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -166,13 +166,13 @@ class WorkerConnection:
         reply = self.call(self.worker.OpenDataPlane, common_pb2.Empty())
         return reply.ticket, reply.socket
 
+    def _crashed(self, call: str) -> EpError | None:
+        """EpWorkerCrashed naming `call`, where this is a launched worker that died; else None."""
+        return self.process.crashed_error(call) if self.process is not None else None
+
     def _lane_lost(self, call: str) -> EpError:
         """The error for a fast-lane call whose connection ended: the worker died, or closed it."""
-        if self.process is not None:
-            crashed = self.process.crashed_error(call)
-            if crashed is not None:
-                return crashed
-        return EpWorkerUnavailable(f"worker at {self.address} closed the fast lane during {call}")
+        return self._crashed(call) or EpWorkerUnavailable(f"worker at {self.address} closed the fast lane during {call}")
 
     # --- shared memory ----------------------------------------------------------------------------
 

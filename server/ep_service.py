@@ -61,20 +61,20 @@ class EpService(Servicer):
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
-        outputs = info.compute(inputs, allocator, tuple(request.keep), into=into) if into else \
-            info.compute(inputs, allocator, tuple(request.keep))
+        keep = tuple(request.keep)
+        outputs = info.compute(inputs, allocator, keep, into=into) if into else info.compute(inputs, allocator, keep)
         counts = dict(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident,
                       compute_input_bytes_resident=bytes_here, compute_input_bytes_transferred=bytes_moved,
                       bytes_inline_in=inline)
         reply = ep_pb2.ComputeResponse()
-        keep = set(request.keep) if request.keep else ()
+        kept = set(keep)
         try:
             for i, value in enumerate(outputs):
                 out = reply.outputs.add()
                 if i in into:
                     into_value(client, request.output_buffers[i], into[i], value, out, counts)
                 else:
-                    output_value(self.state, client, allocator, 0 if i in keep else request.inline_limit, value,
+                    output_value(self.state, client, allocator, 0 if i in kept else request.inline_limit, value,
                                  out, counts)
         finally:
             self.state.stats.add(**counts)  # one lock for the call's counters
