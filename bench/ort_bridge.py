@@ -1,7 +1,10 @@
 """ephost.ort, the bridge that makes ephost an ONNX Runtime plugin EP library: per-run time of an ORT session
 whose nodes run in a worker (ORT's CPU EP hosted out of process, reached through the bridge) beside the same
 model on ORT's CPU EP in process, hot loops of one session each (interleaved blocks), medians; and the bytes
-the bridge copied per run (ORT's inputs into the worker's memory or the call, the outputs back into ORT's)."""
+the bridge copied per run (ORT's inputs into the worker's memory or the call, the outputs back into ORT's) and
+the tensors it handed over without a copy (in the worker's shared memory, the bridged device's memory). Rows
+marked "input on the device" give the bridged session its inputs as OrtValues on that device (IOBinding); ORT
+alone is given the same arrays with a plain run."""
 from __future__ import annotations
 
 import logging
@@ -28,6 +31,39 @@ def session(model, bridged: bool) -> ort.InferenceSession:
     return s
 
 
+def chain_1mib():
+    """y = Neg(Relu(x)) on 1 MiB of floats: large enough that the output stays in the worker's memory."""
+    from onnx import TensorProto, helper
+    n = 1 << 18
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def device_binding(session: ort.InferenceSession, feeds: dict):
+    """An IOBinding with the inputs in OrtValues on the bridged device (the worker's shared memory), and a run
+    that binds the outputs afresh (so ORT allocates them in Compute, where the bridge hands over the worker's)."""
+    import numpy as np
+    (device,) = [d for d in ort.get_ep_devices() if d.ep_name == "bench_bridge"]
+    memory = device.memory_info(ort.OrtDeviceMemoryType.DEFAULT)
+    binding = session.io_binding()
+    kept = []
+    for name, array in feeds.items():
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype, memory_info=memory)
+        value.update_inplace(np.ascontiguousarray(array))
+        binding.bind_ortvalue_input(name, value)
+        kept.append(value)
+    outputs = [o.name for o in session.get_outputs()]
+
+    def run():
+        for name in outputs:
+            binding.bind_output(name)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs(), kept
+    return run
+
+
 def main(quick: bool = False) -> None:
     import numpy as np
     logging.getLogger("ephost").setLevel(logging.WARNING)
@@ -37,34 +73,43 @@ def main(quick: bool = False) -> None:
     try:
         rows = []
         squeezenet, _ = bundled_model("squeezenet")
-        for label, model, blocks, per_block in (("tiny (Add, 16 floats)", tiny_model(), 5 if quick else 20,
-                                                  50 if quick else 200),
-                                                 ("squeezenet", squeezenet, 3 if quick else 8, 3 if quick else 10)):
+        cases = (("tiny (Add, 16 floats)", tiny_model(), False, 5 if quick else 20, 50 if quick else 200),
+                 ("squeezenet", squeezenet, False, 3 if quick else 8, 3 if quick else 10),
+                 ("squeezenet, input on the device (IOBinding)", squeezenet, True, 3 if quick else 8,
+                  3 if quick else 10),
+                 ("Neg(Relu(x)), 1 MiB", chain_1mib(), False, 3 if quick else 10, 10 if quick else 40),
+                 ("Neg(Relu(x)), 1 MiB, input on the device (IOBinding)", chain_1mib(), True, 3 if quick else 10,
+                  10 if quick else 40))
+        for label, model, on_device, blocks, per_block in cases:
             alone, bridged = session(model, False), session(model, True)
-            feeds = {i.name: (bundled_input(i) if isinstance(model, str) else np.ones((1, 16), np.float32))
+            feeds = {i.name: (bundled_input(i) if isinstance(model, str) else
+                              np.random.default_rng(0).standard_normal([int(d) for d in i.shape]).astype(np.float32))
                      for i in alone.get_inputs()}
             env = ephost.ort.environment("bench_bridge")  # the same worker, through ephost's own session
             options = ephost.SessionOptions()
             options.add_provider_for_devices(env.get_ep_devices())
             own = ephost.InferenceSession(model, options, env=env)
+            bridged_run = device_binding(bridged, feeds) if on_device else lambda: bridged.run(None, feeds)
             before = ephost.ort.stats("bench_bridge")
-            times = interleaved({"alone": lambda: alone.run(None, feeds), "bridge": lambda: bridged.run(None, feeds),
+            times = interleaved({"alone": lambda: alone.run(None, feeds), "bridge": bridged_run,
                                  "ephost": lambda: own.run(None, feeds)}, blocks, per_block)
             own.close()
             after = ephost.ort.stats("bench_bridge")
-            runs = after.computes - before.computes
+            runs = max(after.computes - before.computes, 1)
             copied = (after.bytes_in_copied - before.bytes_in_copied + after.bytes_out_copied -
-                      before.bytes_out_copied) / max(runs, 1)
-            rows.append((label, times["alone"], times["bridge"], times["ephost"], copied))
-            del alone, bridged
+                      before.bytes_out_copied) / runs
+            in_place = (after.inputs_in_place - before.inputs_in_place + after.outputs_in_place -
+                        before.outputs_in_place) / runs
+            rows.append((label, times["alone"], times["bridge"], times["ephost"], copied, in_place))
+            alone = bridged = bridged_run = None  # this case's sessions go before the next case's
         print("ORT session, nodes on ORT's CPU EP in process vs through ephost.ort into a worker hosting it; "
               "median per run\n")
         print("| model | ORT CPU EP in process | ORT + bridge | overhead per run | ratio | ephost session, same worker "
-              "| bytes copied per run |")
-        print("|---|---|---|---|---|---|---|")
-        for label, t_alone, t_bridge, t_own, copied in rows:
+              "| bytes the bridge copied per run | tensors handed over in place per run |")
+        print("|---|---|---|---|---|---|---|---|")
+        for label, t_alone, t_bridge, t_own, copied, in_place in rows:
             print(f"| {label} | {t_alone * 1e6:.1f} µs | {t_bridge * 1e6:.1f} µs | "
                   f"{(t_bridge - t_alone) * 1e6:.1f} µs | {t_bridge / t_alone:.2f}x | {t_own * 1e6:.1f} µs | "
-                  f"{copied:,.0f} B |")
+                  f"{copied:,.0f} B | {in_place:.1f} |")
     finally:
         ephost.ort.unregister("bench_bridge")

@@ -165,6 +165,21 @@ EP_FUNCTIONS = {
     "GetCompiledModelCompatibilityInfo": CFUNCTYPE(c_void_p, c_void_p, c_void_p),
 }
 
+# OrtAllocator (onnxruntime_c_api.h): its first member is `version`, laid out like the others' version member.
+ALLOCATOR_FUNCTIONS = {
+    "Alloc": CFUNCTYPE(c_void_p, c_void_p, c_size_t),
+    "Free": CFUNCTYPE(None, c_void_p, c_void_p),
+    "Info": CFUNCTYPE(c_void_p, c_void_p),
+    "Reserve": CFUNCTYPE(c_void_p, c_void_p, c_size_t),        # version 18
+    "GetStats": CFUNCTYPE(Status, c_void_p, _PP),               # version 23
+    "AllocOnStream": CFUNCTYPE(c_void_p, c_void_p, c_size_t, c_void_p),  # version 23
+}
+
+# CreateMemoryInfo_V2's enums
+MEMORY_DEVICE_CPU = 0       # OrtMemoryInfoDeviceType_CPU
+MEMORY_TYPE_DEFAULT = 0     # OrtDeviceMemoryType_DEFAULT
+DEVICE_ALLOCATOR = 0        # OrtAllocatorType::OrtDeviceAllocator
+
 COMPUTE_INFO_FUNCTIONS = {
     "CreateState": CFUNCTYPE(Status, c_void_p, c_void_p, _PP),
     "Compute": CFUNCTYPE(Status, c_void_p, c_void_p, c_void_p),
@@ -180,6 +195,7 @@ def _struct(name: str, functions: dict) -> type[Structure]:
 OrtEpFactory = _struct("OrtEpFactory", FACTORY_FUNCTIONS)
 OrtEp = _struct("OrtEp", EP_FUNCTIONS)
 OrtNodeComputeInfo = _struct("OrtNodeComputeInfo", COMPUTE_INFO_FUNCTIONS)
+OrtAllocator = _struct("OrtAllocator", ALLOCATOR_FUNCTIONS)
 
 
 class OrtNodeFusionOptions(Structure):

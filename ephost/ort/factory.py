@@ -10,6 +10,7 @@ from ephost.errors import EpNotFound
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
 from ephost.ort.ep import BridgeEp
+from ephost.ort.memory import BridgeMemory
 
 if TYPE_CHECKING:
     from ephost.ort.library import Binding
@@ -36,6 +37,9 @@ class BridgeFactory:
         self.guard = Guard(abi, self.name)
         self._strings = Strings()
         self._device_of: dict[int, int] = {}  # OrtHardwareDevice* -> the worker's device index
+        # the EP's device memory: the worker's shared memory, where it shares this process's host
+        self.memory = BridgeMemory(abi, self.name, self.registration) \
+            if BridgeMemory.available(self.registration) else None
         remote = self.registration.factory
         text = lambda what, fn: lambda this: self.guard.quiet(what, lambda: self._strings(fn()))  # noqa: E731
         self.struct = A.OrtEpFactory()
@@ -52,14 +56,19 @@ class BridgeFactory:
             "ValidateCompiledModelCompatibilityInfo": lambda this, hw, n, info, out: self.guard.status(
                 "ValidateCompiledModelCompatibilityInfo", lambda: self._set_int(out, 0)),  # EP_NOT_APPLICABLE
             "CreateAllocator": lambda this, memory_info, options, out: self.guard.status(
-                "CreateAllocator", lambda: self._set_null(out)),  # ORT's CPU allocator
-            "ReleaseAllocator": lambda this, allocator: None,
+                "CreateAllocator", lambda: self._allocator(memory_info, out)),
+            "ReleaseAllocator": lambda this, allocator: None,  # one allocator, released with the factory
             "CreateDataTransfer": lambda this, out: self.guard.status("CreateDataTransfer", lambda: self._set_null(out)),
             "IsStreamAware": lambda this: False,
             "CreateSyncStreamForDevice": lambda this, device, options, out: self.guard.status(
                 "CreateSyncStreamForDevice", lambda: self._set_null(out)),
         })
         self.address = keep(self, self.struct)
+
+    def _allocator(self, memory_info: int, out) -> None:
+        """The allocator of the memory info the EpDevices name (the only one ORT asks for); none without it."""
+        mine = self.memory is not None and memory_info == self.memory.info
+        out[0] = self.memory.address if mine else None
 
     @staticmethod
     def _set_null(out) -> None:
@@ -98,6 +107,9 @@ class BridgeFactory:
             finally:
                 api.ReleaseKeyValuePairs(metadata)
                 api.ReleaseKeyValuePairs(options)
+            if self.memory is not None:
+                self.abi.check(ep_api.EpDevice_AddAllocatorInfo(ep_device.value, self.memory.info),
+                               "EpDevice_AddAllocatorInfo")
             out[made] = ep_device.value
             self._device_of[hw] = device.index
             made += 1
@@ -148,3 +160,5 @@ class BridgeFactory:
 
     def release(self) -> None:
         forget(self.address)
+        if self.memory is not None:
+            self.memory.release()

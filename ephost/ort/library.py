@@ -98,8 +98,9 @@ class Library:
             return _raw_status(api_base, f"ephost.ort: {callbacks.describe(e)}")
 
     def _release_factory(self, address):
-        owner = callbacks.forget(address)
+        owner = callbacks.owner_of(address)
         if owner is not None:
+            owner.release()
             owner.binding.factories.remove(owner)
         return None
 

@@ -7,20 +7,26 @@ from dataclasses import dataclass, field
 
 @dataclass
 class BridgeStats:
-    """Compute calls, and the bytes this process copied for them (ORT's input tensors into the worker's memory or
-    the call, the worker's outputs into ORT's output tensors)."""
+    """Compute calls, the bytes this process copied for them (ORT's input tensors into the worker's memory or
+    the call, the worker's outputs into ORT's output tensors), and the tensors that crossed without a copy (in
+    the worker's shared memory, ORT's tensors on the bridged device)."""
 
     computes: int = 0
     bytes_in_copied: int = 0
     bytes_out_copied: int = 0
+    inputs_in_place: int = 0
+    outputs_in_place: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def count(self, bytes_in: int, bytes_out: int) -> None:
+    def count(self, bytes_in: int, bytes_out: int, inputs_in_place: int = 0, outputs_in_place: int = 0) -> None:
         with self._lock:
             self.computes += 1
             self.bytes_in_copied += bytes_in
             self.bytes_out_copied += bytes_out
+            self.inputs_in_place += inputs_in_place
+            self.outputs_in_place += outputs_in_place
 
     def snapshot(self) -> "BridgeStats":
         with self._lock:
-            return BridgeStats(self.computes, self.bytes_in_copied, self.bytes_out_copied)
+            return BridgeStats(self.computes, self.bytes_in_copied, self.bytes_out_copied, self.inputs_in_place,
+                               self.outputs_in_place)

@@ -71,6 +71,15 @@ def write_strings(abi: OrtAbi, value: int, array: np.ndarray) -> None:
                   "FillStringTensor")
 
 
+def array_address(abi: OrtAbi, value: int | None) -> int:
+    """Where a tensor OrtValue's data lies (0 for none)."""
+    if not value:
+        return 0
+    data = c_void_p()
+    abi.check(abi.api.GetTensorMutableData(value, ctypes.byref(data)), "GetTensorMutableData")
+    return data.value or 0
+
+
 def array_at(abi: OrtAbi, value: int, elem: int, dims: list[int]) -> np.ndarray:
     try:
         dtype = dtype_of(elem)
