@@ -138,3 +138,23 @@ def test_negative_and_absurd_sizes(host_allocator):
         host_allocator.alloc(1 << 60)
     assert host_allocator.get_stats()["InUse"] == 0
     assert host_allocator.alloc(8) is not None  # still serving
+
+
+def test_frees_of_collected_tensors_in_quick_succession_go_in_few_calls(env, ref_device):
+    """A loop of runs that each leave a tensor in the worker frees one buffer per run: the free queue lingers a
+    moment so that they go together rather than in a Free call each."""
+    import time
+    allocator = env.create_shared_allocator(ref_device, DeviceMemoryType.HOST_ACCESSIBLE)
+    try:
+        tensors = [Tensor.empty((1024,), np.float32, allocator) for _ in range(10)]
+        calls = lambda: env.get_worker_stats("ref").methods["Allocator/Free"].calls  # noqa: E731
+        assert allocator.flush_frees()
+        before = calls()
+        while tensors:
+            tensors.pop()  # collected: queued for the free thread
+            time.sleep(0.001)
+        assert allocator.flush_frees()
+        assert allocator.get_stats()["InUse"] == 0
+        assert calls() - before <= 5, "ten frees a millisecond apart went in a call each"
+    finally:
+        env.release_shared_allocator(ref_device, DeviceMemoryType.HOST_ACCESSIBLE)
