@@ -81,6 +81,7 @@ class GraphIndex:
     # The model's external data files (ephost.external_data.ExternalData), where its tensors keep their bytes
     # outside it; None where it has none.
     external: Any = None
+    digest: str = ""  # the content hash the worker knows it by (its bytes and its external files), where it has one
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "GraphIndex":

@@ -321,6 +321,12 @@ class OrtEp(EpDefaults):
     def get_name(self) -> str:
         return self._factory.get_name()
 
+    def capability_key(self) -> tuple:
+        """What GetCapability's answer depends on beside the model and the claimed nodes (server/capabilities.py):
+        this factory (its provider, libraries and session configuration are fixed), the devices and the EP's
+        options."""
+        return id(self._factory), tuple(self._devices), tuple(sorted(self._provider_options.items()))
+
     def _session(self, model: onnx.ModelProto | bytes, external: ExternalData | None = None, *,
                  capability: bool = False, restore: bool = False, context_path: str | None = None):
         """An ORT session of `model`: asking which nodes the EP takes (`capability`), compiling (writing the

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ephost.errors import EpNotFound
 from ephost.eps.base import FusedGraph, capability
 from ephost.tensor import Tensor
+from ephost.server.capabilities import CapabilityCache
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
@@ -18,7 +19,11 @@ class EpService(Servicer):
         client = call.client
         ep = client.get("ep", request.ep)
         index = self.state.model(client, request.model)
-        groups = capability(ep, index.model, frozenset(request.claimed_nodes), index.external)
+        claimed = frozenset(request.claimed_nodes)
+        groups, cached = self.state.capabilities.answer(CapabilityCache.key(ep, index.digest, claimed),
+                                                        lambda: capability(ep, index.model, claimed, index.external))
+        if cached:
+            self.state.stats.add(capability_cache_hits=1)
         kind = ep_pb2.NodeGroup.Kind
         return ep_pb2.GetCapabilityResponse(groups=[
             ep_pb2.NodeGroup(kind=kind.KIND_FUSED if g.fused else kind.KIND_SINGLE, node_names=list(g.node_names))

@@ -19,6 +19,7 @@ from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
 from ephost.memory import Region
 from ephost.types import DeviceMemoryType, EpDeviceInfo, MemoryInfo, checked_enum, refuse_external_data
+from ephost.server.capabilities import CapabilityCache
 from ephost.server.clients import ClientRegistry, ClientState
 from ephost.server.files import FileSlot
 from ephost.server.stats import WorkerStats
@@ -68,6 +69,7 @@ class WorkerState:
         self.model_dir = os.path.realpath(model_dir) if model_dir else None
         self.lane = None  # the fast lane's listener (ephost.server.fastlane.LaneServer) where clients share memory
         self.stats = WorkerStats()
+        self.capabilities = CapabilityCache()  # GetCapability answers, across clients (keyed by model content)
         self.clients = ClientRegistry(self._release, self._left)
         self.started_at = time.time()
         self.draining = threading.Event()
@@ -158,6 +160,7 @@ class WorkerState:
                 external.check(model)  # every location one of the files, every range inside it
             index = GraphIndex.of(model)
             index.external = external
+            index.digest = digest
             client.models[digest] = index
         return client.models[digest]
 

@@ -18,7 +18,7 @@ class WorkerStats:
                                        "partitions_compiled", "partitions_restored",
                                        "compute_input_bytes_resident", "compute_input_bytes_transferred",
                                        "files_imported", "file_bytes_imported", "blob_chunks_received",
-                                       "blob_bytes_received", "blob_hits"), 0)
+                                       "blob_bytes_received", "blob_hits", "capability_cache_hits"), 0)
 
     def record_call(self, method: str, seconds: float, ok: bool) -> None:
         with self._lock:

@@ -185,3 +185,36 @@ def test_the_openvino_plugin_library_in_a_worker_reports_what_ort_reports_in_pro
                 (arg,) = session.get_inputs()
                 (y,) = session.run(None, {arg.name: bundled_input(arg)})
             np.testing.assert_allclose(y, numpy_helper.to_array(onnx.load_tensor(expected_path)), rtol=1e-3, atol=1e-4)
+
+
+def test_a_second_session_on_the_same_model_is_answered_from_the_capability_cache(ort_env):
+    """GetCapability builds an ORT session of the whole model in the worker; a second ephost session on the same
+    model (same content, same EP configuration) gets the worker's earlier answer. Another model is asked anew."""
+    x = np.random.default_rng(3).standard_normal((2, 3)).astype(np.float32)
+
+    def session_on(model):
+        with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as session:
+            assert {s.registration for s in session.get_provider_graph_assignment_info()} == {"ort"}
+            return session.run(None, {"x": x})[0]
+
+    hits = lambda: worker_stats(ort_env, "ort").capability_cache_hits  # noqa: E731
+    before = hits()
+    np.testing.assert_allclose(session_on(models.diamond()), models.diamond_expected(x), rtol=1e-6)
+    assert hits() == before
+    np.testing.assert_allclose(session_on(models.diamond()), models.diamond_expected(x), rtol=1e-6)
+    assert hits() == before + 1
+    np.testing.assert_allclose(session_on(models.chain(["Relu", "Neg"], shape=(2, 3))), -np.maximum(x, 0))
+    assert hits() == before + 1
+
+
+def test_an_ep_wrapped_by_the_chaos_ep_is_asked_every_time():
+    """The chaos EP forwards what it does not override to the EP it wraps; its GetCapability faults must still
+    happen, so the cache must not take the wrapped EP's key for it."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("c", "chaos", {"wrap": "onnxruntime", "fault": "raise",
+                                                               "at": "compute", "every": "1000"})
+        for _ in range(2):
+            with InferenceSession(models.diamond(), options_for(env, "c"), env=env) as session:
+                session.run(None, {"x": np.ones((2, 3), np.float32)})
+        stats = worker_stats(env, "c")
+        assert stats.methods["Ep/GetCapability"].calls == 2 and stats.capability_cache_hits == 0
