@@ -15,6 +15,8 @@ import functools
 import logging
 import os
 import tempfile
+import threading
+import weakref
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -139,10 +141,11 @@ class OrtComputeInfo:
     """One compiled partition: an ORT session, and the IOBindings kept between its runs (one per caller
     running it at the same time), so that a steady stream of runs binds and allocates only what changes."""
 
-    def __init__(self, graph: FusedGraph, session, ep_context: EpContext | None = None, restored: bool = False):
+    def __init__(self, graph: FusedGraph, session, ep_context: EpContext | None = None, restored: bool = False,
+                 shared: bool = False):
         self.name = graph.name
-        self._session = session
-        self.ep_context, self.restored = ep_context, restored
+        self._session = session  # `shared`: another compute info's too (same partition of the same model)
+        self.ep_context, self.restored, self.shared = ep_context, restored, shared
         self._inputs = [i.name for i in session.get_inputs()]
         self._outputs = [(o.name, _static(o)) for o in session.get_outputs()]
         # Outputs ORT can write into memory given to it: plain tensors. Others (sequences, maps, strings) go
@@ -454,15 +457,23 @@ class OrtEp(EpDefaults):
                     with tempfile.TemporaryDirectory(prefix="ephost-ctx-") as tmp:
                         path = os.path.join(tmp, "partition.onnx")
                         session = self._session(graph.model, context_path=path)
-                        context = self._context(path)
+                        context, shared = self._context(path), False
                 else:
-                    session, context = self._session(graph.model, graph.external), None
+                    session, shared = self._factory.compiled(self._compile_key(graph),
+                                                             lambda: self._session(graph.model, graph.external))
+                    context = None
             except EpError:
                 raise
             except Exception as e:
                 raise ort_error(f"ONNX Runtime cannot compile {graph.name!r}", e) from None
-            infos.append(OrtComputeInfo(graph, session, context))
+            infos.append(OrtComputeInfo(graph, session, context, shared=shared))
         return infos
+
+    def _compile_key(self, graph: FusedGraph) -> tuple | None:
+        """What an ORT session of the partition is a function of: the model's content, the partition's nodes and
+        edges, the EP's configuration. None where the model has no content hash (nothing to share by)."""
+        digest = graph.source.digest
+        return (digest, graph.nodes, graph.inputs, graph.outputs, self.capability_key()) if digest else None
 
     def _context(self, path: str) -> EpContext | None:
         """The compiled form ORT wrote while compiling: for its CPU EP the graph-optimized partition model (what
@@ -521,6 +532,11 @@ class OrtEpFactory(HostMemoryFactory):
             raise EpNotFound(f"ONNX Runtime has no execution provider {self.provider!r}; it has "
                              f"{', '.join(ort.get_available_providers())}")
         self.version = ort.__version__
+        # Compiled partitions by what they are a function of (OrtEp._compile_key), while a compute info holds
+        # them: concurrent sessions on one model (one client's or several) compile each partition once and hold
+        # its weights once. ORT runs one session from several threads at once.
+        self._compiled: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._compiled_lock = threading.Lock()
         self._init_memory(self.provider, cpu_device().vendor_id)
         self._devices = [self._device_info(i, d) for i, d in enumerate(self.ort_devices)]
         if not self.ort_devices and not library:
@@ -532,6 +548,20 @@ class OrtEpFactory(HostMemoryFactory):
                         self.provider)
         self.device_count = len(self._devices)
 
+    def compiled(self, key: tuple | None, make) -> tuple[Any, bool]:
+        """(an ORT session of a partition, whether an earlier compile's was shared): made with `make` unless a
+        live one has the same key."""
+        if key is not None:
+            with self._compiled_lock:
+                session = self._compiled.get(key)
+            if session is not None:
+                return session, True
+        session = make()
+        if key is None:
+            return session, False
+        with self._compiled_lock:
+            kept = self._compiled.setdefault(key, session)
+        return kept, kept is not session
     def _device_info(self, index: int, d) -> EpDeviceInfo:
         hw = d.device
         device = HardwareDevice(HardwareDeviceType(int(hw.type.value)), hw.vendor_id, hw.vendor, hw.device_id,

@@ -38,7 +38,9 @@ class EpService(Servicer):
                   for g in request.graphs]
         infos = ep.compile(graphs)
         restored = sum(1 for i in infos if getattr(i, "restored", False))
-        self.state.stats.add(partitions_compiled=len(infos) - restored, partitions_restored=restored)
+        shared = sum(1 for i in infos if getattr(i, "shared", False))
+        self.state.stats.add(partitions_compiled=len(infos) - restored - shared, partitions_restored=restored,
+                             partitions_shared=shared)
         contexts = [getattr(i, "ep_context", None) for i in infos]
         return ep_pb2.CompileResponse(node_compute_infos=[client.add("compute_info", (ep, i)) for i in infos],
                                       ep_contexts=[c.encode() if c is not None else b"" for c in contexts])

@@ -15,7 +15,7 @@ class WorkerStats:
                                        "compute_inputs_resident", "compute_inputs_transferred",
                                        "compute_outputs_in_place", "compute_outputs_copied",
                                        "fast_lane_calls", "fast_lane_connections",
-                                       "partitions_compiled", "partitions_restored",
+                                       "partitions_compiled", "partitions_restored", "partitions_shared",
                                        "compute_input_bytes_resident", "compute_input_bytes_transferred",
                                        "files_imported", "file_bytes_imported", "blob_chunks_received",
                                        "blob_bytes_received", "blob_hits", "capability_cache_hits"), 0)

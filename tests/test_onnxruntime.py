@@ -218,3 +218,30 @@ def test_an_ep_wrapped_by_the_chaos_ep_is_asked_every_time():
                 session.run(None, {"x": np.ones((2, 3), np.float32)})
         stats = worker_stats(env, "c")
         assert stats.methods["Ep/GetCapability"].calls == 2 and stats.capability_cache_hits == 0
+
+
+def test_sessions_open_at_once_on_one_model_share_its_compiled_partitions(ort_env):
+    """Compile builds an ORT session per partition; while one lives, a second ephost session on the same model
+    (same content, same EP configuration) is given it: compiled once, its weights held once. Both run right,
+    from two threads at once."""
+    import threading
+    path, expected_path = bundled_model("squeezenet")
+    expected = numpy_helper.to_array(onnx.load_tensor(expected_path))
+    stats = lambda: worker_stats(ort_env, "ort")  # noqa: E731
+    before = stats()
+    with InferenceSession(path, options_for(ort_env, "ort"), env=ort_env) as a, \
+            InferenceSession(path, options_for(ort_env, "ort"), env=ort_env) as b:
+        after = stats()
+        assert (after.partitions_compiled - before.partitions_compiled,
+                after.partitions_shared - before.partitions_shared) == (1, 1)
+        (arg,) = a.get_inputs()
+        feeds = {arg.name: bundled_input(arg)}
+        results: list = []
+        threads = [threading.Thread(target=lambda s=s: results.append(s.run(None, feeds)[0])) for s in (a, b) * 3]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(results) == 6
+    for y in results:
+        np.testing.assert_allclose(y, expected, rtol=1e-3, atol=1e-5)
