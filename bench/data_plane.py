@@ -1,7 +1,8 @@
 """The data plane, side by side in one run: the same calls in process, over the fast lane (a unix
-SOCK_SEQPACKET socket per calling thread) and over gRPC (`fast_lane=false`), each in hot loops, the loops
-interleaved in blocks (in, lane, gRPC, in, lane, gRPC, ...) so that the machine's noise falls on all alike
-without alternating call by call (which inflates the in-process figure several times over).
+SOCK_SEQPACKET socket per calling thread; small Computes repeated as kept calls, and with `kept_calls=false`
+every Compute sent whole) and over gRPC (`fast_lane=false`), each in hot loops, the loops interleaved in blocks
+(in, lane, gRPC, in, lane, gRPC, ...) so that the machine's noise falls on all alike without alternating call
+by call (which inflates the in-process figure several times over).
 
 - tiny model (one Add on 16 floats, ORT CPU EP): overhead per call over a hot in-process ORT run, and what
   placing both processes on one core, or on two, does to it;
@@ -29,8 +30,10 @@ from ephost.run_command import bundled_input, bundled_model
 from bench.session_overhead import SESSION_CONFIG, in_process_session, options_for, tiny_model
 
 CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
-TRANSPORTS = {"lane": {}, "grpc": {"fast_lane": "false"}}
-LABELS = {"in": "in process", "lane": "fast lane", "grpc": "gRPC"}
+# The fast lane as it is (small Computes repeated as kept calls), the fast lane sending every Compute whole,
+# and gRPC alone.
+TRANSPORTS = {"lane": {}, "unkept": {"kept_calls": "false"}, "grpc": {"fast_lane": "false"}}
+LABELS = {"in": "in process", "lane": "fast lane", "unkept": "fast lane, calls not kept", "grpc": "gRPC"}
 
 
 def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: int) -> dict[str, float]:
@@ -71,16 +74,18 @@ def tiny(env, blocks: int, per_block: int) -> None:
     x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
     model = tiny_model()
     inproc = in_process_session(model, "ORT CPU")
-    with InferenceSession(model, options_for(env, "ort-lane"), env=env) as lane, \
-            InferenceSession(model, options_for(env, "ort-grpc"), env=env) as grpc_:
-        fns = {"in": lambda: inproc.run(None, {"x": x}), "lane": lambda: lane.run(None, {"x": x}),
-               "grpc": lambda: grpc_.run(None, {"x": x})}
+    with contextlib.ExitStack() as stack:
+        sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, f"ort-{k}"), env=env))
+                    for k in TRANSPORTS}
+        fns = {"in": lambda: inproc.run(None, {"x": x}),
+               **{k: (lambda s=s: s.run(None, {"x": x})) for k, s in sessions.items()}}
         t = interleaved(fns, blocks, per_block)
-        print("Tiny model (one Add on 16 floats), ORT CPU EP: median per run, hot loops in interleaved blocks\n")
-        print("| in process | fast lane | gRPC | fast lane overhead per call | gRPC overhead per call |")
-        print("|---|---|---|---|---|")
-        print(f"| {t['in'] * 1e6:.1f} µs | {t['lane'] * 1e6:.1f} µs | {t['grpc'] * 1e6:.0f} µs | "
-              f"{(t['lane'] - t['in']) * 1e6:.1f} µs | {(t['grpc'] - t['in']) * 1e6:.0f} µs |")
+        print("Tiny model (one Add on 16 floats), ORT CPU EP: median per run, hot loops in interleaved blocks, "
+              "and the overhead per call over the in-process run\n")
+        print("| " + " | ".join(LABELS[k] for k in t) + " |")
+        print("|" + "---|" * len(t))
+        print("| " + " | ".join(f"{t[k] * 1e6:.1f} µs" + ("" if k == "in" else f" (+{(t[k] - t['in']) * 1e6:.1f})")
+                                for k in t) + " |")
 
         # Placement: both processes on one core, or each on its own (this machine has os.cpu_count() CPUs).
         worker = env.registration("ort-lane").process.pid
@@ -156,7 +161,7 @@ def copies(env, blocks: int, per_block: int) -> None:
     print("|---|---|---|---|---|---|")
     pairs = {}
     allocators = []
-    for transport in TRANSPORTS:
+    for transport in ("lane", "grpc"):  # (kept calls are Computes: CopyTensors is the same either way)
         device = next(d for d in env.get_ep_devices() if d.registration_name == f"ort-{transport}")
         shared = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
         private = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)

@@ -63,7 +63,7 @@ class Credentials:
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
-                 fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S):
+                 fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S, kept_calls: bool = True):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -98,6 +98,7 @@ class WorkerConnection:
         self._regions: dict[int, Region | None] = {}
         self._regions_lock = threading.Lock()
         self.lane: FastLane | None = None
+        self.kept_calls = kept_calls  # repeat small Computes as kept calls on the lane (FastLane.call_kept)
         self._lane_methods: dict = {}
         try:
             hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL,
@@ -149,6 +150,16 @@ class WorkerConnection:
                           wait_for_ready=wait_for_ready)
         except grpc.RpcError as e:
             raise self._error(e, method) from None
+
+    def compute_kept(self, key, parts: list, nbytes: int, request_of, timeout: float | None = None):
+        """A Compute the calling thread repeats (FastLane.call_kept), over the fast lane where it opens, else a
+        plain Compute over gRPC: the outputs as arrays, or the ComputeResponse."""
+        if self.lane is not None and self.kept_calls and not self._closed:
+            try:
+                return self.lane.call_kept(key, parts, nbytes, request_of, timeout or self.timeout_s)
+            except LaneUnavailable:
+                pass  # nothing was sent
+        return self.call(self.ep.Compute, request_of(), timeout=timeout)
 
     def _error(self, e: grpc.RpcError, method) -> EpError:
         code, details = e.code(), e.details() or ""

@@ -16,18 +16,23 @@ import os
 import socket
 import threading
 import weakref
-from typing import Callable
+from typing import Any, Callable, Hashable
 
 import grpc
 
-from ephost.errors import EpDeadlineExceeded, EpError, EpPermissionDenied, error_for_status
-from ephost.fastlane import (STATUS_OK, TICKET_OK, FrameError, FrameReader, Method, configure, decode_error,
-                             send_frame)
+import numpy as np
+
+from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
+                           error_for_status)
+from ephost.fastlane import (KEPT, KEPT_ID, METHODS, STATUS_OK, TICKET_OK, FrameError, FrameReader, Method, configure,
+                             decode_error, send_parts)
+from ephost.types import checked_desc
 from ephost.wire import SPIN_S
 
 log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 5.0
+COMPUTE = METHODS["Ep/Compute"]
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _LANES: "weakref.WeakSet[FastLane]" = weakref.WeakSet()
 
@@ -36,13 +41,44 @@ class LaneUnavailable(Exception):
     """The lane cannot be opened for this thread: the caller uses gRPC instead."""
 
 
+class _Kept:
+    """A call the worker kept for this connection: its id, and the types and shapes of its outputs."""
+
+    __slots__ = ("id_bytes", "outputs", "nbytes")
+
+    def __init__(self, kid: int, outputs: list[tuple[tuple[int, ...], np.dtype, int]]):
+        self.id_bytes = KEPT_ID.pack(kid)
+        self.outputs = outputs
+        self.nbytes = sum(n for _, _, n in outputs)
+
+    @classmethod
+    def of(cls, reply) -> "_Kept":
+        return cls(reply.kept_call, [checked_desc(v.tensor.desc) for v in reply.outputs])
+
+    def arrays(self, payload) -> list[np.ndarray]:
+        """The outputs, as arrays over a KEPT reply's payload."""
+        if len(payload) != self.nbytes:
+            raise EpInternal(f"the worker answered a kept call with {len(payload)} bytes of outputs, not "
+                             f"{self.nbytes}")
+        arrays, offset = [], 0
+        for shape, dtype, nbytes in self.outputs:
+            arrays.append(np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset).reshape(shape))
+            offset += nbytes
+        return arrays
+
+
+_UNKEPT = object()
+MAX_KEPT = 64  # kept calls one connection remembers (the worker keeps as many)
+
+
 class _Connection:
-    __slots__ = ("sock", "reader", "timeout", "__weakref__")
+    __slots__ = ("sock", "reader", "timeout", "kept", "__weakref__")
 
     def __init__(self, sock: socket.socket, adopt, spin_s: float):
         self.sock = sock
         self.reader = FrameReader(sock, adopt, spin_s)
         self.timeout = sock.gettimeout()
+        self.kept: dict = {}  # key -> _Kept, or None where the worker would not keep the call
 
     def close(self) -> None:
         self.sock.close()
@@ -106,30 +142,63 @@ class FastLane:
     def call(self, method: Method, request, timeout: float):
         """One call on this thread's connection. Raises LaneUnavailable (nothing was sent) where there is no
         connection to be had, and the call's typed error otherwise."""
+        data = request.SerializeToString()
+        frame = self._exchange(self._connection(), method.id, method.name, [data], len(data), timeout)
+        return method.reply.FromString(frame.payload)
+
+    def call_kept(self, key: Hashable, parts: list, nbytes: int, request_of: Callable[[], Any], timeout: float):
+        """A Compute this thread repeats (ephost/fastlane.py, kept calls). `key` says what makes it the same
+        call (partition, allocator, input types and shapes), `parts` are the inputs' bytes (`nbytes` in all) and
+        `request_of()` the whole ComputeRequest. The first call on a connection sends the request, asking the
+        worker to keep it; the next send only the bytes. Returns the outputs as arrays (over the reply, no copy)
+        where the reply is a kept call's, else the ComputeResponse."""
         conn = self._connection()
+        kept = conn.kept.get(key, _UNKEPT)
+        if kept is None:  # the worker would not keep it
+            return self.call(COMPUTE, request_of(), timeout)
+        if kept is not _UNKEPT:
+            try:
+                frame = self._exchange(conn, KEPT, "Ep/Compute", [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
+                                       timeout)
+            except EpUnknownKeptCall:  # the worker let it go: the whole request again, asking to keep it
+                del conn.kept[key]
+            else:
+                if frame.method == KEPT:
+                    return kept.arrays(frame.payload)
+                return COMPUTE.reply.FromString(frame.payload)  # outputs of other types or shapes: the whole reply
+        request = request_of()
+        request.keep_call = True
+        reply = self.call(COMPUTE, request, timeout)
+        if len(conn.kept) >= MAX_KEPT:
+            del conn.kept[next(iter(conn.kept))]  # the oldest (the worker lets its oldest go too)
+        conn.kept[key] = _Kept.of(reply) if reply.kept_call else None
+        return reply
+
+    def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float):
+        """Send a frame and read its reply frame; the typed error where the reply is one."""
         sock = conn.sock
         try:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
                 conn.timeout = timeout
-            send_frame(sock, method.id, STATUS_OK, timeout, request.SerializeToString())
+            send_parts(sock, method, timeout, parts, nbytes)
             frame = conn.reader.read()
         except TimeoutError:
             self._drop(conn)
-            raise EpDeadlineExceeded(f"{method.name} did not finish within its deadline of {timeout:g} s") from None
+            raise EpDeadlineExceeded(f"{name} did not finish within its deadline of {timeout:g} s") from None
         except (OSError, FrameError):
             frame = None
         if frame is None:
             self._drop(conn)
-            raise self._lost(method.name)
+            raise self._lost(name)
         if frame.status != STATUS_OK:
             code = _STATUS.get(frame.status, grpc.StatusCode.UNKNOWN)
             message, reason = decode_error(frame.payload)
             error = error_for_status(code, message, reason)
-            if frame.method != method.id:  # the worker could not read the frame and closed the connection
+            if frame.method != method:  # the worker could not read the frame and closed the connection
                 self._drop(conn)
             raise error
-        return method.reply.FromString(frame.payload)
+        return frame
 
     def _drop(self, conn: _Connection) -> None:
         if getattr(self._local, "conn", None) is conn:

@@ -29,6 +29,8 @@ class RemoteHandle:
     @property
     def handle(self) -> int:
         """The handle on the worker that runs now, made first if this generation has none yet."""
+        if self._generation == self.link.generation:  # the common case, without the lock: `_id` is set first
+            return self._id
         with self._make_lock:
             if self._generation != self.link.generation:
                 generation = self.link.generation

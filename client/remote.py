@@ -15,7 +15,7 @@ from ephost.errors import EpNotFound
 from ephost.external_data import ExternalData
 from ephost.memory import Buffer
 from ephost.tensor import Tensor
-from ephost.types import EpDeviceInfo, MemoryInfo, desc_from_proto, desc_to_proto, nbytes_of
+from ephost.types import HOST_MEMORY, EpDeviceInfo, MemoryInfo, checked_desc, desc_to_proto
 from ephost.client.allocator import FreeQueue, RemoteAllocator
 from ephost.client.context_model import restore_graph
 from ephost.client.handles import RemoteHandle, owned
@@ -53,26 +53,16 @@ class RemoteComputeInfo(RemoteHandle):
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]:
+        if not keep and not into:
+            small = _inline_inputs(inputs, self.link)
+            if small is not None:
+                return self._compute_kept(inputs, allocator, timeout, *small)
         staged: list[Buffer] = []
         try:
             conn = self.link.conn
-            # Built in place, field by field: nested keyword constructors cost twice as much on every run.
-            request = ep_pb2.ComputeRequest(node_compute_info=self.handle, inline_limit=INLINE_LIMIT)
-            for value in inputs:
-                message = request.inputs.add()
-                if isinstance(value, Tensor):
-                    tensor_ref(value, "source", self.link, self._stager, staged, out=message.tensor)
-                else:
-                    message.onnx.CopyFrom(values.encode(value))
-            if allocator is not None:
-                request.output_allocator = allocator.handle
-                request.keep.extend(keep)
             # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
             targets = {i: t for i, t in into.items() if owned(t.buffer, self.link)} if into else {}
-            for i, t in targets.items():
-                ref = request.output_buffers[i]
-                desc_to_proto(t.shape, t.dtype, ref.desc)
-                ref.buffer = t.buffer.handle
+            request = self._request(inputs, allocator, keep, targets, staged)
             reply = self.link.call(_compute_of, request, conn=conn, timeout=timeout)
         finally:
             self._stager.release(staged)
@@ -81,15 +71,49 @@ class RemoteComputeInfo(RemoteHandle):
         self.link.between_calls()
         return outputs
 
+    def _compute_kept(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, timeout: float | None,
+                      layout: tuple, parts: list, nbytes: int) -> list[Any]:
+        """A run whose inputs all travel inline: a call the fast lane keeps (FastLane.call_kept), so that a
+        steady stream of them sends the inputs' bytes and gets the outputs' back, nothing else."""
+        conn = self.link.conn
+        key = (self.handle, allocator.handle if allocator is not None else 0, layout)
+        result = self.link.run(lambda c: c.compute_kept(
+            key, parts, nbytes, lambda: self._request(inputs, allocator, (), {}, []), timeout), conn=conn)
+        if isinstance(result, list):
+            outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
+        else:
+            outputs = [self._output(v, allocator, conn) for v in result.outputs]
+        self.link.between_calls()
+        return outputs
+
+    def _request(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, keep: Sequence[int],
+                 targets: Mapping[int, Tensor], staged: list[Buffer]) -> ep_pb2.ComputeRequest:
+        # Built in place, field by field: nested keyword constructors cost twice as much on every run.
+        request = ep_pb2.ComputeRequest(node_compute_info=self.handle, inline_limit=INLINE_LIMIT)
+        for value in inputs:
+            message = request.inputs.add()
+            if isinstance(value, Tensor):
+                tensor_ref(value, "source", self.link, self._stager, staged, out=message.tensor)
+            else:
+                message.onnx.CopyFrom(values.encode(value))
+        if allocator is not None:
+            request.output_allocator = allocator.handle
+            request.keep.extend(keep)
+        for i, t in targets.items():
+            ref = request.output_buffers[i]
+            desc_to_proto(t.shape, t.dtype, ref.desc)
+            ref.buffer = t.buffer.handle
+        return request
+
     def _output(self, message: common_pb2.Value, allocator: RemoteAllocator | None, conn, fetch: bool = True) -> Any:
         if message.WhichOneof("kind") == "onnx":
             return values.decode(message.onnx)
         ref = message.tensor
-        shape, dtype = desc_from_proto(ref.desc)
+        shape, dtype, nbytes = checked_desc(ref.desc)
         if ref.WhichOneof("location") == "inline":
-            return Tensor.from_numpy(np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy())
-        buffer = allocator.adopt(ref.buffer, nbytes_of(shape, dtype), ref.mapped if ref.HasField("mapped") else None,
-                                 conn)
+            host = np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy()
+            return Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=host)
+        buffer = allocator.adopt(ref.buffer, nbytes, ref.mapped if ref.HasField("mapped") else None, conn)
         host = None
         if buffer.region is None and fetch:
             # Memory this process cannot map: fetch a copy (in chunks) for whoever reads it here or elsewhere
@@ -98,6 +122,22 @@ class RemoteComputeInfo(RemoteHandle):
             host = np.empty(shape, dtype)
             allocator.read(buffer, host.reshape(-1).view(np.uint8))
         return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, host=host, allocator=allocator)
+
+
+def _inline_inputs(inputs: Sequence[Any], link: WorkerLink) -> tuple[tuple, list, int] | None:
+    """(types and shapes, bytes, their total size) of inputs that all travel inline (tensors this process can
+    read, smaller than INLINE_LIMIT, not already in the worker), else None."""
+    layout, parts, nbytes = [], [], 0
+    for value in inputs:
+        if type(value) is not Tensor or value.nbytes >= INLINE_LIMIT or owned(value.buffer, link):
+            return None
+        array = value.local_array()
+        if array is None:
+            return None
+        layout.append((value.shape, value.dtype))
+        parts.append(array)
+        nbytes += value.nbytes
+    return tuple(layout), parts, nbytes
 
 
 class RemoteEp(RemoteHandle):

@@ -38,6 +38,7 @@ class SupervisionPolicy:
     shared_memory: bool = True    # use shared memory where the worker proves it shares this host
     fast_lane: bool = True        # Compute and CopyTensors over the data-plane socket where memory is shared
     fast_lane_spin_us: float = SPIN_S * 1e6  # each end polls this long for the next frame before it sleeps
+    kept_calls: bool = True       # small Computes repeated on the fast lane as kept calls (inputs' bytes only)
 
     OPTIONS = {
         "restart": "restart a launched worker that dies (default true)",
@@ -50,6 +51,8 @@ class SupervisionPolicy:
         "fast_lane": "carry Compute and CopyTensors over a unix socket where memory is shared (default true)",
         "fast_lane_spin_us": "how long each end of the fast lane polls for the next frame before it sleeps, while "
                              f"frames come that fast (default {SPIN_S * 1e6:g}; 0: never)",
+        "kept_calls": "repeat a Compute whose inputs and outputs travel inline as a kept call on the fast lane: "
+                      "only the inputs' bytes go, only the outputs' bytes come back (default true)",
     }
 
     @classmethod
@@ -184,7 +187,8 @@ class WorkerLink:
                                     connect_timeout_s=self.policy.connect_timeout_s, process=self.process,
                                     credentials=self.credentials, shared_memory=self.policy.shared_memory,
                                     fast_lane=self.policy.fast_lane,
-                                    fast_lane_spin_s=self.policy.fast_lane_spin_us * 1e-6)
+                                    fast_lane_spin_s=self.policy.fast_lane_spin_us * 1e-6,
+                                    kept_calls=self.policy.kept_calls)
         except BaseException:
             if self.supervisor is not None:
                 self.supervisor.stop()
@@ -240,12 +244,16 @@ class WorkerLink:
              **kw):
         """Call `method_of(conn)` on the current connection (or the one given). Remote workers that lost this
         client (they restarted) get a new Hello."""
+        return self.run(lambda c: c.call(method_of(c), request, **kw), conn=conn)
+
+    def run(self, fn: Callable[[WorkerConnection], object], *, conn: WorkerConnection | None = None):
+        """`fn(conn)` on the current connection (or the one given), with what `call` does around a call."""
         conn = conn or self.conn
         if not self.serving:
             raise EpWorkerUnavailable(f"worker for {self.name!r} at {self.address} is not serving ({self.health}, "
                                       "says grpc.health.v1); calls resume when it answers again")
         try:
-            return conn.call(method_of(conn), request, **kw)
+            return fn(conn)
         except EpDeadlineExceeded:
             # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
             self.kill("a call ran past its deadline")

@@ -46,6 +46,13 @@ class EpUnknownClient(EpFailedPrecondition):
     reason = wire.REASON_UNKNOWN_CLIENT
 
 
+class EpUnknownKeptCall(EpNotFound):
+    """The fast-lane connection has no such kept call (the worker let it go to keep others): send the whole
+    Compute again."""
+
+    reason = wire.REASON_UNKNOWN_KEPT_CALL
+
+
 class EpOutOfRange(EpInvalidArgument):
     code = grpc.StatusCode.OUT_OF_RANGE
 
@@ -121,7 +128,7 @@ _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
 
 
 # Structured reason -> class, for the errors that say more than their status code.
-_BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient,)}
+_BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient, EpUnknownKeptCall)}
 
 
 def error_for_status(code: grpc.StatusCode, message: str, reason: str = "") -> EpError:

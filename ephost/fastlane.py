@@ -7,6 +7,14 @@ request and reply classes come from the proto descriptors), the status of a repl
 status code, and the payload is the error message), the time the caller still gives the call, and the
 payload's length. A frame larger than one packet continues in plain packets until `length` bytes arrived
 (SEQPACKET keeps each packet whole, so no packet boundary is ever guessed).
+
+Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs and outputs all travel inline
+is kept by the worker for that connection (the reply's `kept_call` names it). The caller repeats it as a KEPT
+frame, whose payload is the kept call's id (KEPT_ID) and the inputs' bytes, in order and nothing else; the
+worker answers a KEPT frame with the outputs' bytes, in order, where every output has the type and shape the
+kept call's first reply gave it, and otherwise with a whole ComputeResponse (method Ep/Compute). Errors are
+error frames, as for any method. A steady stream of small runs thus builds, parses and checks no message on
+either side: the types, shapes and handles were checked once, when the call was kept.
 """
 from __future__ import annotations
 
@@ -35,6 +43,8 @@ STATUS_OK = 0
 # REGION entry (region id, size) per descriptor, in order.
 REGIONS = 0xFFFF
 REGION = struct.Struct("<QQ")
+KEPT = 0xFF00                  # a kept call repeated (see above)
+KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
 MAX_FDS = 16
 _TRUNC = int(socket.MSG_TRUNC)  # a plain int: an IntFlag's & costs more than the rest of a frame's reading
 
@@ -109,6 +119,15 @@ def send_frame(sock: socket.socket, method: int, status: int, timeout_s: float, 
         sock.sendall(view[start:start + PACKET])
 
 
+def send_parts(sock: socket.socket, method: int, timeout_s: float, parts: list, nbytes: int) -> None:
+    """A frame whose payload is `parts` (bytes-like, `nbytes` in all) one after another: sent without joining
+    them where they fit one packet."""
+    if nbytes <= PACKET - HEADER.size:
+        sock.sendmsg([HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes), *parts])
+    else:
+        send_frame(sock, method, STATUS_OK, timeout_s, parts[0] if len(parts) == 1 else b"".join(parts))
+
+
 def encode_error(message: str, reason: str = "") -> bytes:
     """An error reply's payload: the structured reason (ephost.errors), a NUL, the message."""
     return f"{reason}\0{message}".encode()
@@ -180,7 +199,7 @@ class FrameReader:
         if got > length:
             raise FrameError(f"a frame carrying {got} bytes after announcing {length}")
         if got == length:
-            return Frame(method, status, timeout_s, bytes(self._packet[HEADER.size:n]))
+            return Frame(method, status, timeout_s, self._packet[HEADER.size:n])  # a copy, writable
         payload = bytearray(length)
         payload[:got] = self._packet[HEADER.size:n]
         view = memoryview(payload)

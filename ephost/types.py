@@ -229,9 +229,26 @@ def desc_to_proto(shape, dtype, out: pb.TensorDesc | None = None) -> pb.TensorDe
 
 
 def desc_from_proto(d: pb.TensorDesc) -> tuple[tuple[int, ...], np.dtype]:
-    dtype = dtype_of(d.elem_type)
-    shape = tuple(d.shape)  # int64s: Python ints already
+    return checked_desc(d)[:2]
+
+
+# Descriptions checked already, by (element type, *shape): a steady stream of calls repeats a few of them.
+_CHECKED: dict[tuple[int, ...], tuple[tuple[int, ...], np.dtype, int]] = {}
+_CHECKED_MAX = 4096
+
+
+def checked_desc(d: pb.TensorDesc) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, nbytes) of a TensorDesc a peer sent, checked (element type, rank, dimensions, size)."""
+    key = (d.elem_type, *d.shape)  # int64s: Python ints already
+    known = _CHECKED.get(key)
+    if known is not None:
+        return known
+    dtype = dtype_of(key[0])
+    shape = key[1:]
     if len(shape) > MAX_RANK or (shape and min(shape) < 0):
         checked_shape(shape)  # raises, saying which
-    nbytes_of(shape, dtype)
-    return shape, dtype
+    known = shape, dtype, nbytes_of(shape, dtype)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()  # a peer sending ever new shapes: start again rather than grow
+    _CHECKED[key] = known
+    return known

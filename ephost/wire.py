@@ -29,6 +29,10 @@ REASON_KEY = "ephost-reason"
 # lease ran out): say Hello again. Status FAILED_PRECONDITION.
 REASON_UNKNOWN_CLIENT = "unknown-client"
 
+# A fast-lane connection does not know the kept call a KEPT frame names (ephost/fastlane.py): the worker let it
+# go to keep newer ones; send the whole Compute. Status NOT_FOUND.
+REASON_UNKNOWN_KEPT_CALL = "unknown-kept-call"
+
 
 def read_file(path: str) -> bytes:
     """The bytes of a file an operator or user named (a certificate, a key, a token); a clear error if not."""

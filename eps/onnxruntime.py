@@ -34,7 +34,8 @@ from ephost.graph import BUILTIN_DOMAINS
 from ephost.external_data import ExternalData, has_external_data, on_disk
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
-from ephost.types import EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype, nbytes_of
+from ephost.types import (HOST_MEMORY, EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype,
+                          nbytes_of)
 from ephost.values import as_value
 
 log = logging.getLogger(__name__)
@@ -183,13 +184,16 @@ class OrtComputeInfo:
                 binding.inputs[name] = where
         placed: dict[int, Tensor] = {}
         written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
+        scratch: dict[int, np.ndarray] = {}  # outputs ORT writes into memory kept with the binding
         for i, (name, static) in enumerate(self._outputs):
             if static is None:
-                if binding.outputs[i] is not None:
-                    io.bind_output(name, "cpu")  # ORT allocates it (and keeps that memory for the next run)
-                    binding.outputs[i] = None
+                # ORT allocates it. Bound again every run: the binding keeps the OrtValue ORT made, and ORT
+                # refuses to write a result of another shape into it (NonZero, a dynamic shape: the next run
+                # failed with "has shape {1,3} but the computed output shape for this run is {1,0}").
+                io.bind_output(name, "cpu")
+                binding.outputs[i] = None
                 continue
-            target = _writable_target(into, i, static, arrays.values())
+            target = _writable_target(into, i, static, arrays.values()) if into else None
             if target is not None:
                 array = target.local_array()
                 address = array.ctypes.data
@@ -205,6 +209,7 @@ class OrtComputeInfo:
                 # Into memory kept with the binding (bound once), read out after the run: small outputs
                 # travel inline anyway, and an allocation for them would be waste.
                 array, address = binding.scratch(i, static)
+                scratch[i] = array
             if binding.outputs[i] != address:
                 io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
                 binding.outputs[i] = address
@@ -219,10 +224,10 @@ class OrtComputeInfo:
         produced = io.get_outputs() if binding.ort_allocated else ()
         out = []
         for i, (_, static) in enumerate(self._outputs):
-            if i in placed or i in written:
+            if i in scratch:
+                out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
+            elif i in placed or i in written:
                 out.append(placed[i] if i in placed else written[i])
-            elif static is not None:
-                out.append(as_value(binding.scratch(i, static)[0].copy()))
             else:
                 out.append(as_value(produced[i].numpy().copy()))
         self._idle.append(binding)

@@ -2,10 +2,13 @@
 Compute over graph values that stay in this worker's memory between partitions."""
 from __future__ import annotations
 
+from typing import Any
+
 from ephost.errors import EpNotFound
 from ephost.eps.base import FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
+from ephost.server.kept_calls import KeptCall
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
@@ -53,38 +56,60 @@ class EpService(Servicer):
         stream = client.get("stream", request.stream) if request.stream else None
         inputs, resident, bytes_here, bytes_moved, inline = [], 0, 0, 0, 0
         for i, message in enumerate(request.inputs):
-            value, here = input_value(self.state, client, message, i)
+            value, here, sent_inline = input_value(self.state, client, message, i)
             inputs.append(value)
             if here:
                 resident += 1
                 bytes_here += value.nbytes
-            elif isinstance(value, Tensor):
-                bytes_moved += value.nbytes
-                inline += value.nbytes if message.tensor.WhichOneof("location") == "inline" else 0
             else:
-                bytes_moved += len(message.onnx.data)
-                inline += len(message.onnx.data)
-        into = output_buffers(self.state, client, request.output_buffers)
+                moved = value.nbytes if isinstance(value, Tensor) else len(message.onnx.data)
+                bytes_moved += moved
+                inline += moved if sent_inline else 0
+        # What the request leaves empty in the common case is not looked at further (each look costs).
+        into = output_buffers(self.state, client, request.output_buffers) if request.output_buffers else None
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
-        keep = tuple(request.keep)
+        keep = tuple(request.keep) if request.keep else ()
         outputs = info.compute(inputs, allocator, keep, into=into) if into else info.compute(inputs, allocator, keep)
-        counts = dict(compute_inputs_resident=resident, compute_inputs_transferred=len(inputs) - resident,
-                      compute_input_bytes_resident=bytes_here, compute_input_bytes_transferred=bytes_moved,
-                      bytes_inline_in=inline)
+        counts = {"compute_inputs_resident": resident, "compute_inputs_transferred": len(inputs) - resident,
+                  "compute_input_bytes_resident": bytes_here, "compute_input_bytes_transferred": bytes_moved,
+                  "bytes_inline_in": inline}
+        return self._reply(client, outputs, allocator, keep, request.inline_limit, into, request.output_buffers,
+                           counts)
+
+    def compute_kept(self, request: tuple[KeptCall, Any], call):
+        """A kept call repeated (server/kept_calls.py): (kept call, KEPT frame payload) -> the outputs' arrays,
+        or a whole ComputeResponse where an output is not of its kept type and shape."""
+        kept, payload = request
+        client = call.client
+        _, info = client.get("compute_info", kept.compute_info)
+        allocator = client.get("allocator", kept.allocator) if kept.allocator else None
+        outputs = info.compute(kept.input_tensors(payload), allocator, ())
+        counts = {"compute_inputs_transferred": len(kept.inputs), "compute_input_bytes_transferred": kept.input_bytes,
+                  "bytes_inline_in": kept.input_bytes, "kept_calls": 1}
+        arrays = kept.output_arrays(outputs)
+        if arrays is None:
+            return self._reply(client, outputs, allocator, (), kept.inline_limit, None, None, counts)
+        counts["bytes_inline_out"] = kept.output_bytes
+        self.state.stats.add(counts)
+        return arrays
+
+    def _reply(self, client, outputs, allocator, keep, inline_limit: int, into, output_buffers,
+               counts: dict[str, int]) -> ep_pb2.ComputeResponse:
+        """A Compute's reply: each output written into the caller's buffer (`into`), left in `allocator`, or
+        inline; the call's counters added to the worker's."""
         reply = ep_pb2.ComputeResponse()
-        kept = set(keep)
+        add = reply.outputs.add
         try:
             for i, value in enumerate(outputs):
-                out = reply.outputs.add()
-                if i in into:
-                    into_value(client, request.output_buffers[i], into[i], value, out, counts)
+                if into and i in into:
+                    into_value(client, output_buffers[i], into[i], value, add(), counts)
                 else:
-                    output_value(self.state, client, allocator, 0 if i in kept else request.inline_limit, value,
-                                 out, counts)
+                    output_value(self.state, client, allocator, 0 if i in keep else inline_limit, value, add(),
+                                 counts)
         finally:
-            self.state.stats.add(**counts)  # one lock for the call's counters
+            self.state.stats.add(counts)  # one lock for the call's counters
         return reply
 
     @rpc

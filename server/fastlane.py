@@ -22,16 +22,19 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ephost.errors import EpError
-from ephost.fastlane import (BY_ID, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError, FrameReader,
-                             configure, encode_error, send_frame, send_regions)
+from ephost.fastlane import (BY_ID, KEPT, METHODS, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
+                             FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
+from ephost.server.kept_calls import KeptCalls
 from ephost.server.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-# (method key "Service/Method", request, client id, deadline in time.monotonic() or None) -> reply; raises EpError
-Dispatch = Callable[[str, object, str, "float | None"], object]
+COMPUTE = METHODS["Ep/Compute"].id
+# (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True) -> reply;
+# raises EpError
+Dispatch = Callable[..., object]
 
 
 def lane_path(fd_socket: str) -> str:
@@ -41,11 +44,14 @@ def lane_path(fd_socket: str) -> str:
 
 class LaneServer:
     def __init__(self, path: str, tickets: DescriptorServer, dispatch: Dispatch, stats: WorkerStats,
-                 export: Callable[[str, int], tuple[int, int] | None] | None = None, spin_s: float = 0.0):
+                 export: Callable[[str, int], tuple[int, int] | None] | None = None, spin_s: float = 0.0,
+                 kept: Callable | None = None):
         """`dispatch` runs a call as the gRPC path does. `export(client_id, region)`: a duplicate descriptor of
         one of that client's shareable regions and its size, or None; the region rides along with the first
-        reply on a connection that names it."""
+        reply on a connection that names it. `kept((kept call, payload), client id, deadline)` runs a kept call
+        repeated (server/kept_calls.py), through the same dispatch; without it no call is kept."""
         self.path = path
+        self._kept = kept
         self._export = export
         self._spin_s = spin_s  # how long a connection's thread polls for the next request before it sleeps
         self._tickets = tickets
@@ -113,10 +119,14 @@ class LaneServer:
         reader = FrameReader(conn, spin_s=self._spin_s)
         dispatch = self._dispatch
         sent: set[int] = set()  # regions whose descriptors this connection's peer has
+        kept = KeptCalls()
         while True:
             frame = reader.read()
             if frame is None:
                 return
+            if frame.method == KEPT and self._kept is not None:
+                self._serve_kept(conn, client_id, frame, kept, sent)
+                continue
             method = BY_ID.get(frame.method)
             if method is None:
                 # Answered as method 0, never echoed: an echoed REGIONS id would read as a descriptor hand-over.
@@ -128,21 +138,50 @@ class LaneServer:
                 self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
                             f"a {method.name} frame whose message cannot be parsed")
                 continue
-            if not (math.isfinite(frame.timeout_s) and frame.timeout_s >= 0):
-                self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"a {method.name} frame whose timeout is not a finite number of seconds >= 0")
+            deadline = self._deadline(conn, frame, method.name)
+            if deadline is False:
                 continue
-            deadline = time.monotonic() + frame.timeout_s if frame.timeout_s > 0 else None
-            self._stats.add(fast_lane_calls=1)
             try:
-                reply = dispatch(method.name, request, client_id, deadline)
+                reply = dispatch(method.name, request, client_id, deadline, lane=True)
             except EpError as e:
                 self._error(conn, frame.method, e.code, str(e), getattr(e, "reason", ""))
                 continue
-            named = REPLY_REGIONS.get(frame.method)
-            if named is not None and self._export is not None:
-                self._hand_over(conn, client_id, [r for r in named(reply) if r not in sent], sent)
-            send_frame(conn, frame.method, STATUS_OK, 0.0, reply.SerializeToString())
+            if frame.method == COMPUTE and request.keep_call and self._kept is not None:
+                reply.kept_call = kept.keep(request, reply)
+            self._send_reply(conn, client_id, frame.method, reply, sent)
+
+    def _serve_kept(self, conn: socket.socket, client_id: str, frame, kept: KeptCalls, sent: set[int]) -> None:
+        """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed."""
+        deadline = self._deadline(conn, frame, "kept Ep/Compute")
+        if deadline is False:
+            return
+        try:
+            call = kept.get(frame.payload)
+            reply = self._kept((call, frame.payload), client_id, deadline)
+        except EpError as e:
+            self._error(conn, KEPT, e.code, str(e), getattr(e, "reason", ""))
+            return
+        if isinstance(reply, list):
+            send_parts(conn, KEPT, 0.0, reply, call.output_bytes)
+        else:
+            self._send_reply(conn, client_id, COMPUTE, reply, sent)
+
+    def _deadline(self, conn: socket.socket, frame, name: str) -> "float | None | bool":
+        """The call's deadline from its frame (None: none), or False where the frame's timeout is no number of
+        seconds (answered with an error)."""
+        if not (math.isfinite(frame.timeout_s) and frame.timeout_s >= 0):
+            self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a {name} frame whose timeout is not a finite number of seconds >= 0")
+            return False
+        return time.monotonic() + frame.timeout_s if frame.timeout_s > 0 else None
+
+    def _send_reply(self, conn: socket.socket, client_id: str, method: int, reply, sent: set[int]) -> None:
+        named = REPLY_REGIONS.get(method)
+        if named is not None and self._export is not None:
+            regions = [r for r in named(reply) if r not in sent]
+            if regions:
+                self._hand_over(conn, client_id, regions, sent)
+        send_frame(conn, method, STATUS_OK, 0.0, reply.SerializeToString())
 
     def _hand_over(self, conn: socket.socket, client_id: str, regions: list[int], sent: set[int]) -> None:
         batch = []

@@ -73,10 +73,10 @@ class Method:
     client_streaming: bool
     server_streaming: bool
     needs_client: bool
+    key: str = ""                    # "Allocator/Alloc", made once (every call is counted under it)
 
-    @property
-    def key(self) -> str:
-        return f"{self.service}/{self.name}"
+    def __post_init__(self):
+        object.__setattr__(self, "key", f"{self.service}/{self.name}")
 
 
 class Admission:
@@ -161,21 +161,57 @@ class Dispatcher:
 
     # --- the one path every call takes ------------------------------------------------------------
 
-    def dispatch(self, key: str, request, client_id: str | None, deadline: float | None = None):
-        """Run one call. Returns the reply (an iterator of replies for server-streaming methods, which is
-        accounted while it is iterated); raises EpError and nothing else."""
+    def dispatch(self, key: str, request, client_id: str | None, deadline: float | None = None, *,
+                 lane: bool = False, handler: Callable | None = None):
+        """Run one call (`lane`: it came on the fast lane; `handler`: another form of the method, admitted and
+        counted as the method). Returns the reply (an iterator of replies for server-streaming methods, which
+        is accounted while it is iterated); raises EpError and nothing else."""
         method = self.method(key)
         if method.server_streaming:
             return self._stream(method, request, client_id, deadline)
-        with self._admitted(method, client_id, deadline) as call:
-            return method.handler(request, call)
+        start = time.perf_counter()
+        call = self._enter(method, client_id, deadline)
+        ok = False
+        try:
+            reply = (handler or method.handler)(request, call)
+            ok = True
+            return reply
+        except EpError:
+            raise
+        except Exception as e:
+            raise _internal(method, e) from None
+        finally:
+            self._leave(method, client_id, start, ok, lane)
 
     def _stream(self, method: Method, request, client_id, deadline) -> Iterator:
-        with self._admitted(method, client_id, deadline) as call:
+        start = time.perf_counter()
+        call = self._enter(method, client_id, deadline)
+        ok = False
+        try:
             yield from method.handler(request, call)
+            ok = True
+        except EpError:
+            raise
+        except Exception as e:
+            raise _internal(method, e) from None
+        finally:
+            self._leave(method, client_id, start, ok, False)
 
-    def _admitted(self, method: Method, client_id: str | None, deadline: float | None):
-        return _Admitted(self, method, client_id, deadline)
+    def _enter(self, method: Method, client_id: str | None, deadline: float | None) -> Call:
+        """Admit a call: refused while draining, bounded per client and for the whole worker; its client."""
+        state = self.state
+        if state.draining.is_set():  # calls under way finish; new ones are turned away
+            raise EpWorkerUnavailable("worker is draining (shutting down); try another")
+        self.admission.enter(client_id or "")
+        try:
+            return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline)
+        except EpError:
+            self.admission.leave(client_id or "")
+            raise
+
+    def _leave(self, method: Method, client_id: str | None, start: float, ok: bool, lane: bool) -> None:
+        self.admission.leave(client_id or "")
+        self.state.stats.record_call(method.key, time.perf_counter() - start, ok, lane)
 
     # --- gRPC -------------------------------------------------------------------------------------
 
@@ -219,38 +255,11 @@ class Dispatcher:
                     response_serializer=method.reply.SerializeToString)
 
 
-class _Admitted:
-    """The accounting around one call: draining check, admission, client lookup, stats, error typing."""
-
-    def __init__(self, dispatcher: Dispatcher, method: Method, client_id: str | None, deadline: float | None):
-        self.d, self.method, self.client_id, self.deadline = dispatcher, method, client_id, deadline
-        self.admitted = False
-
-    def __enter__(self) -> Call:
-        state = self.d.state
-        self.start = time.perf_counter()
-        if state.draining.is_set():  # calls under way finish; new ones are turned away
-            raise EpWorkerUnavailable("worker is draining (shutting down); try another")
-        self.d.admission.enter(self.client_id or "")
-        self.admitted = True
-        try:
-            client = state.clients.lookup(self.client_id) if self.method.needs_client else None
-        except EpError:
-            self.__exit__(None, None, None)
-            raise
-        return Call(client, self.deadline)
-
-    def __exit__(self, kind, error, tb):
-        if self.admitted:
-            self.admitted = False
-            self.d.admission.leave(self.client_id or "")
-            self.d.state.stats.record_call(self.method.key, time.perf_counter() - self.start, kind is None)
-        if error is None or isinstance(error, (EpError, GeneratorExit)):
-            return False
-        if isinstance(error, Exception):  # a bug or a vendor failure: report it, keep serving
-            log.error("%s failed", self.method.key, exc_info=(kind, error, tb))
-            raise EpInternal(f"{self.method.name} failed inside the worker: {kind.__name__}: {error}") from None
-        return False
+def _internal(method: Method, error: Exception) -> EpError:
+    """What a call that failed with an untyped error reports: a bug or a vendor failure, logged and reported
+    as EpInternal; the worker keeps serving."""
+    log.error("%s failed", method.key, exc_info=error)
+    return EpInternal(f"{method.name} failed inside the worker: {type(error).__name__}: {error}")
 
 
 def _parse(cls, data: bytes):

@@ -18,20 +18,28 @@ class WorkerStats:
                                        "partitions_compiled", "partitions_restored", "partitions_shared",
                                        "compute_input_bytes_resident", "compute_input_bytes_transferred",
                                        "files_imported", "file_bytes_imported", "blob_chunks_received",
-                                       "blob_bytes_received", "blob_hits", "capability_cache_hits"), 0)
+                                       "blob_bytes_received", "blob_hits", "capability_cache_hits", "kept_calls"), 0)
 
-    def record_call(self, method: str, seconds: float, ok: bool) -> None:
+    def record_call(self, method: str, seconds: float, ok: bool, lane: bool = False) -> None:
+        """One call of `method` (`lane`: on the fast lane) that took `seconds`."""
         with self._lock:
+            if lane:
+                self.counters["fast_lane_calls"] += 1
             m = self._methods[method]
             m[0] += 1
             m[1] += 0 if ok else 1
             m[2] += seconds
             m[3] = max(m[3], seconds)
 
-    def add(self, **amounts: int) -> None:
+    def add(self, amounts: dict[str, int] | None = None, /, **more: int) -> None:
+        """Add to the counters: `amounts` (a call's counters, gathered as it ran) and `more`, under one lock."""
         with self._lock:
-            for key, value in amounts.items():
-                self.counters[key] += value
+            counters = self.counters
+            for key, value in (amounts or more).items():
+                counters[key] += value
+            if amounts and more:
+                for key, value in more.items():
+                    counters[key] += value
 
     def to_proto(self, **extra: int) -> worker_pb2.WorkerStats:
         with self._lock:

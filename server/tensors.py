@@ -11,7 +11,7 @@ from ephost import values
 from ephost.errors import EpInvalidArgument, EpResourceExhausted
 from ephost.memory import Buffer, check_slice
 from ephost.tensor import Tensor
-from ephost.types import HOST_MEMORY, desc_from_proto, desc_to_proto, describe, nbytes_of
+from ephost.types import HOST_MEMORY, checked_desc, desc_to_proto, describe
 from ephost.server.clients import BufferEntry, ClientState
 from ephost.server.state import WorkerState
 from ephost.v1 import common_pb2
@@ -42,13 +42,19 @@ def resolve(state: WorkerState, client: ClientState, refs, role: str, *, writabl
 def resolve_ref(state: WorkerState, client: ClientState, ref, what: str, *,
                 writable: bool) -> tuple[Tensor, BufferEntry | None]:
     """One TensorRef as a tensor here, with the client's buffer entry where it names a buffer by handle."""
-    shape, dtype = desc_from_proto(ref.desc)
-    nbytes = nbytes_of(shape, dtype)
+    shape, dtype, nbytes = checked_desc(ref.desc)
     where = ref.WhichOneof("location")
 
     def label() -> str:  # made only for an error: every Compute passes here
         return f"{what} ({describe(shape, dtype)}, {nbytes} bytes)"
 
+    if where == "inline":  # first: small inputs, the common case
+        data = ref.inline
+        if writable:
+            raise EpInvalidArgument(f"{label()}: inline bytes cannot be a destination; use an InlineReply")
+        if len(data) != nbytes:
+            raise EpInvalidArgument(f"{label()} came with {len(data)} inline bytes")
+        return Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=np.frombuffer(data, dtype).reshape(shape)), None
     if where == "buffer":
         entry = client.get("buffer", ref.buffer)
         buffer = entry.buffer
@@ -65,13 +71,6 @@ def resolve_ref(state: WorkerState, client: ClientState, ref, what: str, *,
             raise type(e)(f"{label()}: {e}") from None
         buffer = Buffer(owner.memory_info, nbytes, 0, region, ref.shm.offset)
         return Tensor.trusted(shape, dtype, owner.memory_info, nbytes, buffer=buffer), None
-    if where == "inline":
-        if writable:
-            raise EpInvalidArgument(f"{label()}: inline bytes cannot be a destination; use an InlineReply")
-        if len(ref.inline) != nbytes:
-            raise EpInvalidArgument(f"{label()} came with {len(ref.inline)} inline bytes")
-        host = np.frombuffer(ref.inline, dtype=dtype).reshape(shape)
-        return Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=host), None
     if where == "reply":
         if not writable:
             raise EpInvalidArgument(f"{label()}: an InlineReply can only be a destination")
@@ -83,15 +82,17 @@ def resolve_ref(state: WorkerState, client: ClientState, ref, what: str, *,
     raise EpInvalidArgument(f"{label()} says nowhere where its bytes are (set shm, inline, buffer or reply)")
 
 
-def input_value(state: WorkerState, client: ClientState, message: common_pb2.Value, i: int) -> tuple[Any, bool]:
-    """A Compute input as a graph value, and whether it was already here (made by an earlier Compute)."""
+def input_value(state: WorkerState, client: ClientState, message: common_pb2.Value,
+                i: int) -> tuple[Any, bool, bool]:
+    """A Compute input as a graph value, whether it was already here (made by an earlier Compute), and whether
+    its bytes came inside the request."""
     kind = message.WhichOneof("kind")
+    if kind == "tensor":
+        tensor, entry = resolve_ref(state, client, message.tensor, f"input {i}", writable=False)
+        return tensor, entry is not None and entry.produced, tensor.buffer is None  # no buffer: inline bytes
     if kind == "onnx":
-        return values.decode(message.onnx), False
-    if kind != "tensor":
-        raise EpInvalidArgument(f"input {i} is empty (set tensor or onnx)")
-    tensor, entry = resolve_ref(state, client, message.tensor, f"input {i}", writable=False)
-    return tensor, entry is not None and entry.produced
+        return values.decode(message.onnx), False, True
+    raise EpInvalidArgument(f"input {i} is empty (set tensor or onnx)")
 
 
 def tally(counts: dict[str, int], key: str, amount: int = 1) -> None:
@@ -111,7 +112,7 @@ def output_value(state: WorkerState, client: ClientState, allocator, inline_limi
     desc_to_proto(value.shape, value.dtype, ref.desc)
     if allocator is None or value.nbytes < inline_limit:
         tally(counts, "bytes_inline_out", value.nbytes)
-        ref.inline = value.local_bytes().tobytes()
+        ref.inline = value.local_array().tobytes()
         return
     buffer = value.buffer
     in_allocator = buffer is not None and buffer.region is not None \

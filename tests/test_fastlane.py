@@ -14,7 +14,8 @@ import pytest
 
 import ephost
 from ephost import InferenceSession, RunOptions
-from ephost.fastlane import HEADER, MAGIC, MAX_LENGTH, METHODS, FrameReader, decode_error, send_frame
+from ephost.fastlane import (HEADER, KEPT, KEPT_ID, MAGIC, MAX_LENGTH, METHODS, FrameReader, decode_error,
+                             send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
 import models
 from helpers import RawClient, options_for, worker_stats
@@ -415,3 +416,137 @@ def test_a_worker_refuses_a_spin_out_of_range(value):
     result = subprocess.run([sys.executable, "-m", "ephost", "worker", "--ep", "reference", "--lane-spin-us", value],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--lane-spin-us" in result.stderr and "microseconds" in result.stderr
+
+
+# --- kept calls: a Compute repeated with nothing but its inputs' bytes ----------------------------------------
+
+
+def test_a_steady_stream_of_small_runs_travels_as_kept_calls(ort_env):
+    """Inputs and outputs small enough to travel inline: the first run sends the whole Compute and the worker
+    keeps it; the next send only the inputs' bytes and get only the outputs' back. gRPC keeps nothing, nor a
+    registration with kept_calls=false."""
+    ort_env.register_execution_provider_library("ort_unkept", "onnxruntime", {"kept_calls": "false"})
+    try:
+        for registration, lane, kept in (("ort", 10, 9), ("ort_grpc", 0, 0), ("ort_unkept", 10, 0)):
+            before = worker_stats(ort_env, registration)
+            with diamond_session(ort_env, registration) as s:
+                results = [s.run(None, {"x": X * k})[0] for k in range(10)]
+            after = worker_stats(ort_env, registration)
+            assert after.methods["Ep/Compute"].calls - before.methods["Ep/Compute"].calls == 10
+            assert (after.fast_lane_calls - before.fast_lane_calls, after.kept_calls - before.kept_calls) == \
+                (lane, kept), registration
+            for k, y in enumerate(results):
+                np.testing.assert_array_equal(y, models.diamond_expected(X * k))
+                y += 1  # outputs are the caller's, writable, as ORT's are
+    finally:
+        ort_env.unregister_execution_provider_library("ort_unkept")
+
+
+def test_a_kept_call_whose_outputs_change_shape_gets_the_whole_reply(ort_env):
+    """The same input shape can make outputs of another shape (NonZero): the worker answers such a kept call
+    with the whole reply, and the call stays kept for the runs after it. (Over either transport: ORT kept the
+    first run's output in its IOBinding and refused a result of another shape into it.)"""
+    from onnx import TensorProto, helper
+    graph = helper.make_graph([helper.make_node("NonZero", ["x"], ["y"], name="nz")], "nz",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    for registration, kept in (("ort", 4), ("ort_grpc", 0)):
+        before = worker_stats(ort_env, registration)
+        with InferenceSession(model, options_for(ort_env, registration), env=ort_env) as s:
+            for x in ([0, 1, 0, 2, 0, 0, 0, 3], [1, 1, 1, 0, 0, 0, 0, 0], [0] * 8, [0, 1, 0, 2, 0, 0, 0, 3], [5] * 8):
+                x = np.array(x, np.float32)
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], np.array(np.nonzero(x)))
+        assert worker_stats(ort_env, registration).kept_calls - before.kept_calls == kept
+
+
+def test_kept_calls_the_worker_let_go_are_sent_whole_again(ort_env, monkeypatch):
+    """A connection keeps at most 64 calls; past that the worker lets the oldest go. A client remembering more
+    is told so when it names one (EpUnknownKeptCall) and sends the whole call again: every run is right."""
+    import ephost.client.fastlane as client_lane
+    monkeypatch.setattr(client_lane, "MAX_KEPT", 1000)
+    model = models.chain(["Relu", "Neg"], shape=("n",))
+    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as s:
+        for n in [*range(1, 71), 1, 2, 70]:
+            x = np.arange(n, dtype=np.float32) - n / 2
+            np.testing.assert_array_equal(s.run(None, {"x": x})[0], -np.maximum(x, 0))
+
+
+def kept_partition(raw: RawClient):
+    """A compiled Relu on 4 floats, and a Compute request for it whose input travels inline."""
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    (partition,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(
+        ep=ep, model=ep_pb2.ModelRef(model=models.chain(["Relu"]).SerializeToString()),
+        graphs=[ep_pb2.FusedGraph(name="p", nodes=["n0_Relu"], inputs=["x"], outputs=["y"])])).node_compute_infos
+    request = ep_pb2.ComputeRequest(node_compute_info=partition, inline_limit=1 << 20, keep_call=True)
+    ref = request.inputs.add().tensor
+    ref.desc.elem_type, ref.desc.shape[:] = 1, [4]
+    ref.inline = np.array([-1, 2, -3, 4], np.float32).tobytes()
+    return ep, partition, request
+
+
+def kept_frame(sock, payload: bytes, timeout: float = 10.0):
+    send_frame(sock, KEPT, 0, timeout, payload)
+    return FrameReader(sock).read()
+
+
+def test_kept_calls_on_the_wire(lane_worker):
+    """The KEPT frame: the kept call's id and the inputs' bytes in; the outputs' bytes out. Every payload is
+    checked (length, id), a kept call belongs to its connection and names a partition looked up on every call,
+    and gRPC never keeps one."""
+    raw = RawClient(lane_worker.address)
+    try:
+        ep, partition, request = kept_partition(raw)
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
+        np.testing.assert_array_equal(np.frombuffer(reply.outputs[0].tensor.inline, np.float32), [0, 2, 0, 4])
+        kid = KEPT_ID.pack(reply.kept_call)
+        x = np.array([5, -6, 7, -8], np.float32)
+        frame = kept_frame(sock, kid + x.tobytes())
+        assert (frame.method, frame.status) == (KEPT, 0)
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
+
+        for payload, code, says in ((kid + x.tobytes()[:12], 3, b"takes 16 bytes"),
+                                    (kid + x.tobytes() + b"\0", 3, b"takes 16 bytes"),
+                                    (b"\x01\x00", 3, b"shorter than its 4-byte id"),
+                                    (KEPT_ID.pack(999) + x.tobytes(), 5, b"no kept call 999")):
+            frame = kept_frame(sock, payload)
+            assert (frame.method, frame.status) == (KEPT, code) and says in bytes(frame.payload), fastlane_error(frame)
+        assert decode_error(kept_frame(sock, KEPT_ID.pack(999)).payload)[1] == "unknown-kept-call"
+        frame = kept_frame(sock, kid + x.tobytes(), timeout=float("nan"))
+        assert frame.status == 3 and b"timeout" in bytes(frame.payload)
+
+        # Another connection of the same client does not know it.
+        other, _ = open_lane(raw)
+        assert other.recv(2) == b"OK"
+        assert kept_frame(other, kid + x.tobytes()).status == 5
+        other.close()
+        # Not asked, or not all inline (an output left in a buffer), or over gRPC: not kept.
+        request.keep_call = False
+        assert lane_call(sock, "Ep/Compute", request)[1].kept_call == 0
+        request.keep_call = True
+        kept_in_buffer = ep_pb2.ComputeRequest()
+        kept_in_buffer.CopyFrom(request)
+        kept_in_buffer.output_allocator, kept_in_buffer.keep[:] = host_allocator(raw), [0]
+        assert lane_call(sock, "Ep/Compute", kept_in_buffer)[1].kept_call == 0
+        assert raw(raw.ep.Compute, request).kept_call == 0
+
+        # Past 64, the oldest go.
+        ids = [lane_call(sock, "Ep/Compute", request)[1].kept_call for _ in range(64)]
+        assert kept_frame(sock, kid + x.tobytes()).status == 5
+        assert kept_frame(sock, KEPT_ID.pack(ids[-1]) + x.tobytes()).status == 0
+        # The partition is looked up on every call: released, it is NOT_FOUND like any Compute of it.
+        raw(raw.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(ep=ep,
+                                                                                  node_compute_infos=[partition]))
+        frame = kept_frame(sock, KEPT_ID.pack(ids[-1]) + x.tobytes())
+        assert frame.status == 5 and b"unknown compute info handle" in bytes(frame.payload)
+        # The connection, and the worker, serve on.
+        frame, reply = lane_call(sock, "Allocator/Alloc", allocator_pb2.AllocRequest(allocator=host_allocator(raw),
+                                                                                     nbytes=64))
+        assert frame.status == 0 and reply.buffer
+        sock.close()
+        assert lane_worker.proc.poll() is None
+    finally:
+        raw.close()

@@ -398,6 +398,50 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
         say_goodbye(owner, other)
 
 
+def test_kept_call_frames_survive_hostile_payloads(fuzzed):
+    """KEPT frames (a kept Compute repeated with only its inputs' bytes) with ids kept or not, payloads of every
+    length, and timeouts of every kind: one reply each, a result or a typed error, and the worker serves on."""
+    w, _ = fuzzed
+    owner = RawClient(w.address, "owner")
+    handles = _populate(owner)
+    lane = _Lane(owner)
+    request = ep_pb2.ComputeRequest(node_compute_info=handles["compute_info"][0], inline_limit=1 << 20,
+                                    keep_call=True)
+    ref = request.inputs.add().tensor
+    ref.desc.elem_type, ref.desc.shape[:] = TensorProto.FLOAT, [4]
+    ref.inline = np.arange(4, dtype=np.float32).tobytes()
+    fastlane.send_frame(lane.open(), fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request.SerializeToString())
+    (frame,) = lane.replies()
+    kept = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
+    assert kept
+
+    @seed(SEED)
+    @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @given(kid=st.sampled_from([kept, kept, 0, kept + 1, 2 ** 32 - 1]),
+           length=st.sampled_from([16, 16, 0, 3, 15, 17, 64]), prefix=st.sampled_from([4, 4, 0, 2]),
+           timeout_s=st.sampled_from(TIMEOUTS), rng=st.randoms(use_true_random=False))
+    def fuzz(kid, length, prefix, timeout_s, rng):
+        payload = fastlane.KEPT_ID.pack(kid)[:prefix] + rng.randbytes(length)
+        fastlane.send_frame(lane.open(), fastlane.KEPT, 0, timeout_s, payload)
+        frames = lane.replies()
+        assert frames, "the worker closed a connection after a well-formed KEPT frame"
+        code = {c.value[0]: c for c in grpc.StatusCode}.get(frames[0].status)
+        detail = fastlane.decode_error(frames[0].payload)[0] if frames[0].status else ""
+        assert code is not None and code not in BAD or (code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s < 1), \
+            f"a KEPT frame was answered {frames[0].status}: {detail}"
+        if code == grpc.StatusCode.OK:
+            assert (kid, prefix, length) == (kept, 4, 16) and len(frames[0].payload) == 16
+        assert w.proc.poll() is None, "the worker died on a KEPT frame"
+
+    try:
+        fuzz()
+        assert_serving(owner)
+    finally:
+        lane.close()
+        say_goodbye(owner)
+
+
 def test_nothing_is_left_after_the_clients_leave(fuzzed):
     """Runs after the fuzz above (same module worker): descriptors, memfd mappings and RSS are back near the
     baseline taken after a warm-up client came and went."""

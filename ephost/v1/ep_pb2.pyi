@@ -103,7 +103,7 @@ class CompileResponse(_message.Message):
     def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ..., ep_contexts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep", "output_buffers")
+    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep", "output_buffers", "keep_call")
     class OutputBuffersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class ComputeRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CALL_FIELD_NUMBER: _ClassVar[int]
     node_compute_info: int
     inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Value]
     output_allocator: int
@@ -125,13 +126,16 @@ class ComputeRequest(_message.Message):
     stream: int
     keep: _containers.RepeatedScalarFieldContainer[int]
     output_buffers: _containers.MessageMap[int, _common_pb2.TensorRef]
-    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ..., output_buffers: _Optional[_Mapping[int, _common_pb2.TensorRef]] = ...) -> None: ...
+    keep_call: bool
+    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ..., output_buffers: _Optional[_Mapping[int, _common_pb2.TensorRef]] = ..., keep_call: _Optional[bool] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "kept_call")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_CALL_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Value]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ...) -> None: ...
+    kept_call: int
+    def __init__(self, outputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., kept_call: _Optional[int] = ...) -> None: ...
 
 class ReleaseNodeComputeInfosRequest(_message.Message):
     __slots__ = ("ep", "node_compute_infos")
