@@ -130,10 +130,10 @@ class WorkerConnection:
             lane = FastLane(self._lane_ticket, self._lane_lost, self.adopt_region, fast_lane_spin_s)
             if lane.open():
                 self.lane = lane
-                self._lane_methods = {self.ep.Compute: LANE_METHODS["Ep/Compute"],
-                                      self.data_transfer.CopyTensors: LANE_METHODS["DataTransfer/CopyTensors"],
-                                      self.allocator.Alloc: LANE_METHODS["Allocator/Alloc"],
-                                      self.allocator.Free: LANE_METHODS["Allocator/Free"]}
+                stubs = {"Ep": self.ep, "EpFactory": self.factory, "DataTransfer": self.data_transfer,
+                         "Allocator": self.allocator}
+                self._lane_methods = {getattr(stubs[key.split("/")[0]], key.split("/")[1]): method
+                                      for key, method in LANE_METHODS.items()}
 
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
         """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""

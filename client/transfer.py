@@ -160,7 +160,7 @@ class ModelSender:
         self._hashes: dict[int, tuple[onnx.ModelProto, str]] = {}
         self._inlined_models: dict[int, tuple[onnx.ModelProto, onnx.ModelProto]] = {}  # for workers off this host
         self._sent: set[str] = set()
-        self._files: dict[int, tuple[ExternalFile, int]] = {}  # id(file) -> (file, handle), this generation
+        self._files: dict[tuple, int] = {}  # ExternalFile.version -> the worker's handle, this generation
         self._blobs: set[str] = set()  # digests the worker's blob cache has, this generation
         self._sent_to = None  # the connection (generation) `_sent` and `_files` are about
 
@@ -178,19 +178,21 @@ class ModelSender:
         return digest, data
 
     def _handles(self, external: ExternalData, conn) -> dict[str, int]:
-        """The worker's handle of each file, by name: handed over (as a descriptor) the first time."""
+        """The worker's handle of each file, by name: handed over (as a descriptor) the first time this worker
+        sees the file, whichever session opened it (the same file, unchanged: ExternalFile.version). The next
+        session on a model then names the same files, and the worker knows the model by its hash."""
         out = {}
         for name, f in external.files.items():
             with self._lock:
-                known = self._files.get(id(f))
-            if known is None or known[0] is not f:
+                handle = self._files.get(f.version)
+            if handle is None:
                 reply = self._link.call(lambda c: c.worker.ImportFile, common_pb2.Empty(), conn=conn)
                 hand_over_file(conn.fd_socket, reply.ticket, f.fd)
-                known = (f, reply.file)
+                handle = reply.file
                 with self._lock:
                     if self._sent_to is conn:
-                        self._files[id(f)] = known
-            out[name] = known[1]
+                        self._files[f.version] = handle
+            out[name] = handle
         return out
 
     @contextlib.contextmanager

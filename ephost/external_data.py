@@ -126,6 +126,9 @@ class ExternalFile:
         self.size = st.st_size if size is None else size
         self.label = label or name  # how errors name it (a path on the application's side, else the name)
         self.identity = (st.st_dev, st.st_ino)
+        # The same file, unchanged since: another open of it may stand for this one (a worker that has one
+        # descriptor of it needs no second).
+        self.version = (st.st_dev, st.st_ino, self.size, st.st_mtime_ns)
         self._map: mmap.mmap | None = None
         self._sha256: str | None = None
         self._lock = threading.Lock()

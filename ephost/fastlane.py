@@ -29,7 +29,7 @@ from typing import Any
 from google.protobuf import message_factory
 
 from ephost.errors import EpInvalidArgument
-from ephost.v1 import allocator_pb2, data_transfer_pb2, ep_pb2
+from ephost.v1 import allocator_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 
 MAGIC = b"EL"
 HEADER = struct.Struct("<2sHHdI")  # magic, method id, status, timeout_s (0 = none), payload length
@@ -67,12 +67,19 @@ def _methods(*pairs) -> dict[str, Method]:
     return out
 
 
-# The methods the lane carries. Ids are positions here: append, never reorder.
+# The methods the lane carries: those of a run, then those that make and release a session's EPs and
+# partitions (a session per request pays them every time; gRPC costs about a millisecond a call here). Ids are
+# positions here: append, never reorder.
 METHODS: dict[str, Method] = _methods(
     (ep_pb2, "Ep", "Compute"),
     (data_transfer_pb2, "DataTransfer", "CopyTensors"),
     (allocator_pb2, "Allocator", "Alloc"),
     (allocator_pb2, "Allocator", "Free"),
+    (factory_pb2, "EpFactory", "CreateEp"),
+    (factory_pb2, "EpFactory", "ReleaseEp"),
+    (ep_pb2, "Ep", "GetCapability"),
+    (ep_pb2, "Ep", "Compile"),
+    (ep_pb2, "Ep", "ReleaseNodeComputeInfos"),
 )
 BY_ID: dict[int, Method] = {m.id: m for m in METHODS.values()}
 

@@ -366,7 +366,8 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
                 assert lanes[lane].replies() == [], f"{how}: the connection served on after a broken frame"
             lanes[lane].close()
         else:
-            method_id = {"unknown_method": rng.randrange(5, 0xFFFF), "regions_id": fastlane.REGIONS}.get(how, method.id)
+            unknown = rng.randrange(len(fastlane.METHODS) + 1, 0xFFFF)  # past the lane's methods (or KEPT)
+            method_id = {"unknown_method": unknown, "regions_id": fastlane.REGIONS}.get(how, method.id)
             if how == "mutate":
                 payload = _mutate(payload, rng)
             elif how == "garbage":

@@ -46,3 +46,12 @@ def test_nodes_without_names_get_unique_ones():
     names = [n.name for n in prepare_model(model).graph.node]
     assert len(set(names)) == 3 and all(names)
     assert [n.name for n in model.graph.node] == ["", "dup", "dup"], "the caller's model is left alone"
+
+
+def test_the_builtin_domains_name_every_domain_of_onnxs_schemas():
+    """ephost.graph lists ONNX's operator domains rather than reading every schema at start (13 MiB per worker):
+    a new domain in a new onnx release must be added there, or its nodes would be taken for custom ops."""
+    import onnx.defs
+    from ephost.graph import BUILTIN_DOMAINS, ONNX_DOMAINS
+    domains = {s.domain for s in onnx.defs.get_all_schemas_with_history()}
+    assert domains == ONNX_DOMAINS and domains <= BUILTIN_DOMAINS
