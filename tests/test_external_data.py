@@ -140,6 +140,24 @@ def test_external_data_reaches_a_worker_as_descriptors(tmp_path, target):
     assert stats.methods["Allocator/Reserve"].calls == 0, "no weight went through a buffer"
 
 
+def test_the_next_session_on_a_model_hands_over_nothing_and_is_not_asked_again(tmp_path):
+    """A service that opens a session per request: the second session on the same model (the same files,
+    unchanged) hands no descriptor over (the worker has the file) and sends no model (the worker knows it by its
+    hash), and the worker answers GetCapability from its cache. A file changed on disk is handed over again."""
+    path, idx, expected = small_model(tmp_path)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "onnxruntime")
+        for _ in range(2):
+            with InferenceSession(path, options_for(env, "w"), env=env) as session:
+                np.testing.assert_array_equal(session.run(None, {"idx": idx})[0], expected)
+        stats = worker_stats(env, "w")
+        assert (stats.files_imported, stats.capability_cache_hits) == (1, 1)
+        os.utime(tmp_path / "weights.bin", ns=(1, 1))  # the same inode, but changed (as far as anyone can tell)
+        with InferenceSession(path, options_for(env, "w"), env=env) as session:
+            np.testing.assert_array_equal(session.run(None, {"idx": idx})[0], expected)
+        assert worker_stats(env, "w").files_imported == 2
+
+
 def test_the_fallback_maps_its_own_partitions_initializers(env, tmp_path):
     path, idx, expected = small_model(tmp_path)
     for fallback in ("onnxruntime", "reference"):
