@@ -131,7 +131,7 @@ class WorkerConnection:
             if lane.open():
                 self.lane = lane
                 stubs = {"Ep": self.ep, "EpFactory": self.factory, "DataTransfer": self.data_transfer,
-                         "Allocator": self.allocator}
+                         "Allocator": self.allocator, "Worker": self.worker}
                 self._lane_methods = {getattr(stubs[key.split("/")[0]], key.split("/")[1]): method
                                       for key, method in LANE_METHODS.items()}
 

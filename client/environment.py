@@ -13,6 +13,7 @@ from ephost.eps import load_factory
 from ephost.errors import EpAlreadyExists, EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import HOST_MEMORY, DeviceMemoryType, MemoryInfo
+from ephost.graph import load_schemas
 from ephost.client.connection import Credentials
 from ephost.client.devices import EpDevice, SharedAllocator, SyncStream
 from ephost.client.launcher import WorkerProcess
@@ -77,6 +78,8 @@ class Environment:
         self._allocators: dict[MemoryInfo, SharedAllocator] = {}
         self._lock = threading.RLock()
         self._closed = False
+        # While workers start (this thread waits on them), so that the first session's shape inference does not.
+        threading.Thread(target=load_schemas, name="ephost-onnx-schemas", daemon=True).start()
 
     # --- registration (ORT: RegisterExecutionProviderLibrary) ------------------------------------
 

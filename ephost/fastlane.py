@@ -29,7 +29,7 @@ from typing import Any
 from google.protobuf import message_factory
 
 from ephost.errors import EpInvalidArgument
-from ephost.v1 import allocator_pb2, data_transfer_pb2, ep_pb2, factory_pb2
+from ephost.v1 import allocator_pb2, data_transfer_pb2, ep_pb2, factory_pb2, worker_pb2
 
 MAGIC = b"EL"
 HEADER = struct.Struct("<2sHHdI")  # magic, method id, status, timeout_s (0 = none), payload length
@@ -67,9 +67,9 @@ def _methods(*pairs) -> dict[str, Method]:
     return out
 
 
-# The methods the lane carries: those of a run, then those that make and release a session's EPs and
-# partitions (a session per request pays them every time; gRPC costs about a millisecond a call here). Ids are
-# positions here: append, never reorder.
+# The methods the lane carries: those of a run, then those that make and release a session's EPs, partitions,
+# allocators and external data files (a session per request pays them every time; gRPC costs about a
+# millisecond a call here, more for a method's first call). Ids are positions here: append, never reorder.
 METHODS: dict[str, Method] = _methods(
     (ep_pb2, "Ep", "Compute"),
     (data_transfer_pb2, "DataTransfer", "CopyTensors"),
@@ -80,6 +80,9 @@ METHODS: dict[str, Method] = _methods(
     (ep_pb2, "Ep", "GetCapability"),
     (ep_pb2, "Ep", "Compile"),
     (ep_pb2, "Ep", "ReleaseNodeComputeInfos"),
+    (factory_pb2, "EpFactory", "CreateAllocator"),
+    (factory_pb2, "EpFactory", "ReleaseAllocator"),
+    (worker_pb2, "Worker", "ImportFile"),
 )
 BY_ID: dict[int, Method] = {m.id: m for m in METHODS.values()}
 

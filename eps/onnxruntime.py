@@ -537,6 +537,7 @@ class OrtEpFactory(HostMemoryFactory):
             raise EpNotFound(f"ONNX Runtime has no execution provider {self.provider!r}; it has "
                              f"{', '.join(ort.get_available_providers())}")
         self.version = ort.__version__
+        max_ir_version()  # ORT's own first-session set-up, paid here (a worker's start) rather than by a session
         # Compiled partitions by what they are a function of (OrtEp._compile_key), while a compute info holds
         # them: concurrent sessions on one model (one client's or several) compile each partition once and hold
         # its weights once. ORT runs one session from several threads at once.

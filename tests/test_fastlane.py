@@ -54,11 +54,13 @@ def test_compute_goes_over_the_fast_lane_and_gives_what_grpc_gives(ort_env):
             results[registration] = [s.run(None, {"x": X * k})[0] for k in range(5)]
         after = worker_stats(ort_env, registration)
         lane_calls = after.fast_lane_calls - before.fast_lane_calls
-        computes = (after.methods["Ep/Compute"].calls - before.methods["Ep/Compute"].calls)
-        assert computes == 5
-        # The 5 Computes, and what makes and releases the session's EP and partition: CreateEp, GetCapability,
-        # Compile, ReleaseNodeComputeInfos, ReleaseEp.
-        assert lane_calls == (10 if registration == "ort" else 0)
+        calls = {m: after.methods[m].calls - (before.methods[m].calls if m in before.methods else 0)
+                 for m in METHODS if m in after.methods}
+        assert calls["Ep/Compute"] == 5
+        # Every call of a method the lane carries went on it: the 5 Computes, and what made and released the
+        # session's EP, partition and allocator (CreateEp, GetCapability, Compile, ReleaseNodeComputeInfos...).
+        assert calls["Ep/Compile"] == 1 and calls["EpFactory/CreateEp"] == 1
+        assert lane_calls == (sum(calls.values()) if registration == "ort" else 0)
     for k in range(5):
         np.testing.assert_array_equal(results["ort"][k], models.diamond_expected(X * k))
         np.testing.assert_array_equal(results["ort"][k], results["ort_grpc"][k])
@@ -429,15 +431,15 @@ def test_a_steady_stream_of_small_runs_travels_as_kept_calls(ort_env):
     registration with kept_calls=false."""
     ort_env.register_execution_provider_library("ort_unkept", "onnxruntime", {"kept_calls": "false"})
     try:
-        # Lane calls: the 10 Computes and the 5 that make and release the session's EP and partition.
-        for registration, lane, kept in (("ort", 15, 9), ("ort_grpc", 0, 0), ("ort_unkept", 15, 0)):
+        for registration, lane, kept in (("ort", True, 9), ("ort_grpc", False, 0), ("ort_unkept", True, 0)):
             before = worker_stats(ort_env, registration)
             with diamond_session(ort_env, registration) as s:
                 results = [s.run(None, {"x": X * k})[0] for k in range(10)]
             after = worker_stats(ort_env, registration)
             assert after.methods["Ep/Compute"].calls - before.methods["Ep/Compute"].calls == 10
-            assert (after.fast_lane_calls - before.fast_lane_calls, after.kept_calls - before.kept_calls) == \
-                (lane, kept), registration
+            assert (after.fast_lane_calls - before.fast_lane_calls >= 10 if lane else
+                    after.fast_lane_calls == before.fast_lane_calls), registration
+            assert after.kept_calls - before.kept_calls == kept, registration
             for k, y in enumerate(results):
                 np.testing.assert_array_equal(y, models.diamond_expected(X * k))
                 y += 1  # outputs are the caller's, writable, as ORT's are
