@@ -10,6 +10,7 @@ the connection serves on. Either way the worker keeps serving every other connec
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -19,7 +20,6 @@ import time
 from typing import Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from ephost.errors import EpError
 from ephost.fastlane import (BY_ID, KEPT, METHODS, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
@@ -92,8 +92,11 @@ class LaneServer:
                 self._error(conn, 0, grpc.StatusCode.INVALID_ARGUMENT, f"fast lane: {e}; connection closed")
             except OSError:
                 pass
-        except OSError as e:
-            log.debug("fast lane connection ended: %s", e)
+        except OSError as e:  # the peer went (quietly); anything else is worth a line
+            log.log(logging.DEBUG if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF) else logging.WARNING,
+                    "fast lane connection ended: %s", e)
+        except Exception:  # a bug: this connection goes, the worker serves on, and the log says why
+            log.exception("fast lane: a connection's thread failed; closing the connection")
         finally:
             with self._lock:
                 self._connections.discard(conn)
@@ -134,7 +137,7 @@ class LaneServer:
                 continue
             try:
                 request = method.request.FromString(frame.payload)
-            except DecodeError:
+            except Exception:  # DecodeError, and RuntimeError from the upb parser on deep nesting
                 self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
                             f"a {method.name} frame whose message cannot be parsed")
                 continue

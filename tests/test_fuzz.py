@@ -218,6 +218,11 @@ def fuzzed():
         w.stop()
 
 
+def _log_tail(w: Worker, lines: int = 15) -> str:
+    with open(w.log_path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
 def _call(channel, service: str, method: D.MethodDescriptor, payloads: list[bytes], metadata):
     path = f"/{wire.PROTOCOL}.{service}/{method.name}"
     kw = dict(timeout=DEADLINE_S, metadata=metadata)
@@ -380,7 +385,8 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
                 fastlane.send_frame(sock, method_id, rng.randrange(2 ** 16) if how == "status" else 0,
                                     timeout_s, payload)
             frames = lanes[lane].replies()
-            assert frames, f"{how}: the worker closed a connection after a well-formed frame"
+            assert frames, f"{how}: the worker closed a connection after a well-formed frame; its log ends: " \
+                f"{_log_tail(w)}"
             codes = {c.value[0]: c for c in grpc.StatusCode}
             code = codes.get(frames[0].status)
             detail = fastlane.decode_error(frames[0].payload)[0] if frames[0].status else ""
