@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ephost.errors import EpNotFound
+from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.eps.base import FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
@@ -37,6 +37,12 @@ class EpService(Servicer):
         client = call.client
         ep = client.get("ep", request.ep)
         index = self.state.model(client, request.model)
+        for g in request.graphs:
+            unknown = [n for n in g.nodes if n not in index.nodes]
+            if unknown or not g.nodes:
+                raise EpInvalidArgument(f"fused graph {g.name!r} names no node of the model" if not g.nodes else
+                                        f"fused graph {g.name!r} names {len(unknown)} node(s) the model does not "
+                                        f"have: {', '.join(repr(n) for n in unknown[:5])}")
         graphs = [FusedGraph(g.name, index, tuple(g.nodes), tuple(g.inputs), tuple(g.outputs))
                   for g in request.graphs]
         infos = ep.compile(graphs)

@@ -330,3 +330,16 @@ def test_release_node_compute_infos_is_all_or_nothing(raw):
     assert len(_compute(raw, c).outputs) == 1
     raw(raw.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(ep=ep, node_compute_infos=[a, b]))
     assert status_of(lambda: _compute(raw, a))[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_fused_graph_naming_nodes_the_model_lacks_is_invalid(raw):
+    """Found by the fast-lane fuzz (seed 110): a Compile whose fused graph names a node the model does not have
+    (or none) was an INTERNAL KeyError inside the EP; it is the caller's mistake, said so."""
+    from models import chain
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    for model, nodes in ((b"", [""]), (chain(["Relu"]).SerializeToString(), ["n0_Relu", "n9_Nope"]),
+                         (chain(["Relu"]).SerializeToString(), [])):
+        code, message = status_of(lambda: raw(raw.ep.Compile, ep_pb2.CompileRequest(
+            ep=ep, model=ep_pb2.ModelRef(model=model),
+            graphs=[ep_pb2.FusedGraph(name="p", nodes=nodes, inputs=["x"], outputs=["y"])])))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "fused graph 'p'" in message, message
