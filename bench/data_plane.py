@@ -16,9 +16,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import statistics
-import time
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -27,30 +24,13 @@ from onnx import TensorProto, helper
 import ephost
 from ephost import DeviceMemoryType, InferenceSession, Tensor
 from ephost.run_command import bundled_input, bundled_model
-from bench.session_overhead import SESSION_CONFIG, in_process_session, options_for, tiny_model
+from bench.session_overhead import SESSION_CONFIG, in_process_session, interleaved, options_for, tiny_model
 
 CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
 # The fast lane as it is (small Computes repeated as kept calls), the fast lane sending every Compute whole,
 # and gRPC alone.
 TRANSPORTS = {"lane": {}, "unkept": {"kept_calls": "false"}, "grpc": {"fast_lane": "false"}}
 LABELS = {"in": "in process", "lane": "fast lane", "unkept": "fast lane, calls not kept", "grpc": "gRPC"}
-
-
-def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: int) -> dict[str, float]:
-    """Median seconds per call of each fn, run in hot blocks of `per_block` calls, the blocks interleaved."""
-    for fn in fns.values():
-        for _ in range(max(3, per_block // 4)):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    clock = time.perf_counter
-    for _ in range(blocks):
-        for name, fn in fns.items():
-            block = times[name]
-            for _ in range(per_block):
-                start = clock()
-                fn()
-                block.append(clock() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def pin(pid: int, cpus: set[int]) -> None:

@@ -1,6 +1,7 @@
 """Time per run of the same model in process (ONNX Runtime) and out of process (ephost, the same EP in a
-worker), measured side by side in one run: runs alternate between the two so that the machine's noise falls
-on both alike. Medians and ratios; for the tiny model, the overhead per call in microseconds.
+worker), measured side by side in one run. The tiny model in hot loops, interleaved in blocks (its overhead per
+call in microseconds, against a hot in-process run); the CNNs alternate run by run, so that the machine's noise
+falls on both alike. Medians and ratios.
 
 Both sides run ONNX Runtime with the same settings, thread spinning off: with it on, the threads of one side
 spin after each run and take the cores the other side's next run needs, which measures the spinning.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -41,6 +43,23 @@ def side_by_side(fns: dict, runs: int) -> dict[str, float]:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: int) -> dict[str, float]:
+    """Median seconds per call of each fn, run in hot blocks of `per_block` calls, the blocks interleaved."""
+    for fn in fns.values():
+        for _ in range(max(3, per_block // 4)):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    clock = time.perf_counter
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            block = times[name]
+            for _ in range(per_block):
+                start = clock()
+                fn()
+                block.append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -94,12 +113,14 @@ def main(quick: bool = False) -> None:
         tiny = tiny_model()
         with InferenceSession(tiny, options_for(env, "ort-cpu"), env=env) as session:
             inproc = in_process_session(tiny, "ORT CPU")
-            t = side_by_side({
-                "in process": lambda: inproc.run(None, {"x": x}),
-                "out of process": lambda: session.run(None, {"x": x}),
-                "empty gRPC call": lambda: conn.call(conn.worker.GetInfo, common_pb2.Empty()),
-            }, runs)
-        print("Tiny model (one Add on 16 floats), ORT CPU EP, median per run\n")
+            # Hot loops in interleaved blocks: alternating call by call inflates the in-process figure several
+            # times over (each side finds its caches cold after the other ran) and hides the overhead.
+            # The gRPC calls apart: blocks of them between the two would leave gRPC's threads busy on both sides.
+            t = interleaved({"in process": lambda: inproc.run(None, {"x": x}),
+                             "out of process": lambda: session.run(None, {"x": x})}, 4 if quick else 10, 1000)
+            t.update(interleaved({"empty gRPC call": lambda: conn.call(conn.worker.GetInfo, common_pb2.Empty())},
+                                 1, runs * 5))
+        print("Tiny model (one Add on 16 floats), ORT CPU EP, median per run in hot loops (interleaved blocks)\n")
         print("| in process | out of process | overhead per call | of which an empty gRPC call |")
         print("|---|---|---|---|")
         print(f"| {t['in process'] * 1e6:.0f} µs | {t['out of process'] * 1e6:.0f} µs | "

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound
-from ephost.external_data import ExternalData, ExternalFile, WorkerFile, model_key
+from ephost.external_data import ExternalData, WorkerFile, model_key
 from ephost.fdshare import hand_over_file
 from ephost.memory import Buffer
 from ephost.tensor import Tensor, check_copy_pairs
