@@ -24,8 +24,8 @@ import numpy as np
 
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
                            error_for_status)
-from ephost.fastlane import (KEPT, KEPT_ID, METHODS, STATUS_OK, TICKET_OK, FrameError, FrameReader, Method, configure,
-                             decode_error, send_parts)
+from ephost.fastlane import (KEPT, KEPT_ID, MAX_KEPT, METHODS, STATUS_OK, TICKET_OK, FrameError, FrameReader,
+                             Method, configure, decode_error, send_parts)
 from ephost.types import checked_desc
 from ephost.wire import SPIN_S
 
@@ -68,7 +68,6 @@ class _Kept:
 
 
 _UNKEPT = object()
-MAX_KEPT = 64  # kept calls one connection remembers (the worker keeps as many)
 
 
 class _Connection:

@@ -45,6 +45,7 @@ REGIONS = 0xFFFF
 REGION = struct.Struct("<QQ")
 KEPT = 0xFF00                  # a kept call repeated (see above)
 KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
+MAX_KEPT = 64                  # kept calls one connection keeps, at either end (past it the oldest goes)
 MAX_FDS = 16
 _TRUNC = int(socket.MSG_TRUNC)  # a plain int: an IntFlag's & costs more than the rest of a frame's reading
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import grpc
 
-from ephost.errors import EpError
+from ephost.errors import EpError, EpInvalidArgument
 from ephost.fastlane import (BY_ID, KEPT, METHODS, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
                              FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
@@ -35,6 +35,13 @@ COMPUTE = METHODS["Ep/Compute"].id
 # (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True) -> reply;
 # raises EpError
 Dispatch = Callable[..., object]
+
+
+def _deadline(frame, name: str) -> float | None:
+    """The call's deadline (time.monotonic()) from its frame's timeout; None: none."""
+    if not (math.isfinite(frame.timeout_s) and frame.timeout_s >= 0):
+        raise EpInvalidArgument(f"a {name} frame whose timeout is not a finite number of seconds >= 0")
+    return time.monotonic() + frame.timeout_s if frame.timeout_s > 0 else None
 
 
 def lane_path(fd_socket: str) -> str:
@@ -141,11 +148,8 @@ class LaneServer:
                 self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
                             f"a {method.name} frame whose message cannot be parsed")
                 continue
-            deadline = self._deadline(conn, frame, method.name)
-            if deadline is False:
-                continue
             try:
-                reply = dispatch(method.name, request, client_id, deadline, lane=True)
+                reply = dispatch(method.name, request, client_id, _deadline(frame, method.name), lane=True)
             except EpError as e:
                 self._error(conn, frame.method, e.code, str(e), getattr(e, "reason", ""))
                 continue
@@ -155,10 +159,8 @@ class LaneServer:
 
     def _serve_kept(self, conn: socket.socket, client_id: str, frame, kept: KeptCalls, sent: set[int]) -> None:
         """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed."""
-        deadline = self._deadline(conn, frame, "kept Ep/Compute")
-        if deadline is False:
-            return
         try:
+            deadline = _deadline(frame, "kept Ep/Compute")
             call = kept.get(frame.payload)
             reply = self._kept((call, frame.payload), client_id, deadline)
         except EpError as e:
@@ -168,15 +170,6 @@ class LaneServer:
             send_parts(conn, KEPT, 0.0, reply, call.output_bytes)
         else:
             self._send_reply(conn, client_id, COMPUTE, reply, sent)
-
-    def _deadline(self, conn: socket.socket, frame, name: str) -> "float | None | bool":
-        """The call's deadline from its frame (None: none), or False where the frame's timeout is no number of
-        seconds (answered with an error)."""
-        if not (math.isfinite(frame.timeout_s) and frame.timeout_s >= 0):
-            self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a {name} frame whose timeout is not a finite number of seconds >= 0")
-            return False
-        return time.monotonic() + frame.timeout_s if frame.timeout_s > 0 else None
 
     def _send_reply(self, conn: socket.socket, client_id: str, method: int, reply, sent: set[int]) -> None:
         named = REPLY_REGIONS.get(method)

@@ -15,12 +15,10 @@ from typing import Any
 import numpy as np
 
 from ephost.errors import EpInvalidArgument, EpUnknownKeptCall
-from ephost.fastlane import KEPT_ID
+from ephost.fastlane import KEPT_ID, MAX_KEPT
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, checked_desc
 
-# Kept calls per connection: one per partition and input shapes a thread repeats; past this the oldest goes.
-MAX_KEPT = 64
 
 Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nbytes) of each tensor
 
