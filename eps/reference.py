@@ -20,6 +20,7 @@ from ephost.ep_context import EpContext
 from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, external_initializers
 from ephost.external_data import has_external_data
 from ephost.eps.host import EphostCpuFactory, local_inputs
+from ephost.eps.reference_plan import Plan
 from ephost.errors import EpError, EpInvalidArgument
 from ephost.tensor import Tensor
 from ephost.values import as_value
@@ -85,6 +86,8 @@ class ReferenceComputeInfo:
             self._evaluator = ReferenceEvaluator(model)
         except Exception as e:
             raise EpInvalidArgument(f"reference EP cannot compile {name!r}: {type(e).__name__}: {e}") from None
+        plan = Plan.of(self._evaluator)
+        self._run = plan.run if plan is not None else lambda feeds: self._evaluator.run(None, feeds)
         self._lock = threading.Lock()  # the evaluator keeps state while it runs
         self.restored = restored
         self.ep_context = EpContext(CONTEXT_FORM, model.SerializeToString(), VERSION) if keep_context else None
@@ -112,7 +115,7 @@ class ReferenceComputeInfo:
             feeds.update(self._constants)
         with self._lock:
             try:
-                results = self._evaluator.run(None, feeds)
+                results = self._run(feeds)
             except EpError:
                 raise
             except Exception as e:
