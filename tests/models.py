@@ -83,14 +83,17 @@ def _external(t: TensorProto, location: str, offset: int, length: int) -> Tensor
 
 
 def sparse_external_model(folder, weights: int = 5, elements: int = 128 << 20, positions=(0, 12345, 1 << 26),
-                          location: str = "weights.bin", opset: int = 18, dense: bool = False, aligned: bool = True):
+                          location: str = "weights.bin", opset: int = 18, dense: bool = False, aligned: bool = True,
+                          reads_all: bool = False):
     """A model whose `weights` float32 initializers of `elements` each (512 MiB by default: 2.5 GiB in all)
     live in one external file made sparse: only the floats at `positions` of each are written (value
     1000 * k + j + 0.5 for weight k, position j), the rest is a hole that costs no disk (`dense`: ones, written
     out, as a real model's bytes are). The graph reads just those: y = Sum_k Gather(W_k, idx). Returns (model
     path, idx, expected y); the hole the expected y reads is 0 (1 where dense). `aligned`: each weight starts on
     a 64 KiB boundary (ORT maps those); else right after the one before, as onnx.save writes them (ORT reads
-    those into its own memory)."""
+    those into its own memory). `reads_all`: a second output, `peak` = the largest float of all weights
+    (Max_k ReduceMax(W_k); 1000 * (weights - 1) + len(positions) - 0.5), so that a run reads every weight's bytes
+    as a real model's does."""
     import os
     import onnx
     folder = os.fspath(folder)
@@ -111,7 +114,13 @@ def sparse_external_model(folder, weights: int = 5, elements: int = 128 << 20, p
                        k * stride, nbytes) for k in range(weights)]
     nodes = [helper.make_node("Gather", [f"W{k}", "idx"], [f"g{k}"], name=f"gather{k}") for k in range(weights)]
     nodes.append(helper.make_node("Sum", [f"g{k}" for k in range(weights)], ["y"], name="sum"))
-    m = model(nodes, [tensor("idx", [None], TensorProto.INT64)], [tensor("y", [None])], inits,
+    outputs = [tensor("y", [None])]
+    if reads_all:
+        nodes += [helper.make_node("ReduceMax", [f"W{k}"], [f"m{k}"], name=f"max{k}", keepdims=0)
+                  for k in range(weights)]
+        nodes.append(helper.make_node("Max", [f"m{k}" for k in range(weights)], ["peak"], name="peak"))
+        outputs.append(tensor("peak", []))
+    m = model(nodes, [tensor("idx", [None], TensorProto.INT64)], outputs, inits,
               opset=[helper.make_opsetid("", opset)])
     model_path = os.path.join(folder, "model.onnx")
     onnx.save(m, model_path)
