@@ -12,6 +12,7 @@ import fcntl
 import itertools
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ class Region:
         self._mm = mm
         self.size = size
         self.fd = fd
+        self._fd_lock = threading.Lock()  # a duplicate is never made of a number closed meanwhile (and reused)
         self.id = next(_region_ids) if region_id is None else region_id
 
     @classmethod
@@ -97,6 +99,13 @@ class Region:
     def shareable(self) -> bool:
         return self.fd is not None
 
+    def dup_fd(self) -> int | None:
+        """A duplicate of the region's descriptor (the caller owns it), or None where it has none (private, or
+        closed). Reading `fd` and duplicating it apart could duplicate whatever file reused the number after
+        another thread closed the region in between, and hand that to a peer."""
+        with self._fd_lock:
+            return os.dup(self.fd) if self.fd is not None else None
+
     def view(self, offset: int, nbytes: int, owner: Any = None) -> np.ndarray:
         """A writable uint8 array over [offset, offset + nbytes). `owner` is kept alive as long as the array."""
         check_slice(offset, nbytes, self.size)
@@ -110,9 +119,10 @@ class Region:
     def close(self, unmap: bool = True) -> None:
         """Close the descriptor; unmap too unless `unmap` is False, in which case the mapping lasts as long as
         anything (a buffer, a numpy view) still refers to this region."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        with self._fd_lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
         if unmap:
             try:
                 self._mm.close()

@@ -117,10 +117,8 @@ class WorkerState:
             _, region = self.region(self.clients.lookup(client_id), region_id)
         except EpError:  # an unknown client, or not its region
             return None
-        try:
-            return (os.dup(region.fd), region.size) if region.fd is not None else None
-        except OSError:  # released meanwhile
-            return None
+        fd = region.dup_fd()
+        return (fd, region.size) if fd is not None else None
 
     def model(self, client: ClientState, ref) -> GraphIndex:
         """The model a ModelRef names, parsed and indexed once per client and content hash (of its bytes and of

@@ -84,7 +84,13 @@ class WorkerService(Servicer):
         allocator, region = self.state.region(client, request.region)
         if not region.shareable:
             raise EpInvalidArgument(f"region {request.region} is worker-local (DEFAULT) memory and cannot be shared")
-        ticket = self.state.fd_server.issue(region.fd, region.size, owner=client.client_id, group=allocator)
+        fd = region.dup_fd()
+        if fd is None:
+            raise EpNotFound(f"region {request.region} was released")
+        try:
+            ticket = self.state.fd_server.issue(fd, region.size, owner=client.client_id, group=allocator)
+        finally:
+            os.close(fd)
         return worker_pb2.ExportRegionResponse(ticket=ticket, nbytes=region.size)
 
     @rpc

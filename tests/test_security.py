@@ -223,6 +223,26 @@ def test_an_unsealed_segment_is_never_mapped():
         Region.from_fd(fd, 4096, 1)  # closes fd
 
 
+def test_a_closed_region_hands_out_no_descriptor_and_no_reused_number():
+    """A region's descriptor is duplicated under the lock that closes it: once closed, no duplicate is made (a
+    duplicate of the old number would be of whatever file the process opened next under it)."""
+    from ephost.memory import Region
+    region = Region.create_shared(4096)
+    fd = region.dup_fd()
+    try:
+        assert fd != region.fd and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:ephost")
+    finally:
+        os.close(fd)
+    number = region.fd
+    region.close()
+    reused = os.open("/dev/null", os.O_RDONLY)  # the lowest free number: most likely the one just closed
+    try:
+        assert region.dup_fd() is None
+        assert reused != number or os.readlink(f"/proc/self/fd/{number}") == "/dev/null"
+    finally:
+        os.close(reused)
+
+
 def test_tickets_die_with_their_client_and_their_allocator(hostile):
     w, raw = hostile
     pid = w.proc.pid
