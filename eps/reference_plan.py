@@ -11,7 +11,7 @@ the evaluator.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from numpy import ndarray
 from onnx.reference import ReferenceEvaluator
@@ -19,7 +19,7 @@ from onnx.reference.op_run import OpFunction, OpRun, RuntimeTypeError
 from onnx.reference.ops._op import OpRunBinary, OpRunBinaryNum, OpRunUnary, OpRunUnaryNum
 
 
-def _same_input_dtypes(node: OpRun, args: tuple, res: tuple) -> None:
+def _same_input_dtypes(node: OpRun, args: tuple) -> None:
     x, y = args
     if x is None or y is None:
         raise RuntimeError(f"x and y have different dtype: {type(x)} != {type(y)} ({type(node)})")
@@ -34,36 +34,32 @@ def _output_dtype_of_first_input(node: OpRun, args: tuple, res: tuple) -> None:
                                f"(operator {type(node).__name__!r}).")
 
 
-def _binary_num(node: OpRun, args: tuple, res: tuple) -> None:
-    _same_input_dtypes(node, args, res)
-    _output_dtype_of_first_input(node, args, res)
-
-
-def _no_check(node: OpRun, args: tuple, res: tuple) -> None:
-    pass
-
+Before = Callable[[OpRun, tuple], None] | None  # checks of the inputs, before `_run`
+After = Callable[[OpRun, tuple, tuple], None] | None  # checks of the results (beside their types), after it
 
 # A kernel class's `run` (the wrapper onnx calls `_run` through) -> the checks it makes besides the results'
 # types. A class with any other `run` has it called as the evaluator does.
-WRAPPERS: dict[Callable, Callable[[OpRun, tuple, tuple], None]] = {
-    OpRun.run: _no_check,
-    OpRunUnary.run: _no_check,
-    OpRunUnaryNum.run: _output_dtype_of_first_input,
-    OpRunBinary.run: _same_input_dtypes,
-    OpRunBinaryNum.run: _binary_num,
+WRAPPERS: dict[Callable, tuple[Before, After]] = {
+    OpRun.run: (None, None),
+    OpRunUnary.run: (None, None),
+    OpRunUnaryNum.run: (None, _output_dtype_of_first_input),
+    OpRunBinary.run: (_same_input_dtypes, None),
+    OpRunBinaryNum.run: (_same_input_dtypes, _output_dtype_of_first_input),
 }
 
 
 class Step:
     """One node: its kernel, where its inputs come from and where its outputs go."""
 
-    __slots__ = ("node", "inputs", "outputs", "attributes", "check")
+    __slots__ = ("node", "inputs", "outputs", "attributes", "direct", "before", "after")
 
     def __init__(self, node: OpRun):
         self.node = node
         self.inputs = tuple(node.input)
         self.outputs = tuple(node.output)
-        self.check = WRAPPERS.get(type(node).run)
+        checks = WRAPPERS.get(type(node).run)
+        self.direct = checks is not None
+        self.before, self.after = checks or (None, None)
         # What OpRun.run passes `_run` beside the inputs (fixed for a node without linked attributes); the unary
         # and binary wrappers pass nothing (their kernels read their attributes themselves).
         self.attributes = {a: getattr(node, a) for a in node.attributes_names_} if type(node).run is OpRun.run \
@@ -71,8 +67,10 @@ class Step:
 
     def run(self, args: tuple) -> tuple:
         node = self.node
-        if self.check is None:
+        if not self.direct:
             return node.run(*args)
+        if self.before is not None:
+            self.before(node, args)
         try:
             res = node._run(*args, **self.attributes)
         except (TypeError, AttributeError) as e:
@@ -80,7 +78,8 @@ class Step:
                 from e
         if type(res) is not tuple or not res or not all(type(r) is ndarray for r in res):  # arrays pass as they are
             res = node._check_and_fix_outputs(res)
-        self.check(node, args, res)
+        if self.after is not None:
+            self.after(node, args, res)
         return res
 
 
