@@ -21,7 +21,7 @@ from ephost.client.context_model import restore_graph
 from ephost.client.handles import RemoteHandle, owned
 from ephost.client.streams import RemoteStream
 from ephost.client.supervisor import WorkerLink
-from ephost.client.transfer import INLINE_LIMIT, ModelSender, RemoteDataTransfer, Stager, tensor_ref
+from ephost.client.transfer import INLINE_LIMIT, ModelSender, RemoteDataTransfer, Stager, ThreadStaging, tensor_ref
 from ephost.v1 import common_pb2, ep_pb2, factory_pb2
 
 _EMPTY = common_pb2.Empty()
@@ -39,6 +39,7 @@ class RemoteComputeInfo(RemoteHandle):
                  context: EpContext | None = None):
         super().__init__(ep.link, handle)
         self._ep, self._graph, self._stager = ep, graph, stager
+        self._staging = ThreadStaging(ep.link, stager) if stager.available else None  # kept calls' large inputs
         self.name = graph.name
         self.ep_context = context  # the partition's compiled form, where the EP made one
 
@@ -50,13 +51,18 @@ class RemoteComputeInfo(RemoteHandle):
             graph = restore_graph(graph, self._ep.get_name(), self.ep_context)
         return self._ep.compile_handles([graph])[0][0]
 
+    def release_staging(self) -> None:
+        """Give back the buffers kept for this partition's kept calls (it is being released)."""
+        if self._staging is not None:
+            self._staging.release()
+
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]:
         if not keep and not into:
-            small = _inline_inputs(inputs, self.link)
-            if small is not None:
-                return self._compute_kept(inputs, allocator, timeout, *small)
+            kept = self._kept_inputs(inputs)
+            if kept is not None:
+                return self._compute_kept(inputs, allocator, timeout, *kept)
         staged: list[Buffer] = []
         try:
             conn = self.link.conn
@@ -71,14 +77,42 @@ class RemoteComputeInfo(RemoteHandle):
         self.link.between_calls()
         return outputs
 
+    def _kept_inputs(self, inputs: Sequence[Any]) -> tuple[tuple, list, int, list[int]] | None:
+        """(types and shapes, the small inputs' bytes, their total size, the positions of the large ones) where
+        every input is a tensor this process can read and the worker does not have: small ones travel inline,
+        large ones through buffers this thread keeps for this call. Else None."""
+        layout, parts, nbytes, large = [], [], 0, []
+        for i, value in enumerate(inputs):
+            if type(value) is not Tensor or owned(value.buffer, self.link):
+                return None
+            array = value.local_array()
+            if array is None:
+                return None
+            layout.append((value.shape, value.dtype))
+            if value.nbytes < INLINE_LIMIT:
+                parts.append(array)
+                nbytes += value.nbytes
+            elif self._staging is not None:
+                large.append(i)
+            else:
+                return None
+        return tuple(layout), parts, nbytes, large
+
     def _compute_kept(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, timeout: float | None,
-                      layout: tuple, parts: list, nbytes: int) -> list[Any]:
-        """A run whose inputs all travel inline: a call the fast lane keeps (FastLane.call_kept), so that a
-        steady stream of them sends the inputs' bytes and gets the outputs' back, nothing else."""
-        conn = self.link.conn
-        key = (self.handle, allocator.handle if allocator is not None else 0, layout)
+                      layout: tuple, parts: list, nbytes: int, large: list[int]) -> list[Any]:
+        """A run of inputs the worker does not have: a call the fast lane keeps (FastLane.call_kept), so that a
+        steady stream of them sends the small inputs' bytes (the large ones are in buffers the worker keeps
+        naming) and gets the outputs' back, nothing else."""
+        conn = self.link.conn  # first: it waits for a worker being replaced, whose buffers the staging needs
+        staged = {}
+        if large:
+            staged = dict(zip(large, self._staging.buffers(layout, [inputs[i].nbytes for i in large])))
+            for i, buffer in staged.items():
+                self._stager.write(buffer, inputs[i].local_bytes())
+        key = (self.handle, allocator.handle if allocator is not None else 0, layout,
+               tuple(b.handle for b in staged.values()))
         result = self.link.run(lambda c: c.compute_kept(
-            key, parts, nbytes, lambda: self._request(inputs, allocator, (), {}, []), timeout), conn=conn)
+            key, parts, nbytes, lambda: self._request(inputs, allocator, (), {}, [], staged), timeout), conn=conn)
         if isinstance(result, list):
             outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
         else:
@@ -87,12 +121,17 @@ class RemoteComputeInfo(RemoteHandle):
         return outputs
 
     def _request(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, keep: Sequence[int],
-                 targets: Mapping[int, Tensor], staged: list[Buffer]) -> ep_pb2.ComputeRequest:
+                 targets: Mapping[int, Tensor], staged: list[Buffer],
+                 written: Mapping[int, Buffer] = {}) -> ep_pb2.ComputeRequest:
+        """`written`: inputs already written into these buffers of the worker's (named by handle)."""
         # Built in place, field by field: nested keyword constructors cost twice as much on every run.
         request = ep_pb2.ComputeRequest(node_compute_info=self.handle, inline_limit=INLINE_LIMIT)
-        for value in inputs:
+        for i, value in enumerate(inputs):
             message = request.inputs.add()
-            if isinstance(value, Tensor):
+            if i in written:
+                desc_to_proto(value.shape, value.dtype, message.tensor.desc)
+                message.tensor.buffer = written[i].handle
+            elif isinstance(value, Tensor):
                 tensor_ref(value, "source", self.link, self._stager, staged, out=message.tensor)
             else:
                 message.onnx.CopyFrom(values.encode(value))
@@ -122,22 +161,6 @@ class RemoteComputeInfo(RemoteHandle):
             host = np.empty(shape, dtype)
             allocator.read(buffer, host.reshape(-1).view(np.uint8))
         return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, host=host, allocator=allocator)
-
-
-def _inline_inputs(inputs: Sequence[Any], link: WorkerLink) -> tuple[tuple, list, int] | None:
-    """(types and shapes, bytes, their total size) of inputs that all travel inline (tensors this process can
-    read, smaller than INLINE_LIMIT, not already in the worker), else None."""
-    layout, parts, nbytes = [], [], 0
-    for value in inputs:
-        if type(value) is not Tensor or value.nbytes >= INLINE_LIMIT or owned(value.buffer, link):
-            return None
-        array = value.local_array()
-        if array is None:
-            return None
-        layout.append((value.shape, value.dtype))
-        parts.append(array)
-        nbytes += value.nbytes
-    return tuple(layout), parts, nbytes
 
 
 class RemoteEp(RemoteHandle):
@@ -183,6 +206,8 @@ class RemoteEp(RemoteHandle):
         return [RemoteComputeInfo(self, g, h, self._stager, c) for g, (h, c) in zip(graphs, compiled)]
 
     def release_node_compute_infos(self, infos: Sequence[RemoteComputeInfo]) -> None:
+        for info in infos:
+            info.release_staging()
         current = [h for h in (i.current_handle for i in infos) if h]
         if current and self.current:
             self.call(lambda c: c.ep.ReleaseNodeComputeInfos,

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -78,8 +79,9 @@ class Stager:
                 return buffer
         return self._allocator_now().alloc(nbytes)
 
-    def release(self, buffers: Sequence[Buffer]) -> None:
-        """Give buffers back: kept for the next call while the idle total allows, freed otherwise."""
+    def release(self, buffers: Sequence[Buffer], *, later: bool = False) -> None:
+        """Give buffers back: kept for the next call while the idle total allows, freed otherwise (`later`: by
+        the free queue, for a finalizer, which must not wait on a call)."""
         extra = []
         with self._lock:
             for buffer in buffers:
@@ -88,7 +90,10 @@ class Stager:
                     self._idle_bytes += buffer.nbytes
                 else:
                     extra.append(buffer)
-        if extra:
+        if extra and later:
+            for buffer in extra:
+                self._allocator_now().free_later(buffer)
+        elif extra:
             self._allocator_now().free_many(extra)
 
     def write(self, buffer: Buffer, data) -> None:
@@ -113,6 +118,52 @@ class Stager:
             self._idle_bytes = 0
         if idle and self._allocator is not None:
             self._allocator.free_many(idle)
+
+
+class ThreadStaging:
+    """Buffers of a Stager that one repeated call keeps per calling thread (kept calls, ephost/fastlane.py): its
+    large inputs are written into the same buffers every run, so that the worker names them by the handles it
+    kept and the frame carries none of their bytes. A thread's buffers go back to the stager when the thread
+    ends, when the worker they were in is gone, past MAX layouts in one thread, and on release()."""
+
+    MAX = 8
+
+    def __init__(self, link: WorkerLink, stager: Stager):
+        self._link, self._stager = link, stager
+        self._threads: "weakref.WeakKeyDictionary[threading.Thread, dict]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def buffers(self, layout: tuple, sizes: Sequence[int]) -> tuple[Buffer, ...]:
+        """This thread's buffers for a call of this layout (of these sizes), acquired on its first call."""
+        mine = self._threads.get(threading.current_thread())
+        if mine is None:
+            mine = {}
+            with self._lock:
+                self._threads[threading.current_thread()] = mine
+            weakref.finalize(threading.current_thread(), self._give_back, mine, True)
+        buffers = mine.get(layout)
+        if buffers is not None and all(owned(b, self._link) for b in buffers):
+            return buffers
+        stale = [mine.pop(layout, ())]
+        while len(mine) >= self.MAX:  # only this thread uses these: none is in a call now
+            stale.append(mine.pop(next(iter(mine))))
+        mine[layout] = buffers = tuple(self._stager.acquire(n) for n in sizes)
+        self._stager.release([b for old in stale for b in old])
+        return buffers
+
+    def _give_back(self, mine: dict, later: bool = False) -> None:
+        buffers = [b for kept in mine.values() for b in kept]
+        mine.clear()
+        if buffers:
+            self._stager.release(buffers, later=later)
+
+    def release(self) -> None:
+        """Give every thread's buffers back (the call they were kept for is gone)."""
+        with self._lock:
+            threads = list(self._threads.values())
+            self._threads.clear()
+        for mine in threads:
+            self._give_back(mine)
 
 
 def tensor_ref(tensor: Tensor, role: str, link: WorkerLink, stager: Stager, staged: list[Buffer],

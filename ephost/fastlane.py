@@ -8,9 +8,10 @@ status code, and the payload is the error message), the time the caller still gi
 payload's length. A frame larger than one packet continues in plain packets until `length` bytes arrived
 (SEQPACKET keeps each packet whole, so no packet boundary is ever guessed).
 
-Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs and outputs all travel inline
+Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs travel inline or in buffers of
+the caller's (large ones, which the caller writes again before each repeat) and whose outputs all travel inline
 is kept by the worker for that connection (the reply's `kept_call` names it). The caller repeats it as a KEPT
-frame, whose payload is the kept call's id (KEPT_ID) and the inputs' bytes, in order and nothing else; the
+frame, whose payload is the kept call's id (KEPT_ID) and the inline inputs' bytes, in order and nothing else; the
 worker answers a KEPT frame with the outputs' bytes, in order, where every output has the type and shape the
 kept call's first reply gave it, and otherwise with a whole ComputeResponse (method Ep/Compute). Errors are
 error frames, as for any method. A steady stream of small runs thus builds, parses and checks no message on

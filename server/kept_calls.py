@@ -2,15 +2,18 @@
 described in ephost/fastlane.py).
 
 What a kept call keeps is what its first request and reply said and the worker checked then: the handles of
-the partition and of the output allocator, and the types, shapes and sizes of the inputs and outputs. Each
-repeat looks the handles up again (a released partition is NOT_FOUND, as on any Compute) and checks the
-payload's length against the kept sizes before any byte is read; nothing else a peer sends is trusted.
+the partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, and for
+inputs the client staged in one of its buffers (large ones), that buffer's handle: the client writes each
+run's bytes there again and the frame carries only the small inputs' bytes. Each repeat looks every handle up
+again (a released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small for its input is
+INVALID_ARGUMENT) and checks the payload's length against the kept sizes before any byte is read; nothing else
+a peer sends is trusted.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,6 +24,10 @@ from ephost.types import HOST_MEMORY, checked_desc
 
 
 Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nbytes) of each tensor
+# (shape, dtype, nbytes, buffer handle) of each input; handle 0: its bytes come in the frame
+Inputs = tuple[tuple[tuple[int, ...], np.dtype, int, int], ...]
+# (handle, shape, dtype, nbytes) -> a tensor over the start of that buffer of the caller's
+BufferTensor = Callable[[int, tuple[int, ...], np.dtype, int], Tensor]
 
 
 def _inline_layout(values) -> Layout | None:
@@ -33,35 +40,55 @@ def _inline_layout(values) -> Layout | None:
     return tuple(layout)
 
 
+def _input_layout(values) -> Inputs | None:
+    """The layout of inputs that are all tensors, inline or in a buffer of the caller's, else None."""
+    layout = []
+    for value in values:
+        if value.WhichOneof("kind") != "tensor":
+            return None
+        ref = value.tensor
+        where = ref.WhichOneof("location")
+        if where not in ("inline", "buffer"):
+            return None
+        layout.append((*checked_desc(ref.desc), ref.buffer if where == "buffer" else 0))
+    return tuple(layout)
+
+
 @dataclass(frozen=True)
 class KeptCall:
     compute_info: int
     allocator: int        # 0: none
     inline_limit: int
-    inputs: Layout
+    inputs: Inputs
     outputs: Layout
-    input_bytes: int      # the payload after its id: every input's bytes
+    input_bytes: int      # the payload after its id: the bytes of every input that comes in the frame
+    staged_bytes: int     # the bytes of the inputs in the caller's buffers
     output_bytes: int     # a reply's payload: every output's bytes
 
     @classmethod
     def of(cls, request, reply) -> "KeptCall | None":
         """What to keep of a Compute (its request and its reply), or None where it does not qualify: every
-        input and output a tensor carried inline, and no keep, output buffers or stream."""
+        input a tensor inline or in a buffer of the caller's, every output a tensor carried inline, and no keep,
+        output buffers or stream."""
         if request.keep or request.output_buffers or request.stream:
             return None
-        inputs, outputs = _inline_layout(request.inputs), _inline_layout(reply.outputs)
+        inputs, outputs = _input_layout(request.inputs), _inline_layout(reply.outputs)
         if inputs is None or outputs is None:
             return None
         return cls(request.node_compute_info, request.output_allocator, request.inline_limit, inputs, outputs,
-                   sum(n for _, _, n in inputs), sum(n for _, _, n in outputs))
+                   sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n, h in inputs if h),
+                   sum(n for _, _, n in outputs))
 
-    def input_tensors(self, payload) -> list[Tensor]:
-        """The inputs, as tensors over a KEPT frame's payload (no copy)."""
+    def input_tensors(self, payload, buffer_tensor: BufferTensor) -> list[Tensor]:
+        """The inputs, as tensors over a KEPT frame's payload and over the caller's buffers (no copy)."""
         if len(payload) != KEPT_ID.size + self.input_bytes:
             raise EpInvalidArgument(f"a kept call takes {self.input_bytes} bytes of inputs, got "
                                     f"{len(payload) - KEPT_ID.size}")
         tensors, offset = [], KEPT_ID.size
-        for shape, dtype, nbytes in self.inputs:
+        for shape, dtype, nbytes, handle in self.inputs:
+            if handle:
+                tensors.append(buffer_tensor(handle, shape, dtype, nbytes))
+                continue
             array = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
             tensors.append(Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=array.reshape(shape)))
             offset += nbytes

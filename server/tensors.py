@@ -3,7 +3,7 @@ handles belong to the caller, slices lie inside their region, sizes match the de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -39,6 +39,16 @@ def resolve(state: WorkerState, client: ClientState, refs, role: str, *, writabl
     return out
 
 
+def buffer_tensor(client: ClientState, handle: int, shape: tuple[int, ...], dtype: np.dtype, nbytes: int,
+                  label: Callable[[], str]) -> tuple[Tensor, BufferEntry]:
+    """A tensor (checked already: shape, dtype, size) over the start of one of the client's buffers."""
+    entry = client.get("buffer", handle)
+    buffer = entry.buffer
+    if nbytes > buffer.nbytes:
+        raise EpInvalidArgument(f"{label()} does not fit its buffer of {buffer.nbytes} bytes")
+    return Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer), entry
+
+
 def resolve_ref(state: WorkerState, client: ClientState, ref, what: str, *,
                 writable: bool) -> tuple[Tensor, BufferEntry | None]:
     """One TensorRef as a tensor here, with the client's buffer entry where it names a buffer by handle."""
@@ -56,11 +66,7 @@ def resolve_ref(state: WorkerState, client: ClientState, ref, what: str, *,
             raise EpInvalidArgument(f"{label()} came with {len(data)} inline bytes")
         return Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=np.frombuffer(data, dtype).reshape(shape)), None
     if where == "buffer":
-        entry = client.get("buffer", ref.buffer)
-        buffer = entry.buffer
-        if nbytes > buffer.nbytes:
-            raise EpInvalidArgument(f"{label()} does not fit its buffer of {buffer.nbytes} bytes")
-        return Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer), entry
+        return buffer_tensor(client, ref.buffer, shape, dtype, nbytes, label)
     if where == "shm":
         owner, region = state.region(client, ref.shm.region)
         if ref.shm.nbytes != nbytes:

@@ -555,3 +555,152 @@ def test_kept_calls_on_the_wire(lane_worker):
         assert lane_worker.proc.poll() is None
     finally:
         raw.close()
+
+
+def staged_model():
+    """y = s @ x: x of 1 MiB (over the inline limit: it is staged in a buffer of the worker's), s of 1 KiB
+    (inline), y of 4 KiB (inline)."""
+    from onnx import helper
+    return models.model([helper.make_node("MatMul", ["s", "x"], ["y"], name="mm")],
+                        [models.tensor("s", [1, 256]), models.tensor("x", [256, 1024])],
+                        [models.tensor("y", [1, 1024])])
+
+
+def staged_feeds(rng):
+    return {"s": rng.standard_normal((1, 256)).astype(np.float32),
+            "x": rng.standard_normal((256, 1024)).astype(np.float32)}
+
+
+def test_runs_with_large_inputs_are_kept_calls_through_buffers_kept_for_them(ort_env):
+    """A large input goes into a buffer of the worker's that the calling thread keeps for the call: the first
+    run allocates it and sends the whole Compute; the next write the input there again and send a KEPT frame
+    with only the small inputs' bytes. Every result is right; no run after the first allocates or frees.
+    Over gRPC (no lane) the same buffers are used, and the call is sent whole each time."""
+    rng = np.random.default_rng(3)
+    for registration, kept in (("ort", 10), ("ort_grpc", 0)):
+        with InferenceSession(staged_model(), options_for(ort_env, registration), env=ort_env) as s:
+            feeds = staged_feeds(rng)
+            np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+            before = worker_stats(ort_env, registration)
+            for _ in range(10):
+                feeds = staged_feeds(rng)
+                np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+            after = worker_stats(ort_env, registration)
+        assert after.kept_calls - before.kept_calls == kept, registration
+        assert after.buffers_live == before.buffers_live, registration
+        for method in ("Allocator/Alloc", "Allocator/Free"):
+            assert after.methods[method].calls == before.methods[method].calls, (registration, method)
+        moved = after.compute_input_bytes_transferred - before.compute_input_bytes_transferred
+        assert moved == 10 * (256 + 256 * 1024) * 4, registration  # both inputs, every run
+        if kept:  # the large input's bytes never in a frame
+            assert after.bytes_inline_in - before.bytes_inline_in == 10 * 256 * 4
+
+
+def test_threads_keep_buffers_of_their_own(ort_env):
+    """Four threads repeating one call with large inputs at once: each writes into buffers of its own, so that
+    none reads another's input."""
+    errors = []
+    with InferenceSession(staged_model(), options_for(ort_env, "ort"), env=ort_env) as s:
+        def work(i):
+            rng = np.random.default_rng(100 + i)
+            try:
+                for _ in range(15):
+                    feeds = staged_feeds(rng)
+                    np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4,
+                                               atol=1e-4)
+            except Exception as e:  # reported below, with the thread's number
+                errors.append((i, e))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert errors == []
+
+
+def test_a_kept_call_through_buffers_survives_its_worker():
+    """The worker that had the kept buffers is killed: the next run (retried on its successor) is right, with
+    buffers acquired again there, and is kept again."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "onnxruntime", {"intra_op_num_threads": "1"})
+        options = options_for(env, "w")
+        options.ep_failure_policy = "retry"
+        rng = np.random.default_rng(5)
+        with InferenceSession(staged_model(), options, env=env) as s:
+            for _ in range(3):
+                feeds = staged_feeds(rng)
+                np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+            os.kill(env.registration("w").process.pid, signal.SIGKILL)
+            env.registration("w").link.wait_noticed(10)
+            for _ in range(3):
+                feeds = staged_feeds(rng)
+                np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+            assert worker_stats(env, "w").kept_calls == 2  # the successor's 2nd and 3rd runs
+
+
+def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
+    """A kept call whose input is in a buffer of the caller's: the KEPT frame carries only the id, the worker
+    reads the buffer as it is at each call, and looks the buffer up every time (freed: NOT_FOUND; the
+    connection serves on)."""
+    raw = RawClient(lane_worker.address)
+    try:
+        ep, partition, request = kept_partition(raw)
+        allocator = host_allocator(raw)
+        buffer = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+
+        def write(values):
+            raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
+                allocator=allocator, buffer=buffer, data=np.array(values, np.float32).tobytes())]))
+
+        write([-1, 2, -3, 4])
+        ref = request.inputs[0].tensor
+        ref.buffer = buffer  # instead of inline bytes
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
+        kid = KEPT_ID.pack(reply.kept_call)
+        write([5, -6, 7, -8])
+        frame = kept_frame(sock, kid)
+        assert (frame.method, frame.status) == (KEPT, 0), fastlane_error(frame)
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
+        frame = kept_frame(sock, kid + bytes(16))  # the input is not in the frame: nothing else may be
+        assert frame.status == 3 and b"takes 0 bytes" in bytes(frame.payload)
+
+        raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=buffer))
+        frame = kept_frame(sock, kid)
+        assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
+        frame, reply = lane_call(sock, "Allocator/Alloc", allocator_pb2.AllocRequest(allocator=allocator, nbytes=64))
+        assert frame.status == 0 and reply.buffer
+        sock.close()
+        assert lane_worker.proc.poll() is None
+    finally:
+        raw.close()
+
+
+def test_a_threads_buffers_go_back_when_it_ends(ort_env):
+    """Threads that come and go (a pool replaced, a request per thread) do not pile buffers up: an ended
+    thread's kept buffers return to the session's staging pool, where the next thread finds them."""
+    import gc
+    rng = np.random.default_rng(9)
+    with InferenceSession(staged_model(), options_for(ort_env, "ort"), env=ort_env) as s:
+        def one_run():
+            feeds = staged_feeds(rng)
+            np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+
+        for _ in range(2):  # the first thread's buffer comes from an Alloc
+            t = threading.Thread(target=one_run)
+            t.start()
+            t.join(30)
+        gc.collect()
+        before = worker_stats(ort_env, "ort")
+        for _ in range(5):
+            t = threading.Thread(target=one_run)
+            t.start()
+            t.join(30)
+            del t
+            gc.collect()
+        after = worker_stats(ort_env, "ort")
+    assert after.methods["Allocator/Alloc"].calls == before.methods["Allocator/Alloc"].calls
+    assert after.buffers_live == before.buffers_live
