@@ -101,25 +101,36 @@ def test_copy_tensors_and_alloc_over_the_lane(ort_env):
     assert worker_stats(ort_env, "ort").fast_lane_calls - before >= 4
 
 
+def in_threads(work, n: int) -> list[tuple[int, Exception]]:
+    """work(i) for i in range(n), on n threads at once; (i, exception) of each that failed."""
+    errors = []
+
+    def run(i):
+        try:
+            work(i)
+        except Exception as e:  # reported by the caller, with the thread's number
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
 def test_eight_threads_run_one_session_at_once(ort_env):
     before = worker_stats(ort_env, "ort").fast_lane_connections
-    errors, counts = [], [0] * 8
+    counts = [0] * 8
     with diamond_session(ort_env, "ort") as s:
         def work(i):
             rng = np.random.default_rng(i)
-            try:
-                for _ in range(40):
-                    x = rng.standard_normal(SHAPE).astype(np.float32)
-                    np.testing.assert_allclose(s.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
-                    counts[i] += 1
-            except Exception as e:  # reported below, with the thread's number
-                errors.append((i, e))
+            for _ in range(40):
+                x = rng.standard_normal(SHAPE).astype(np.float32)
+                np.testing.assert_allclose(s.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+                counts[i] += 1
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = in_threads(work, 8)
     assert errors == []
     assert counts == [40] * 8
     opened = worker_stats(ort_env, "ort").fast_lane_connections - before
@@ -566,9 +577,11 @@ def staged_model():
                         [models.tensor("y", [1, 1024])])
 
 
-def staged_feeds(rng):
-    return {"s": rng.standard_normal((1, 256)).astype(np.float32),
-            "x": rng.standard_normal((256, 1024)).astype(np.float32)}
+def staged_run(session, rng) -> None:
+    """One run of staged_model on new random inputs, its result checked."""
+    feeds = {"s": rng.standard_normal((1, 256)).astype(np.float32),
+             "x": rng.standard_normal((256, 1024)).astype(np.float32)}
+    np.testing.assert_allclose(session.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
 
 
 def test_runs_with_large_inputs_are_kept_calls_through_buffers_kept_for_them(ort_env):
@@ -579,12 +592,10 @@ def test_runs_with_large_inputs_are_kept_calls_through_buffers_kept_for_them(ort
     rng = np.random.default_rng(3)
     for registration, kept in (("ort", 10), ("ort_grpc", 0)):
         with InferenceSession(staged_model(), options_for(ort_env, registration), env=ort_env) as s:
-            feeds = staged_feeds(rng)
-            np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+            staged_run(s, rng)
             before = worker_stats(ort_env, registration)
             for _ in range(10):
-                feeds = staged_feeds(rng)
-                np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+                staged_run(s, rng)
             after = worker_stats(ort_env, registration)
         assert after.kept_calls - before.kept_calls == kept, registration
         assert after.buffers_live == before.buffers_live, registration
@@ -599,23 +610,13 @@ def test_runs_with_large_inputs_are_kept_calls_through_buffers_kept_for_them(ort
 def test_threads_keep_buffers_of_their_own(ort_env):
     """Four threads repeating one call with large inputs at once: each writes into buffers of its own, so that
     none reads another's input."""
-    errors = []
     with InferenceSession(staged_model(), options_for(ort_env, "ort"), env=ort_env) as s:
         def work(i):
             rng = np.random.default_rng(100 + i)
-            try:
-                for _ in range(15):
-                    feeds = staged_feeds(rng)
-                    np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4,
-                                               atol=1e-4)
-            except Exception as e:  # reported below, with the thread's number
-                errors.append((i, e))
+            for _ in range(15):
+                staged_run(s, rng)
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = in_threads(work, 4)
     assert errors == []
 
 
@@ -629,13 +630,11 @@ def test_a_kept_call_through_buffers_survives_its_worker():
         rng = np.random.default_rng(5)
         with InferenceSession(staged_model(), options, env=env) as s:
             for _ in range(3):
-                feeds = staged_feeds(rng)
-                np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+                staged_run(s, rng)
             os.kill(env.registration("w").process.pid, signal.SIGKILL)
             env.registration("w").link.wait_noticed(10)
             for _ in range(3):
-                feeds = staged_feeds(rng)
-                np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+                staged_run(s, rng)
             assert worker_stats(env, "w").kept_calls == 2  # the successor's 2nd and 3rd runs
 
 
@@ -686,8 +685,7 @@ def test_a_threads_buffers_go_back_when_it_ends(ort_env):
     rng = np.random.default_rng(9)
     with InferenceSession(staged_model(), options_for(ort_env, "ort"), env=ort_env) as s:
         def one_run():
-            feeds = staged_feeds(rng)
-            np.testing.assert_allclose(s.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4, atol=1e-4)
+            staged_run(s, rng)
 
         for _ in range(2):  # the first thread's buffer comes from an Alloc
             t = threading.Thread(target=one_run)
