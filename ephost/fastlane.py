@@ -137,7 +137,9 @@ def send_parts(sock: socket.socket, method: int, timeout_s: float, parts: list, 
     if nbytes <= PACKET - HEADER.size:
         sock.sendmsg([HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes), *parts])
     else:
-        send_frame(sock, method, STATUS_OK, timeout_s, parts[0] if len(parts) == 1 else b"".join(parts))
+        # As bytes: an array's len() and slices count its rows, not its bytes.
+        send_frame(sock, method, STATUS_OK, timeout_s, memoryview(parts[0]).cast("B") if len(parts) == 1
+                   else b"".join(parts))
 
 
 def encode_error(message: str, reason: str = "") -> bytes:

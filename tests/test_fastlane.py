@@ -702,3 +702,20 @@ def test_a_threads_buffers_go_back_when_it_ends(ort_env):
         after = worker_stats(ort_env, "ort")
     assert after.methods["Allocator/Alloc"].calls == before.methods["Allocator/Alloc"].calls
     assert after.buffers_live == before.buffers_live
+
+
+def test_kept_calls_longer_than_a_packet_both_ways(ort_env):
+    """A kept call's frames longer than one packet, an input and an output of 256 KiB each way (a 2-D array:
+    its len() counts rows, and was once taken for its size, which sent a packet too long and lost the lane)."""
+    from onnx import helper
+    model = models.model([helper.make_node("Tanh", ["x"], ["y"], name="tanh")], [models.tensor("x", [256, 256])],
+                         [models.tensor("y", [256, 256])])
+    rng = np.random.default_rng(11)
+    before = worker_stats(ort_env, "ort")
+    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as s:
+        for _ in range(5):
+            x = rng.standard_normal((256, 256)).astype(np.float32)
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], np.tanh(x), rtol=1e-5, atol=1e-6)
+    after = worker_stats(ort_env, "ort")
+    assert after.kept_calls - before.kept_calls == 4
+    assert after.bytes_inline_out - before.bytes_inline_out == 5 * 256 * 256 * 4  # the output came inline
