@@ -10,7 +10,7 @@ from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
 from ephost.server.kept_calls import KeptCall
 from ephost.server.rpc import Servicer, rpc
-from ephost.server.tensors import buffer_tensor, input_value, into_value, output_buffers, output_value
+from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
 
 
@@ -91,8 +91,7 @@ class EpService(Servicer):
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
-        outputs = info.compute(kept.input_tensors(payload, lambda handle, shape, dtype, nbytes: buffer_tensor(
-            client, handle, shape, dtype, nbytes, lambda: f"a kept call's input ({nbytes} bytes)")[0]), allocator, ())
+        outputs = info.compute(kept.input_tensors(payload, client), allocator, ())
         counts = {"compute_inputs_transferred": len(kept.inputs),
                   "compute_input_bytes_transferred": kept.input_bytes + kept.staged_bytes,
                   "bytes_inline_in": kept.input_bytes, "kept_calls": 1}

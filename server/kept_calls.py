@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,13 +21,13 @@ from ephost.errors import EpInvalidArgument, EpUnknownKeptCall
 from ephost.fastlane import KEPT_ID, MAX_KEPT
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, checked_desc
+from ephost.server.clients import ClientState
+from ephost.server.tensors import buffer_tensor
 
 
 Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nbytes) of each tensor
 # (shape, dtype, nbytes, buffer handle) of each input; handle 0: its bytes come in the frame
 Inputs = tuple[tuple[tuple[int, ...], np.dtype, int, int], ...]
-# (handle, shape, dtype, nbytes) -> a tensor over the start of that buffer of the caller's
-BufferTensor = Callable[[int, tuple[int, ...], np.dtype, int], Tensor]
 
 
 def _inline_layout(values) -> Layout | None:
@@ -79,15 +79,16 @@ class KeptCall:
                    sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n, h in inputs if h),
                    sum(n for _, _, n in outputs))
 
-    def input_tensors(self, payload, buffer_tensor: BufferTensor) -> list[Tensor]:
-        """The inputs, as tensors over a KEPT frame's payload and over the caller's buffers (no copy)."""
+    def input_tensors(self, payload, client: ClientState) -> list[Tensor]:
+        """The inputs, as tensors over a KEPT frame's payload and over the client's buffers (no copy)."""
         if len(payload) != KEPT_ID.size + self.input_bytes:
             raise EpInvalidArgument(f"a kept call takes {self.input_bytes} bytes of inputs, got "
                                     f"{len(payload) - KEPT_ID.size}")
         tensors, offset = [], KEPT_ID.size
         for shape, dtype, nbytes, handle in self.inputs:
             if handle:
-                tensors.append(buffer_tensor(handle, shape, dtype, nbytes))
+                tensors.append(buffer_tensor(client, handle, shape, dtype, nbytes,
+                                             lambda: f"a kept call's input ({nbytes} bytes)")[0])
                 continue
             array = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
             tensors.append(Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=array.reshape(shape)))

@@ -231,6 +231,15 @@ def host_allocator(raw: RawClient) -> int:
         device_mem_type=common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE)).allocator
 
 
+def assert_serves_on(sock: socket.socket, alloc: allocator_pb2.AllocRequest, worker) -> None:
+    """After whatever came before on it, the connection still answers a good Alloc; then it is closed, and the
+    worker is still running."""
+    frame, reply = lane_call(sock, "Allocator/Alloc", alloc)
+    assert frame.status == 0 and reply.buffer
+    sock.close()
+    assert worker.proc.poll() is None
+
+
 def test_a_ticket_binds_one_connection_to_its_client_once(lane_worker):
     a, b = RawClient(lane_worker.address, "a"), RawClient(lane_worker.address, "b")
     try:
@@ -318,10 +327,7 @@ def test_bad_frames_get_an_error_or_a_closed_connection_and_others_are_served(la
         s.close()
 
         # The first connection, and the worker, keep serving.
-        frame, reply = lane_call(sock, "Allocator/Alloc", good)
-        assert frame.status == 0 and reply.buffer
-        sock.close()
-        assert lane_worker.proc.poll() is None
+        assert_serves_on(sock, good, lane_worker)
     finally:
         raw.close()
 
@@ -559,11 +565,7 @@ def test_kept_calls_on_the_wire(lane_worker):
         frame = kept_frame(sock, KEPT_ID.pack(ids[-1]) + x.tobytes())
         assert frame.status == 5 and b"unknown compute info handle" in bytes(frame.payload)
         # The connection, and the worker, serve on.
-        frame, reply = lane_call(sock, "Allocator/Alloc", allocator_pb2.AllocRequest(allocator=host_allocator(raw),
-                                                                                     nbytes=64))
-        assert frame.status == 0 and reply.buffer
-        sock.close()
-        assert lane_worker.proc.poll() is None
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=host_allocator(raw), nbytes=64), lane_worker)
     finally:
         raw.close()
 
@@ -670,10 +672,7 @@ def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
         raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=buffer))
         frame = kept_frame(sock, kid)
         assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
-        frame, reply = lane_call(sock, "Allocator/Alloc", allocator_pb2.AllocRequest(allocator=allocator, nbytes=64))
-        assert frame.status == 0 and reply.buffer
-        sock.close()
-        assert lane_worker.proc.poll() is None
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
     finally:
         raw.close()
 
