@@ -19,6 +19,7 @@ either side: the types, shapes and handles were checked once, when the call was 
 """
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -161,6 +162,9 @@ class Frame:
     payload: Any  # bytes-like
 
 
+_FD_SETSIZE = 1024
+
+
 class FrameReader:
     """Reads whole frames from one socket into a buffer kept between frames. With `adopt`, it takes the
     descriptors of REGIONS frames (calling `adopt(region, size, fd)` for each) and reads on to the next frame;
@@ -170,7 +174,10 @@ class FrameReader:
     thread pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine
     waking an idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins
     only while frames keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is
-    short again), so that long calls and idle connections burn no CPU."""
+    short again), so that idle connections burn no CPU. After a long wait it expects the next to be as long
+    (a partition run again): it sleeps through all but the last `spin_s` of it (woken at once if the frame comes
+    sooner) and polls from there, so that the frame that ends a long call finds its reader awake (measured on
+    the small CNNs: 3-5% of a 4 ms run)."""
 
     def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0):
         self._sock = sock
@@ -180,6 +187,7 @@ class FrameReader:
         self._flags = socket.MSG_CMSG_CLOEXEC if adopt is not None else 0  # received descriptors: close-on-exec
         self._spin_s = spin_s if spin_s > 0 else 0.0
         self._spinning = bool(self._spin_s)
+        self._expected = 0.0  # how long the last read waited
         self._poll = None
         if self._spin_s:
             self._poll = select.poll()
@@ -191,9 +199,12 @@ class FrameReader:
             started = time.perf_counter()
             if self._spinning:
                 self._spin(started + self._spin_s)
+            elif self._expected > 2 * self._spin_s:
+                self._expect(started)
         n, ancillary, flags, _ = self._sock.recvmsg_into([self._packet], self._ancillary, self._flags)
         if self._spin_s:
-            self._spinning = time.perf_counter() - started <= self._spin_s
+            self._expected = time.perf_counter() - started
+            self._spinning = self._expected <= self._spin_s
         while ancillary or (self._adopt is not None and n >= HEADER.size
                             and HEADER.unpack_from(self._packet)[1] == REGIONS):
             self._take_regions(n, ancillary)
@@ -225,6 +236,28 @@ class FrameReader:
                 raise FrameError("a continuation packet longer than announced")
             got += k
         return Frame(method, status, timeout_s, payload)
+
+    def _expect(self, started: float) -> None:
+        """Wait for a frame expected `self._expected` after `started`: asleep until `spin_s` before, then
+        polling until `spin_s` after. The socket's timeout (a call's deadline) counts from `started` still."""
+        timeout = self._sock.gettimeout()
+        deadline = math.inf if timeout is None else started + timeout
+        wake = started + self._expected - self._spin_s
+        if self._readable(min(wake, deadline) - time.perf_counter()):
+            return
+        self._spin(min(wake + 2 * self._spin_s, deadline))
+        if timeout is not None and not self._poll.poll(0):
+            left = deadline - time.perf_counter()
+            if left <= 0 or not self._readable(left):
+                raise TimeoutError("timed out")
+
+    def _readable(self, timeout: float) -> bool:
+        """Whether the socket is readable within `timeout` seconds. select's timeout has microseconds (poll's
+        and the socket's, milliseconds), but it takes descriptors below FD_SETSIZE only."""
+        timeout = max(0.0, timeout)  # poll would take a negative one as "forever"
+        if self._sock.fileno() < _FD_SETSIZE:
+            return bool(select.select((self._sock,), (), (), timeout)[0])
+        return bool(self._poll.poll(timeout * 1e3))
 
     def _spin(self, until: float) -> None:
         """Poll without sleeping until the socket is readable (or closed), or `until`."""

@@ -411,6 +411,51 @@ def test_a_spinning_reader_reads_every_frame_whatever_the_gaps():
         b.close()
 
 
+@pytest.mark.parametrize("descriptor", ["low", "above FD_SETSIZE"])
+def test_a_reader_that_expects_a_long_wait_still_answers_early_late_and_on_its_deadline(descriptor):
+    """After a long wait the reader sleeps through most of the next one and polls its end: a frame that comes
+    much sooner is read at once, one that comes later is still read, and the socket's timeout (a call's
+    deadline) still counts from the start of the read, not from the end of the expected wait. Also on a
+    descriptor above 1023, which select cannot take (an application with many files open)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if descriptor != "low":
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and hard <= 1100:
+            pytest.fail(f"this test needs more than 1100 descriptors (hard limit {hard})")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+        low = b.detach()
+        b = socket.socket(fileno=os.dup2(low, 1100))
+        os.close(low)
+    reader = FrameReader(b, spin_s=0.001)
+    compute = METHODS["Ep/Compute"].id
+
+    def read_after(gap: float):
+        timer = threading.Timer(gap, send_frame, (a, compute, 0, 0.0, b"%g" % gap))
+        start = time.perf_counter()
+        timer.start()
+        try:
+            frame = reader.read()
+        finally:
+            timer.join()
+        assert bytes(frame.payload) == b"%g" % gap
+        return time.perf_counter() - start
+
+    try:
+        read_after(0.4)                     # expected from now on: a wait of about 0.4 s
+        assert read_after(0.02) < 0.2       # sooner: not held until the expected time
+        read_after(0.4)
+        assert read_after(0.6) >= 0.6       # later: read when it comes
+        b.settimeout(0.1)
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            reader.read()
+        assert time.perf_counter() - start < 0.35, "the deadline counts from the start of the read"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_how_long_each_end_spins_is_a_registration_option():
     def worker_command(env, name):
         with open(f"/proc/{env.registration(name).process.pid}/cmdline", "rb") as f:
