@@ -178,10 +178,13 @@ class OrtComputeInfo:
                 np.copyto(kept[0], array)
                 array, where = kept
             else:
+                bound = binding.inputs.get(name)
+                if bound is not None and bound[0] is array and bound[1][1:] == (array.shape, array.dtype):
+                    continue  # the array bound last run (a kept call's buffer): asking its address costs
                 where = (array.ctypes.data, array.shape, array.dtype)
-            if binding.inputs.get(name) != where:  # rebound only when the memory moved or changed shape
+            if binding.inputs.get(name, _UNBOUND)[1] != where:  # rebound only when the memory moved or changed
                 io.bind_input(name, "cpu", 0, array.dtype, array.shape, where[0])
-                binding.inputs[name] = where
+            binding.inputs[name] = (array, where)
         placed: dict[int, Tensor] = {}
         written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
         scratch: dict[int, np.ndarray] = {}  # outputs ORT writes into memory kept with the binding
@@ -264,6 +267,9 @@ def _writable_target(into, i: int, static, inputs) -> Tensor | None:
     return target
 
 
+_UNBOUND = (None, None)
+
+
 class _Binding:
     """An IOBinding kept between runs: where each input and output is bound, and the memory kept with it
     (small inputs are copied into it; small outputs of known shape are written into it)."""
@@ -272,7 +278,7 @@ class _Binding:
 
     def __init__(self, io, outputs: list):
         self.io = io
-        self.inputs: dict[str, tuple] = {}                     # name -> (address, shape, dtype) bound
+        self.inputs: dict[str, tuple] = {}  # name -> (array, (address, shape, dtype)) bound (the array kept alive)
         self.copies: dict[str, tuple[np.ndarray, tuple]] = {}  # name -> (kept array, its binding)
         self.outputs: list[int | None] = [-1] * len(outputs)  # address bound; None: ORT allocates; -1: unbound
         self._scratch: dict[int, tuple[np.ndarray, int]] = {}

@@ -78,9 +78,10 @@ class EpService(Servicer):
         # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
         keep = tuple(request.keep) if request.keep else ()
         outputs = info.compute(inputs, allocator, keep, into=into) if into else info.compute(inputs, allocator, keep)
-        counts = {"compute_inputs_resident": resident, "compute_inputs_transferred": len(inputs) - resident,
-                  "compute_input_bytes_resident": bytes_here, "compute_input_bytes_transferred": bytes_moved,
-                  "bytes_inline_in": inline}
+        counts = call.counts = {"compute_inputs_resident": resident,
+                                "compute_inputs_transferred": len(inputs) - resident,
+                                "compute_input_bytes_resident": bytes_here,
+                                "compute_input_bytes_transferred": bytes_moved, "bytes_inline_in": inline}
         return self._reply(client, outputs, allocator, keep, request.inline_limit, into, request.output_buffers,
                            counts)
 
@@ -92,31 +93,26 @@ class EpService(Servicer):
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
         outputs = info.compute(kept.input_tensors(payload, client), allocator, ())
-        counts = {"compute_inputs_transferred": len(kept.inputs),
-                  "compute_input_bytes_transferred": kept.input_bytes + kept.staged_bytes,
-                  "bytes_inline_in": kept.input_bytes, "kept_calls": 1}
+        counts = call.counts = {"compute_inputs_transferred": len(kept.inputs),
+                                "compute_input_bytes_transferred": kept.input_bytes + kept.staged_bytes,
+                                "bytes_inline_in": kept.input_bytes, "kept_calls": 1}
         arrays = kept.output_arrays(outputs)
         if arrays is None:
             return self._reply(client, outputs, allocator, (), kept.inline_limit, None, None, counts)
         counts["bytes_inline_out"] = kept.output_bytes
-        self.state.stats.add(counts)
         return arrays
 
     def _reply(self, client, outputs, allocator, keep, inline_limit: int, into, output_buffers,
                counts: dict[str, int]) -> ep_pb2.ComputeResponse:
         """A Compute's reply: each output written into the caller's buffer (`into`), left in `allocator`, or
-        inline; the call's counters added to the worker's."""
+        inline; what that moved counted in `counts` (the call's, recorded as it ends, failed or not)."""
         reply = ep_pb2.ComputeResponse()
         add = reply.outputs.add
-        try:
-            for i, value in enumerate(outputs):
-                if into and i in into:
-                    into_value(client, output_buffers[i], into[i], value, add(), counts)
-                else:
-                    output_value(self.state, client, allocator, 0 if i in keep else inline_limit, value, add(),
-                                 counts)
-        finally:
-            self.state.stats.add(counts)  # one lock for the call's counters
+        for i, value in enumerate(outputs):
+            if into and i in into:
+                into_value(client, output_buffers[i], into[i], value, add(), counts)
+            else:
+                output_value(self.state, client, allocator, 0 if i in keep else inline_limit, value, add(), counts)
         return reply
 
     @rpc

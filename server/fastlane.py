@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 COMPUTE = METHODS["Ep/Compute"].id
-# (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True) -> reply;
+# (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True,
+#  respond=callable that sends the reply) -> reply;
 # raises EpError
 Dispatch = Callable[..., object]
 
@@ -55,8 +56,8 @@ class LaneServer:
                  kept: Callable | None = None):
         """`dispatch` runs a call as the gRPC path does. `export(client_id, region)`: a duplicate descriptor of
         one of that client's shareable regions and its size, or None; the region rides along with the first
-        reply on a connection that names it. `kept((kept call, payload), client id, deadline)` runs a kept call
-        repeated (server/kept_calls.py), through the same dispatch; without it no call is kept."""
+        reply on a connection that names it. `kept((kept call, payload), client id, deadline, respond=)` runs a
+        kept call repeated (server/kept_calls.py), through the same dispatch; without it no call is kept."""
         self.path = path
         self._kept = kept
         self._export = export
@@ -148,28 +149,30 @@ class LaneServer:
                 self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
                             f"a {method.name} frame whose message cannot be parsed")
                 continue
+            def respond(reply):
+                if frame.method == COMPUTE and request.keep_call and self._kept is not None:
+                    reply.kept_call = kept.keep(request, reply)
+                self._send_reply(conn, client_id, frame.method, reply, sent)
+
             try:
-                reply = dispatch(method.name, request, client_id, _deadline(frame, method.name), lane=True)
+                dispatch(method.name, request, client_id, _deadline(frame, method.name), lane=True, respond=respond)
             except EpError as e:
                 self._error(conn, frame.method, e.code, str(e), getattr(e, "reason", ""))
-                continue
-            if frame.method == COMPUTE and request.keep_call and self._kept is not None:
-                reply.kept_call = kept.keep(request, reply)
-            self._send_reply(conn, client_id, frame.method, reply, sent)
 
     def _serve_kept(self, conn: socket.socket, client_id: str, frame, kept: KeptCalls, sent: set[int]) -> None:
         """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed."""
+        def respond(reply):
+            if isinstance(reply, list):
+                send_parts(conn, KEPT, 0.0, reply, call.output_bytes)
+            else:
+                self._send_reply(conn, client_id, COMPUTE, reply, sent)
+
         try:
             deadline = _deadline(frame, "kept Ep/Compute")
             call = kept.get(frame.payload)
-            reply = self._kept((call, frame.payload), client_id, deadline)
+            self._kept((call, frame.payload), client_id, deadline, respond=respond)
         except EpError as e:
             self._error(conn, KEPT, e.code, str(e), getattr(e, "reason", ""))
-            return
-        if isinstance(reply, list):
-            send_parts(conn, KEPT, 0.0, reply, call.output_bytes)
-        else:
-            self._send_reply(conn, client_id, COMPUTE, reply, sent)
 
     def _send_reply(self, conn: socket.socket, client_id: str, method: int, reply, sent: set[int]) -> None:
         named = REPLY_REGIONS.get(method)

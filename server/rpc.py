@@ -54,6 +54,8 @@ class Call:
 
     client: Any                      # ClientState, or None for methods that need no client
     deadline: float | None = None    # time.monotonic() by which the caller stops waiting
+    counts: dict[str, int] | None = None  # the worker's counters this call adds to, recorded as it ends
+    client_id: str = ""              # as the call named its client ("": none), which admission counts under
 
     def time_remaining(self) -> float | None:
         """Seconds left, capped where threading's waits still take them (a deadline years away is no deadline
@@ -162,10 +164,11 @@ class Dispatcher:
     # --- the one path every call takes ------------------------------------------------------------
 
     def dispatch(self, key: str, request, client_id: str | None, deadline: float | None = None, *,
-                 lane: bool = False, handler: Callable | None = None):
+                 lane: bool = False, handler: Callable | None = None, respond: Callable | None = None):
         """Run one call (`lane`: it came on the fast lane; `handler`: another form of the method, admitted and
-        counted as the method). Returns the reply (an iterator of replies for server-streaming methods, which
-        is accounted while it is iterated); raises EpError and nothing else."""
+        counted as the method; `respond(reply)` sends the reply once the call is counted, before it leaves the
+        admission bounds). Returns the reply (an iterator of replies for server-streaming methods, which is
+        accounted while it is iterated); raises EpError, and what `respond` raises."""
         method = self.method(key)
         if method.server_streaming:
             return self._stream(method, request, client_id, deadline)
@@ -175,13 +178,21 @@ class Dispatcher:
         try:
             reply = (handler or method.handler)(request, call)
             ok = True
-            return reply
         except EpError:
             raise
         except Exception as e:
             raise _internal(method, e) from None
         finally:
-            self._leave(method, client_id, start, ok, lane)
+            # Counted before the caller has its answer: a GetStats it sends next sees this call.
+            self._record(method, call, start, ok, lane)
+            if not ok:
+                self.admission.leave(call.client_id)
+        try:
+            if respond is not None:
+                respond(reply)
+        finally:
+            self.admission.leave(call.client_id)
+        return reply
 
     def _stream(self, method: Method, request, client_id, deadline) -> Iterator:
         start = time.perf_counter()
@@ -195,7 +206,8 @@ class Dispatcher:
         except Exception as e:
             raise _internal(method, e) from None
         finally:
-            self._leave(method, client_id, start, ok, False)
+            self._record(method, call, start, ok, False)
+            self.admission.leave(call.client_id)
 
     def _enter(self, method: Method, client_id: str | None, deadline: float | None) -> Call:
         """Admit a call: refused while draining, bounded per client and for the whole worker; its client."""
@@ -204,14 +216,14 @@ class Dispatcher:
             raise EpWorkerUnavailable("worker is draining (shutting down); try another")
         self.admission.enter(client_id or "")
         try:
-            return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline)
+            return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline,
+                        client_id=client_id or "")
         except EpError:
             self.admission.leave(client_id or "")
             raise
 
-    def _leave(self, method: Method, client_id: str | None, start: float, ok: bool, lane: bool) -> None:
-        self.admission.leave(client_id or "")
-        self.state.stats.record_call(method.key, time.perf_counter() - start, ok, lane)
+    def _record(self, method: Method, call: Call, start: float, ok: bool, lane: bool) -> None:
+        self.state.stats.record_call(method.key, time.perf_counter() - start, ok, lane, call.counts)
 
     # --- gRPC -------------------------------------------------------------------------------------
 

@@ -20,11 +20,17 @@ class WorkerStats:
                                        "files_imported", "file_bytes_imported", "blob_chunks_received",
                                        "blob_bytes_received", "blob_hits", "capability_cache_hits", "kept_calls"), 0)
 
-    def record_call(self, method: str, seconds: float, ok: bool, lane: bool = False) -> None:
-        """One call of `method` (`lane`: on the fast lane) that took `seconds`."""
+    def record_call(self, method: str, seconds: float, ok: bool, lane: bool = False,
+                    counts: dict[str, int] | None = None) -> None:
+        """One call of `method` (`lane`: on the fast lane) that took `seconds`, and the counters it added to
+        (`counts`), under one lock."""
         with self._lock:
+            counters = self.counters
             if lane:
-                self.counters["fast_lane_calls"] += 1
+                counters["fast_lane_calls"] += 1
+            if counts:
+                for key, value in counts.items():
+                    counters[key] += value
             m = self._methods[method]
             m[0] += 1
             m[1] += 0 if ok else 1

@@ -245,3 +245,31 @@ def test_sessions_open_at_once_on_one_model_share_its_compiled_partitions(ort_en
     assert len(results) == 6
     for y in results:
         np.testing.assert_allclose(y, expected, rtol=1e-3, atol=1e-5)
+
+
+def test_a_kept_binding_follows_an_input_array_reshaped_in_place():
+    """The ORT compute info keeps its IOBinding between runs and skips rebinding an input when the same array
+    comes again (a kept call's buffer); an array whose shape was changed in place must be bound anew, or ORT
+    would run on the old shape."""
+    from ephost.eps.onnxruntime import OrtEpFactory
+    from ephost.graph import GraphIndex, prepare_model
+    from ephost.eps.base import FusedGraph
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", "m"])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", "m"])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    index = GraphIndex.of(prepare_model(model))
+    factory = OrtEpFactory()
+    ep = factory.create_ep([0], {})
+    try:
+        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("x",), ("y",))])
+        array = np.arange(-8192, 8192, dtype=np.float32).reshape(64, 256)  # 64 KiB: bound where it lies
+        for shape in [(64, 256), (64, 256), (256, 64), (16384, 1)]:
+            array.shape = shape
+            (out,) = info.compute([ephost.Tensor.from_numpy(array)])
+            assert out.shape == shape
+            np.testing.assert_array_equal(out.numpy(), np.maximum(array, 0))
+        ep.release_node_compute_infos([info])
+    finally:
+        factory.release_ep(ep)
+        factory.close()
