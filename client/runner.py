@@ -118,8 +118,7 @@ class PartitionRunner:
     def _reachable(self, value: Any, p: Partition) -> Any:
         """`value` as partition `p` can read it: a tensor in a worker's memory that neither this process nor
         p's EP can address comes to the application first."""
-        if not isinstance(value, Tensor) or value.buffer is None or value.buffer.region is not None \
-                or value.local_bytes() is not None:  # the cheap tests first: this runs for every input
+        if not isinstance(value, Tensor) or value.addressable:
             return value
         link = self._link_of(p.registration)
         if link is not None and owned(value.buffer, link):

@@ -512,7 +512,7 @@ class InferenceSession:
             if check is not None:
                 check(value)
             value = as_value(value)
-            if isinstance(value, Tensor) and value.local_bytes() is None and value.buffer.owner is None:
+            if isinstance(value, Tensor) and not value.addressable and value.buffer.owner is None:
                 value = self._env.to_host(value)
             values[name] = value
         return values

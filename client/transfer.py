@@ -131,16 +131,18 @@ class ThreadStaging:
     def __init__(self, link: WorkerLink, stager: Stager):
         self._link, self._stager = link, stager
         self._threads: "weakref.WeakKeyDictionary[threading.Thread, dict]" = weakref.WeakKeyDictionary()
+        self._local = threading.local()  # the calling thread's entry of _threads, found without hashing it
         self._lock = threading.Lock()
 
     def buffers(self, layout: tuple, sizes: Sequence[int]) -> tuple[Buffer, ...]:
         """This thread's buffers for a call of this layout (of these sizes), acquired on its first call."""
-        mine = self._threads.get(threading.current_thread())
+        mine = getattr(self._local, "mine", None)
         if mine is None:
-            mine = {}
+            mine = self._local.mine = {}
+            thread = threading.current_thread()
             with self._lock:
-                self._threads[threading.current_thread()] = mine
-            weakref.finalize(threading.current_thread(), self._give_back, mine, True)
+                self._threads[thread] = mine
+            weakref.finalize(thread, self._give_back, mine, True)
         buffers = mine.get(layout)
         if buffers is not None and all(owned(b, self._link) for b in buffers):
             return buffers
@@ -162,6 +164,7 @@ class ThreadStaging:
         with self._lock:
             threads = list(self._threads.values())
             self._threads.clear()
+            self._local = threading.local()  # a thread that calls again registers anew
         for mine in threads:
             self._give_back(mine)
 

@@ -102,6 +102,12 @@ class Tensor:
             f"tensor is in {self.memory_info.name} memory ({self.memory_info.device_mem_type.name}), which this "
             "process cannot read; copy it to a host tensor with copy_tensors first")
 
+    @property
+    def addressable(self) -> bool:
+        """Whether this process can address the tensor's bytes (local_bytes() is not None), without making
+        the view."""
+        return self._host is not None or (self._buffer is not None and self._buffer.region is not None)
+
     def local_bytes(self) -> np.ndarray | None:
         """The tensor's bytes as a flat uint8 array, where this process can address them, whatever the
         memory type (for EPs whose device memory is this process's memory); None where it cannot."""
