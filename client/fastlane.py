@@ -53,7 +53,10 @@ class _Kept:
 
     @classmethod
     def of(cls, reply) -> "_Kept":
-        return cls(reply.kept_call, [checked_desc(v.tensor.desc) for v in reply.outputs])
+        """From the reply the worker kept the call with: the outputs that come back are those it sent inline
+        (the others it wrote into the caller's buffers)."""
+        return cls(reply.kept_call, [checked_desc(v.tensor.desc) for v in reply.outputs
+                                     if v.tensor.WhichOneof("location") == "inline"])
 
     def arrays(self, payload) -> list[np.ndarray]:
         """The outputs, as arrays over a KEPT reply's payload."""

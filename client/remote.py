@@ -59,15 +59,16 @@ class RemoteComputeInfo(RemoteHandle):
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]:
-        if not keep and not into:
+        # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
+        targets = {i: t for i, t in into.items() if owned(t.buffer, self.link)} if into else {}
+        if all(i in targets for i in keep):  # nothing is left in a new buffer of the worker's
             kept = self._kept_inputs(inputs)
             if kept is not None:
-                return self._compute_kept(inputs, allocator, timeout, *kept)
+                return self._compute_kept(inputs, allocator, timeout, targets, *kept)
         staged: list[Buffer] = []
         try:
             conn = self.link.conn
-            # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
-            targets = {i: t for i, t in into.items() if owned(t.buffer, self.link)} if into else {}
+            targets = {i: t for i, t in targets.items() if owned(t.buffer, self.link)}  # the worker may be new
             request = self._request(inputs, allocator, keep, targets, staged)
             reply = self.link.call(_compute_of, request, conn=conn, timeout=timeout)
         finally:
@@ -79,12 +80,15 @@ class RemoteComputeInfo(RemoteHandle):
 
     def _kept_inputs(self, inputs: Sequence[Any]) -> tuple[tuple, list, int, list[int]] | None:
         """(types and shapes, the small inputs' bytes, their total size, the positions of the large ones) where
-        every input is a tensor this process can read and the worker does not have: small ones travel inline,
-        large ones through buffers this thread keeps for this call. Else None."""
+        every input is a tensor the worker has (named by handle) or this process can read: small ones travel
+        inline, large ones through buffers this thread keeps for this call. Else None."""
         layout, parts, nbytes, large = [], [], 0, []
         for i, value in enumerate(inputs):
-            if type(value) is not Tensor or owned(value.buffer, self.link):
+            if type(value) is not Tensor:
                 return None
+            if owned(value.buffer, self.link):  # an IOBinding's bound input, say: by handle, in the key
+                layout.append((value.shape, value.dtype, value.buffer.handle))
+                continue
             array = value.local_array()
             if array is None:
                 return None
@@ -99,24 +103,33 @@ class RemoteComputeInfo(RemoteHandle):
         return tuple(layout), parts, nbytes, large
 
     def _compute_kept(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, timeout: float | None,
-                      layout: tuple, parts: list, nbytes: int, large: list[int]) -> list[Any]:
-        """A run of inputs the worker does not have: a call the fast lane keeps (FastLane.call_kept), so that a
-        steady stream of them sends the small inputs' bytes (the large ones are in buffers the worker keeps
-        naming) and gets the outputs' back, nothing else."""
+                      targets: Mapping[int, Tensor], layout: tuple, parts: list, nbytes: int,
+                      large: list[int]) -> list[Any]:
+        """A run a fast lane keeps (FastLane.call_kept), so that a steady stream of them sends the small inputs'
+        bytes (the large ones are in buffers the worker keeps naming, as it does the inputs it has and the
+        `targets` outputs are written into) and gets the other outputs' back, nothing else."""
         conn = self.link.conn  # first: it waits for a worker being replaced, whose buffers the staging needs
+        if targets and not all(owned(t.buffer, self.link) for t in targets.values()):
+            targets = {i: t for i, t in targets.items() if owned(t.buffer, self.link)}  # the worker is new
         staged = {}
         if large:
             staged = dict(zip(large, self._staging.buffers(layout, [inputs[i].nbytes for i in large])))
             for i, buffer in staged.items():
                 self._stager.write(buffer, inputs[i].local_bytes())
         key = (self.handle, allocator.handle if allocator is not None else 0, layout,
-               tuple(b.handle for b in staged.values()))
+               tuple(b.handle for b in staged.values()), tuple((i, t.buffer.handle) for i, t in targets.items()))
         result = self.link.run(lambda c: c.compute_kept(
-            key, parts, nbytes, lambda: self._request(inputs, allocator, (), {}, [], staged), timeout), conn=conn)
+            key, parts, nbytes, lambda: self._request(inputs, allocator, (), targets, [], staged), timeout),
+            conn=conn)
         if isinstance(result, list):
             outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
+            if targets:
+                returned = iter(outputs)
+                outputs = [targets[i] if i in targets else next(returned)
+                           for i in range(len(outputs) + len(targets))]
         else:
-            outputs = [self._output(v, allocator, conn) for v in result.outputs]
+            outputs = [targets[i] if i in targets else self._output(v, allocator, conn)
+                       for i, v in enumerate(result.outputs)]
         self.link.between_calls()
         return outputs
 

@@ -9,11 +9,13 @@ payload's length. A frame larger than one packet continues in plain packets unti
 (SEQPACKET keeps each packet whole, so no packet boundary is ever guessed).
 
 Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs travel inline or in buffers of
-the caller's (large ones, which the caller writes again before each repeat) and whose outputs all travel inline
-is kept by the worker for that connection (the reply's `kept_call` names it). The caller repeats it as a KEPT
-frame, whose payload is the kept call's id (KEPT_ID) and the inline inputs' bytes, in order and nothing else; the
-worker answers a KEPT frame with the outputs' bytes, in order, where every output has the type and shape the
-kept call's first reply gave it, and otherwise with a whole ComputeResponse (method Ep/Compute). Errors are
+the caller's (large ones, which the caller writes again before each repeat, or values the worker made: an
+IOBinding's bound inputs) and whose outputs travel inline or into buffers of the caller's (`output_buffers`: an
+IOBinding's bound outputs) is kept by the worker for that connection (the reply's `kept_call` names it). The
+caller repeats it as a KEPT frame, whose payload is the kept call's id (KEPT_ID) and the inline inputs' bytes, in
+order and nothing else; the worker answers a KEPT frame with the inline outputs' bytes, in order, where every
+output has the type and shape the kept call's first reply gave it, and otherwise with a whole ComputeResponse
+(method Ep/Compute). Errors are
 error frames, as for any method. A steady stream of small runs thus builds, parses and checks no message on
 either side: the types, shapes and handles were checked once, when the call was kept.
 """

@@ -92,13 +92,18 @@ class EpService(Servicer):
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
-        outputs = info.compute(kept.input_tensors(payload, client), allocator, ())
-        counts = call.counts = {"compute_inputs_transferred": len(kept.inputs),
-                                "compute_input_bytes_transferred": kept.input_bytes + kept.staged_bytes,
-                                "bytes_inline_in": kept.input_bytes, "kept_calls": 1}
+        counts = call.counts = {"kept_calls": 1}
+        inputs = kept.input_tensors(payload, client, counts)
+        if kept.into:
+            into = kept.into_tensors(client)
+            outputs = info.compute(inputs, allocator, (), into=into)
+        else:
+            into, outputs = None, info.compute(inputs, allocator, ())
         arrays = kept.output_arrays(outputs)
         if arrays is None:
-            return self._reply(client, outputs, allocator, (), kept.inline_limit, None, None, counts)
+            return self._reply(client, outputs, allocator, (), kept.inline_limit, into, kept.into_refs, counts)
+        if into:
+            kept.write_into(client, into, outputs, counts)
         counts["bytes_inline_out"] = kept.output_bytes
         return arrays
 

@@ -2,12 +2,14 @@
 described in ephost/fastlane.py).
 
 What a kept call keeps is what its first request and reply said and the worker checked then: the handles of
-the partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, and for
-inputs the client staged in one of its buffers (large ones), that buffer's handle: the client writes each
-run's bytes there again and the frame carries only the small inputs' bytes. Each repeat looks every handle up
-again (a released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small for its input is
-INVALID_ARGUMENT) and checks the payload's length against the kept sizes before any byte is read; nothing else
-a peer sends is trusted.
+the partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, for inputs
+in one of the client's buffers (large ones it staged there and writes again each run, or values already here:
+an IOBinding's bound inputs) that buffer's handle, and for outputs written into the client's buffers (an
+IOBinding's bound outputs, ComputeRequest.output_buffers) theirs. The frame carries only the small inputs'
+bytes, the reply only the bytes of the outputs that go back. Each repeat looks every handle up again (a
+released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small is INVALID_ARGUMENT) and
+checks the payload's length against the kept sizes before any byte is read; nothing else a peer sends is
+trusted.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from ephost.fastlane import KEPT_ID, MAX_KEPT
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, checked_desc
 from ephost.server.clients import ClientState
-from ephost.server.tensors import buffer_tensor
+from ephost.server.tensors import buffer_tensor, tally, write_into
 
 
 Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nbytes) of each tensor
@@ -30,14 +32,28 @@ Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nby
 Inputs = tuple[tuple[tuple[int, ...], np.dtype, int, int], ...]
 
 
-def _inline_layout(values) -> Layout | None:
-    """The layout of Values that are all tensors carried inline, else None."""
+def _inline_layout(values, into) -> Layout | None:
+    """The layout of Values that are all tensors carried inline, but those at the positions in `into`, else
+    None."""
     layout = []
-    for value in values:
+    for i, value in enumerate(values):
+        if i in into:
+            continue
         if value.WhichOneof("kind") != "tensor" or value.tensor.WhichOneof("location") != "inline":
             return None
         layout.append(checked_desc(value.tensor.desc))
     return tuple(layout)
+
+
+def _into_layout(refs) -> Inputs | None:
+    """(shape, dtype, nbytes, handle) of the caller's buffers outputs are written into, by position; None
+    where one is not named by handle."""
+    into = {}
+    for i, ref in sorted(refs.items()):
+        if ref.WhichOneof("location") != "buffer":
+            return None
+        into[i] = (*checked_desc(ref.desc), ref.buffer)
+    return into
 
 
 def _input_layout(values) -> Inputs | None:
@@ -60,10 +76,11 @@ class KeptCall:
     allocator: int        # 0: none
     inline_limit: int
     inputs: Inputs
-    outputs: Layout
+    outputs: Layout       # the outputs that go back in the reply (all but those written into `into`)
     input_bytes: int      # the payload after its id: the bytes of every input that comes in the frame
-    staged_bytes: int     # the bytes of the inputs in the caller's buffers
-    output_bytes: int     # a reply's payload: every output's bytes
+    output_bytes: int     # a reply's payload: the bytes of `outputs`
+    into: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes, handle)
+    into_refs: dict = field(default_factory=dict, compare=False)  # position -> the request's TensorRef
     # input index -> (buffer, tensor over it) of the last run: the tensor and its array are made again only
     # when the handle names another buffer (the connection's one thread uses it)
     _viewed: dict = field(default_factory=dict, compare=False, repr=False)
@@ -71,53 +88,80 @@ class KeptCall:
     @classmethod
     def of(cls, request, reply) -> "KeptCall | None":
         """What to keep of a Compute (its request and its reply), or None where it does not qualify: every
-        input a tensor inline or in a buffer of the caller's, every output a tensor carried inline, and no keep,
-        output buffers or stream."""
-        if request.keep or request.output_buffers or request.stream:
+        input a tensor inline or in a buffer of the caller's, every output a tensor carried inline or written
+        into a buffer of the caller's, and no keep or stream."""
+        if request.keep or request.stream:
             return None
-        inputs, outputs = _input_layout(request.inputs), _inline_layout(reply.outputs)
+        into = _into_layout(request.output_buffers) if request.output_buffers else {}
+        if into is None:
+            return None
+        inputs, outputs = _input_layout(request.inputs), _inline_layout(reply.outputs, into)
         if inputs is None or outputs is None:
             return None
         return cls(request.node_compute_info, request.output_allocator, request.inline_limit, inputs, outputs,
-                   sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n, h in inputs if h),
-                   sum(n for _, _, n in outputs))
+                   sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n in outputs), into,
+                   {i: type(ref)(desc=ref.desc, buffer=ref.buffer) for i, ref in request.output_buffers.items()})
 
-    def input_tensors(self, payload, client: ClientState) -> list[Tensor]:
-        """The inputs, as tensors over a KEPT frame's payload and over the client's buffers (no copy)."""
+    def input_tensors(self, payload, client: ClientState, counts: dict[str, int]) -> list[Tensor]:
+        """The inputs, as tensors over a KEPT frame's payload and over the client's buffers (no copy); what
+        they are counted in `counts` (resident: made here by an earlier Compute)."""
         if len(payload) != KEPT_ID.size + self.input_bytes:
             raise EpInvalidArgument(f"a kept call takes {self.input_bytes} bytes of inputs, got "
                                     f"{len(payload) - KEPT_ID.size}")
         tensors, offset = [], KEPT_ID.size
         for i, (shape, dtype, nbytes, handle) in enumerate(self.inputs):
             if handle:
-                tensors.append(self._buffered(i, client, handle, shape, dtype, nbytes))
+                tensor, produced = self._buffered(i, client, handle, shape, dtype, nbytes, "input")
+                tensors.append(tensor)
+                where = "resident" if produced else "transferred"
+                tally(counts, f"compute_inputs_{where}")
+                tally(counts, f"compute_input_bytes_{where}", nbytes)
                 continue
             array = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
             tensors.append(Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=array.reshape(shape)))
             offset += nbytes
+        if self.input_bytes:
+            tally(counts, "compute_inputs_transferred", sum(1 for *_, h in self.inputs if not h))
+            tally(counts, "compute_input_bytes_transferred", self.input_bytes)
+            tally(counts, "bytes_inline_in", self.input_bytes)
         return tensors
 
-    def _buffered(self, i: int, client: ClientState, handle: int, shape, dtype, nbytes: int) -> Tensor:
-        """Input i, in the client's buffer `handle` (looked up on every run: a freed one is NOT_FOUND), as a
-        tensor with its array made: the same one as last run where the handle names the same buffer (an array
-        over shared memory costs tens of microseconds to make on a run's cold caches)."""
-        buffer = client.get("buffer", handle).buffer
-        viewed = self._viewed.get(i)
-        if viewed is not None and viewed[0] is buffer:
-            return viewed[1]
+    def into_tensors(self, client: ClientState) -> dict[int, Tensor]:
+        """The client's buffers outputs are written into, by position."""
+        return {i: self._buffered(-1 - i, client, handle, shape, dtype, nbytes, "output")[0]
+                for i, (shape, dtype, nbytes, handle) in self.into.items()}
+
+    def _buffered(self, key: int, client: ClientState, handle: int, shape, dtype, nbytes: int,
+                  what: str) -> tuple[Tensor, bool]:
+        """A tensor in the client's buffer `handle` (looked up on every run: a freed one is NOT_FOUND), with
+        its array made, and whether the buffer's bytes were made here: the same tensor as last run where the
+        handle names the same buffer (an array over shared memory costs tens of microseconds to make on a
+        run's cold caches)."""
+        entry = client.get("buffer", handle)
+        viewed = self._viewed.get(key)
+        if viewed is not None and viewed[0] is entry.buffer:
+            return viewed[1], entry.produced
         tensor, _ = buffer_tensor(client, handle, shape, dtype, nbytes,
-                                  lambda: f"a kept call's input ({nbytes} bytes)")
+                                  lambda: f"a kept call's {what} ({nbytes} bytes)")
         array = tensor.local_array()
         if array is not None:
-            tensor = Tensor.trusted(shape, dtype, tensor.memory_info, nbytes, buffer=buffer, host=array)
-            self._viewed[i] = (buffer, tensor)
-        return tensor
+            tensor = Tensor.trusted(shape, dtype, tensor.memory_info, nbytes, buffer=entry.buffer, host=array)
+            self._viewed[key] = (entry.buffer, tensor)
+        return tensor, entry.produced
+
+    def write_into(self, client: ClientState, into: dict[int, Tensor], outputs: list[Any],
+                   counts: dict[str, int]) -> None:
+        """The outputs that go into the client's buffers, written there (where the EP did not itself)."""
+        for i, target in into.items():
+            write_into(client, self.into[i][3], target, outputs[i], counts)
 
     def output_arrays(self, outputs: list[Any]) -> list[np.ndarray] | None:
-        """The outputs as arrays to send as they are, or None where one is not of its kept type and shape (the
-        whole reply is sent then)."""
-        if len(outputs) != len(self.outputs):
+        """The outputs that go back, as arrays to send as they are, or None where one is not of its kept type
+        and shape (the whole reply is sent then)."""
+        if len(outputs) != len(self.outputs) + len(self.into):
             return None
+        if self.into:
+            outputs = [v for i, v in enumerate(outputs) if i not in self.into]
         arrays = []
         for value, (shape, dtype, _) in zip(outputs, self.outputs):
             if not isinstance(value, Tensor) or value.shape != shape or value.dtype != dtype:

@@ -151,6 +151,14 @@ def into_value(client: ClientState, ref: common_pb2.TensorRef, target: Tensor, v
                out: common_pb2.Value, counts: dict[str, int]) -> None:
     """A Compute output written into the caller's buffer `target` (by the EP itself, or copied here); its
     reference into `out`."""
+    write_into(client, ref.buffer, target, value, counts)
+    out.tensor.desc.CopyFrom(ref.desc)
+    out.tensor.buffer = ref.buffer
+
+
+def write_into(client: ClientState, handle: int, target: Tensor, value: Any, counts: dict[str, int]) -> None:
+    """A Compute output written into the caller's buffer `target` (`handle`), where the EP did not write it
+    there itself; the buffer's bytes are made here from now on."""
     if not isinstance(value, Tensor) or value.dtype != target.dtype or value.shape != target.shape:
         made = describe(value.shape, value.dtype) if isinstance(value, Tensor) else type(value).__name__
         raise EpInvalidArgument(f"an output made as {made} cannot be written into a buffer of "
@@ -160,6 +168,4 @@ def into_value(client: ClientState, ref: common_pb2.TensorRef, target: Tensor, v
     else:
         np.copyto(target.local_bytes(), value.local_bytes())
         tally(counts, "compute_outputs_copied")
-    client.get("buffer", ref.buffer).produced = True
-    out.tensor.desc.CopyFrom(ref.desc)
-    out.tensor.buffer = ref.buffer
+    client.get("buffer", handle).produced = True

@@ -722,6 +722,47 @@ def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
         raw.close()
 
 
+def test_kept_calls_writing_into_a_buffer_on_the_wire(lane_worker):
+    """A kept call whose output goes into a buffer of the caller's (ComputeRequest.output_buffers, an
+    IOBinding's bound output): the reply carries none of its bytes, the buffer holds each run's result, the
+    buffer is looked up every time (freed: NOT_FOUND; the connection serves on), and an output buffer named
+    otherwise than by handle is not kept."""
+    raw = RawClient(lane_worker.address)
+    try:
+        _, _, request = kept_partition(raw)
+        allocator = host_allocator(raw)
+        out = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+        target = request.output_buffers[0]
+        target.desc.elem_type, target.desc.shape[:] = 1, [4]
+        target.buffer = out
+
+        def result():
+            return np.frombuffer(b"".join(c.data for c in raw(raw.allocator.Read, allocator_pb2.ReadRequest(
+                allocator=allocator, buffer=out, nbytes=16))), np.float32)
+
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
+        assert reply.outputs[0].tensor.buffer == out
+        np.testing.assert_array_equal(result(), [0, 2, 0, 4])
+        kid = KEPT_ID.pack(reply.kept_call)
+        frame = kept_frame(sock, kid + np.array([5, -6, 7, -8], np.float32).tobytes())
+        assert (frame.method, frame.status, len(frame.payload)) == (KEPT, 0, 0), fastlane_error(frame)
+        np.testing.assert_array_equal(result(), [5, 0, 7, 0])
+
+        raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=out))
+        frame = kept_frame(sock, kid + np.array([1, 1, 1, 1], np.float32).tobytes())
+        assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
+        target.ClearField("buffer")
+        target.reply.SetInParent()
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status != 0 or reply.kept_call == 0
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
+    finally:
+        raw.close()
+
+
 def test_a_threads_buffers_go_back_when_it_ends(ort_env):
     """Threads that come and go (a pool replaced, a request per thread) do not pile buffers up: an ended
     thread's kept buffers return to the session's staging pool, where the next thread finds them."""
