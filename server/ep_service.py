@@ -92,7 +92,7 @@ class EpService(Servicer):
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
-        counts = call.counts = {"kept_calls": 1}
+        counts = call.counts = kept.counts()
         inputs = kept.input_tensors(payload, client, counts)
         if kept.into:
             into = kept.into_tensors(client)

@@ -84,6 +84,11 @@ class KeptCall:
     # input index -> (buffer, tensor over it) of the last run: the tensor and its array are made again only
     # when the handle names another buffer (the connection's one thread uses it)
     _viewed: dict = field(default_factory=dict, compare=False, repr=False)
+    _counts: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        self._counts.update(kept_calls=1, compute_inputs_transferred=sum(1 for *_, h in self.inputs if not h),
+                            compute_input_bytes_transferred=self.input_bytes, bytes_inline_in=self.input_bytes)
 
     @classmethod
     def of(cls, request, reply) -> "KeptCall | None":
@@ -120,11 +125,11 @@ class KeptCall:
             array = np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset)
             tensors.append(Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=array.reshape(shape)))
             offset += nbytes
-        if self.input_bytes:
-            tally(counts, "compute_inputs_transferred", sum(1 for *_, h in self.inputs if not h))
-            tally(counts, "compute_input_bytes_transferred", self.input_bytes)
-            tally(counts, "bytes_inline_in", self.input_bytes)
         return tensors
+
+    def counts(self) -> dict[str, int]:
+        """A repeat's counters, as far as they are known before it runs (its inline inputs')."""
+        return dict(self._counts)
 
     def into_tensors(self, client: ClientState) -> dict[int, Tensor]:
         """The client's buffers outputs are written into, by position."""
