@@ -25,6 +25,7 @@ from ephost.client.transfer import INLINE_LIMIT, ModelSender, RemoteDataTransfer
 from ephost.v1 import common_pb2, ep_pb2, factory_pb2
 
 _EMPTY = common_pb2.Empty()
+_NO_TARGETS: Mapping[int, Tensor] = {}  # never written to
 
 
 def _compute_of(conn):
@@ -60,8 +61,8 @@ class RemoteComputeInfo(RemoteHandle):
                 timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]:
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
-        targets = {i: t for i, t in into.items() if owned(t.buffer, self.link)} if into else {}
-        if all(i in targets for i in keep):  # nothing is left in a new buffer of the worker's
+        targets = {i: t for i, t in into.items() if owned(t.buffer, self.link)} if into else _NO_TARGETS
+        if not keep or all(i in targets for i in keep):  # nothing is left in a new buffer of the worker's
             kept = self._kept_inputs(inputs)
             if kept is not None:
                 return self._compute_kept(inputs, allocator, timeout, targets, *kept)
@@ -117,7 +118,8 @@ class RemoteComputeInfo(RemoteHandle):
             for i, buffer in staged.items():
                 self._stager.write(buffer, inputs[i].local_bytes())
         key = (self.handle, allocator.handle if allocator is not None else 0, layout,
-               tuple(b.handle for b in staged.values()), tuple((i, t.buffer.handle) for i, t in targets.items()))
+               tuple(b.handle for b in staged.values()) if staged else (),
+               tuple((i, t.buffer.handle) for i, t in targets.items()) if targets else ())
         result = self.link.run(lambda c: c.compute_kept(
             key, parts, nbytes, lambda: self._request(inputs, allocator, (), targets, [], staged), timeout),
             conn=conn)
