@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import grpc
 
@@ -24,8 +24,8 @@ import numpy as np
 
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
                            error_for_status)
-from ephost.fastlane import (KEPT, KEPT_ID, MAX_KEPT, METHODS, STATUS_OK, TICKET_OK, FrameError, FrameReader,
-                             Method, configure, decode_error, send_parts)
+from ephost.fastlane import (KEPT, KEPT_ID, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK, FrameError,
+                             FrameReader, Method, configure, decode_error, send_parts)
 from ephost.types import checked_desc
 from ephost.wire import SPIN_S
 
@@ -41,32 +41,54 @@ class LaneUnavailable(Exception):
     """The lane cannot be opened for this thread: the caller uses gRPC instead."""
 
 
+class Placed(NamedTuple):
+    """An output a kept call left in a new buffer of the worker's (its PLACED record): where it lies in shared
+    memory (`region` 0: not mapped)."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    handle: int
+    region: int
+    offset: int
+    mapped: int
+
+
 class _Kept:
-    """A call the worker kept for this connection: its id, and the types and shapes of its outputs."""
+    """A call the worker kept for this connection: its id, and the types and shapes of the outputs that come
+    back, in order: inline (False) or left in the worker (True)."""
 
-    __slots__ = ("id_bytes", "outputs", "nbytes")
+    __slots__ = ("id_bytes", "outputs", "nbytes", "placed")
 
-    def __init__(self, kid: int, outputs: list[tuple[tuple[int, ...], np.dtype, int]]):
+    def __init__(self, kid: int, outputs: list[tuple[tuple[int, ...], np.dtype, int, bool]]):
         self.id_bytes = KEPT_ID.pack(kid)
         self.outputs = outputs
-        self.nbytes = sum(n for _, _, n in outputs)
+        self.placed = sum(1 for *_, left in outputs if left)
+        self.nbytes = sum(n for _, _, n, left in outputs if not left) + PLACED.size * self.placed
 
     @classmethod
-    def of(cls, reply) -> "_Kept":
-        """From the reply the worker kept the call with: the outputs that come back are those it sent inline
-        (the others it wrote into the caller's buffers)."""
-        return cls(reply.kept_call, [checked_desc(v.tensor.desc) for v in reply.outputs
-                                     if v.tensor.WhichOneof("location") == "inline"])
+    def of(cls, request, reply) -> "_Kept":
+        """From the call and the reply the worker kept it with: the outputs that come back are those it sent
+        inline and those it left in the call's allocator (`keep`); it wrote the others into the caller's
+        buffers (`output_buffers`)."""
+        into, keep = request.output_buffers, frozenset(request.keep)
+        return cls(reply.kept_call, [(*checked_desc(v.tensor.desc), i in keep) for i, v in enumerate(reply.outputs)
+                                     if i not in into])
 
-    def arrays(self, payload) -> list[np.ndarray]:
-        """The outputs, as arrays over a KEPT reply's payload."""
+    def arrays(self, payload) -> list:
+        """The outputs that come back, in order: arrays over a KEPT reply's payload, and a Placed for each
+        output left in the worker."""
         if len(payload) != self.nbytes:
             raise EpInternal(f"the worker answered a kept call with {len(payload)} bytes of outputs, not "
                              f"{self.nbytes}")
         arrays, offset = [], 0
-        for shape, dtype, nbytes in self.outputs:
-            arrays.append(np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset).reshape(shape))
-            offset += nbytes
+        records = self.nbytes - PLACED.size * self.placed
+        for shape, dtype, nbytes, left in self.outputs:
+            if left:
+                arrays.append(Placed(shape, dtype, nbytes, *PLACED.unpack_from(payload, records)))
+                records += PLACED.size
+            else:
+                arrays.append(np.frombuffer(payload, dtype, nbytes // dtype.itemsize, offset).reshape(shape))
+                offset += nbytes
         return arrays
 
 
@@ -152,8 +174,9 @@ class FastLane:
         """A Compute this thread repeats (ephost/fastlane.py, kept calls). `key` says what makes it the same
         call (partition, allocator, input types and shapes), `parts` are the inputs' bytes (`nbytes` in all) and
         `request_of()` the whole ComputeRequest. The first call on a connection sends the request, asking the
-        worker to keep it; the next send only the bytes. Returns the outputs as arrays (over the reply, no copy)
-        where the reply is a kept call's, else the ComputeResponse."""
+        worker to keep it; the next send only the bytes. Returns the outputs that come back (_Kept.arrays: arrays
+        over the reply, no copy, and a Placed for each left in the worker) where the reply is a kept call's, else
+        the ComputeResponse."""
         conn = self._connection()
         kept = conn.kept.get(key, _UNKEPT)
         if kept is None:  # the worker would not keep it
@@ -173,7 +196,7 @@ class FastLane:
         reply = self.call(COMPUTE, request, timeout)
         if len(conn.kept) >= MAX_KEPT:
             del conn.kept[next(iter(conn.kept))]  # the oldest (the worker lets its oldest go too)
-        conn.kept[key] = _Kept.of(reply) if reply.kept_call else None
+        conn.kept[key] = _Kept.of(request, reply) if reply.kept_call else None
         return reply
 
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float):

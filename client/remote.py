@@ -2,6 +2,7 @@
 sessions and the Environment use a worker exactly as they use an in-process EP."""
 from __future__ import annotations
 
+import struct
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -18,6 +19,7 @@ from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, EpDeviceInfo, MemoryInfo, checked_desc, desc_to_proto
 from ephost.client.allocator import FreeQueue, RemoteAllocator
 from ephost.client.context_model import restore_graph
+from ephost.client.fastlane import Placed
 from ephost.client.handles import RemoteHandle, owned
 from ephost.client.streams import RemoteStream
 from ephost.client.supervisor import WorkerLink
@@ -62,10 +64,10 @@ class RemoteComputeInfo(RemoteHandle):
                 leave: Sequence[int] = ()) -> list[Any]:
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
         targets = {i: t for i, t in into.items() if owned(t.buffer, self.link)} if into else _NO_TARGETS
-        if not keep or all(i in targets for i in keep):  # nothing is left in a new buffer of the worker's
+        if not keep or allocator is not None:
             kept = self._kept_inputs(inputs)
             if kept is not None:
-                return self._compute_kept(inputs, allocator, timeout, targets, *kept)
+                return self._compute_kept(inputs, allocator, timeout, targets, keep, leave, *kept)
         staged: list[Buffer] = []
         try:
             conn = self.link.conn
@@ -79,16 +81,18 @@ class RemoteComputeInfo(RemoteHandle):
         self.link.between_calls()
         return outputs
 
-    def _kept_inputs(self, inputs: Sequence[Any]) -> tuple[tuple, list, int, list[int]] | None:
-        """(types and shapes, the small inputs' bytes, their total size, the positions of the large ones) where
-        every input is a tensor the worker has (named by handle) or this process can read: small ones travel
-        inline, large ones through buffers this thread keeps for this call. Else None."""
-        layout, parts, nbytes, large = [], [], 0, []
+    def _kept_inputs(self, inputs: Sequence[Any]) -> tuple[tuple, list, int, list[int], list[int]] | None:
+        """(types and shapes, the small inputs' bytes, their total size, the positions of the large ones, the
+        positions of those named by handle) where every input is a tensor the worker has (named by handle) or
+        this process can read: small ones travel inline, large ones through buffers this thread keeps for this
+        call (named by handle too). Else None."""
+        layout, parts, nbytes, large, named = [], [], 0, [], []
         for i, value in enumerate(inputs):
             if type(value) is not Tensor:
                 return None
-            if owned(value.buffer, self.link):  # an IOBinding's bound input, say: by handle, in the key
-                layout.append((value.shape, value.dtype, value.buffer.handle))
+            if owned(value.buffer, self.link):  # an IOBinding's bound input, say
+                layout.append((value.shape, value.dtype, True))
+                named.append(i)
                 continue
             array = value.local_array()
             if array is None:
@@ -99,41 +103,61 @@ class RemoteComputeInfo(RemoteHandle):
                 nbytes += value.nbytes
             elif self._staging is not None:
                 large.append(i)
+                named.append(i)
             else:
                 return None
-        return tuple(layout), parts, nbytes, large
+        return tuple(layout), parts, nbytes, large, named
 
     def _compute_kept(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, timeout: float | None,
-                      targets: Mapping[int, Tensor], layout: tuple, parts: list, nbytes: int,
-                      large: list[int]) -> list[Any]:
+                      targets: Mapping[int, Tensor], keep: Sequence[int], leave: Sequence[int], layout: tuple,
+                      parts: list, nbytes: int, large: list[int], named: list[int]) -> list[Any]:
         """A run a fast lane keeps (FastLane.call_kept), so that a steady stream of them sends the small inputs'
-        bytes (the large ones are in buffers the worker keeps naming, as it does the inputs it has and the
-        `targets` outputs are written into) and gets the other outputs' back, nothing else."""
+        bytes and the handles of the buffers the call names (the large inputs', which this thread keeps, the
+        inputs the worker has, and those the `targets` outputs are written into), and gets the other outputs'
+        bytes back (those in `keep` as handles to new buffers of the worker's), nothing else."""
         conn = self.link.conn  # first: it waits for a worker being replaced, whose buffers the staging needs
         if targets and not all(owned(t.buffer, self.link) for t in targets.values()):
             targets = {i: t for i, t in targets.items() if owned(t.buffer, self.link)}  # the worker is new
+        placed = tuple(i for i in keep if i not in targets) if keep else ()
         staged = {}
         if large:
             staged = dict(zip(large, self._staging.buffers(layout, [inputs[i].nbytes for i in large])))
             for i, buffer in staged.items():
                 self._stager.write(buffer, inputs[i].local_bytes())
+        # The buffers it names go by handle in every frame: a loop whose input is the last step's output (a new
+        # buffer each step) repeats one kept call.
+        handles = [staged[i].handle if i in staged else inputs[i].buffer.handle for i in named]
+        if targets:
+            handles += [targets[i].buffer.handle for i in sorted(targets)]
+        if handles:
+            parts = [struct.pack(f"<{len(handles)}Q", *handles), *parts]
+            nbytes += 8 * len(handles)
         key = (self.handle, allocator.handle if allocator is not None else 0, layout,
-               tuple(b.handle for b in staged.values()) if staged else (),
-               tuple((i, t.buffer.handle) for i, t in targets.items()) if targets else ())
+               tuple((i, t.shape, t.dtype) for i, t in sorted(targets.items())) if targets else (), placed)
         result = self.link.run(lambda c: c.compute_kept(
-            key, parts, nbytes, lambda: self._request(inputs, allocator, (), targets, [], staged), timeout),
+            key, parts, nbytes, lambda: self._request(inputs, allocator, placed, targets, [], staged), timeout),
             conn=conn)
-        if isinstance(result, list):
-            outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
-            if targets:
-                returned = iter(outputs)
-                outputs = [targets[i] if i in targets else next(returned)
-                           for i in range(len(outputs) + len(targets))]
+        if isinstance(result, list):  # the outputs that came back, in order: all but the targets
+            if not targets and not placed:
+                outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
+            else:
+                returned = iter(result)
+                outputs = [targets[i] if i in targets else self._returned(next(returned), allocator, conn, i, leave)
+                           for i in range(len(result) + len(targets))]
         else:
-            outputs = [targets[i] if i in targets else self._output(v, allocator, conn)
+            outputs = [targets[i] if i in targets else self._output(v, allocator, conn, fetch=i not in leave)
                        for i, v in enumerate(result.outputs)]
         self.link.between_calls()
         return outputs
+
+    def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
+        """Output i of a kept call: an array over its reply, or one it left in a new buffer of the worker's."""
+        if type(value) is not Placed:
+            return Tensor.trusted(value.shape, value.dtype, HOST_MEMORY, value.nbytes, host=value)
+        shm = common_pb2.ShmSlice(region=value.region, offset=value.offset, nbytes=value.mapped) \
+            if value.region else None
+        return self._in_buffer(value.shape, value.dtype, value.nbytes, value.handle, shm, allocator, conn,
+                               i not in leave)
 
     def _request(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, keep: Sequence[int],
                  targets: Mapping[int, Tensor], staged: list[Buffer],
@@ -167,7 +191,13 @@ class RemoteComputeInfo(RemoteHandle):
         if ref.WhichOneof("location") == "inline":
             host = np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy()
             return Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=host)
-        buffer = allocator.adopt(ref.buffer, nbytes, ref.mapped if ref.HasField("mapped") else None, conn)
+        return self._in_buffer(shape, dtype, nbytes, ref.buffer, ref.mapped if ref.HasField("mapped") else None,
+                               allocator, conn, fetch)
+
+    def _in_buffer(self, shape, dtype, nbytes: int, handle: int, shm, allocator: RemoteAllocator, conn,
+                   fetch: bool) -> Tensor:
+        """An output the worker left in a new buffer of `allocator` (`handle`; mapped here where `shm` says)."""
+        buffer = allocator.adopt(handle, nbytes, shm, conn)
         host = None
         if buffer.region is None and fetch:
             # Memory this process cannot map: fetch a copy (in chunks) for whoever reads it here or elsewhere

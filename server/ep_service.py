@@ -8,7 +8,7 @@ from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.eps.base import FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
-from ephost.server.kept_calls import KeptCall
+from ephost.server.kept_calls import KeptCall, KeptReply
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
@@ -86,26 +86,32 @@ class EpService(Servicer):
                            counts)
 
     def compute_kept(self, request: tuple[KeptCall, Any], call):
-        """A kept call repeated (server/kept_calls.py): (kept call, KEPT frame payload) -> the outputs' arrays,
-        or a whole ComputeResponse where an output is not of its kept type and shape."""
+        """A kept call repeated (server/kept_calls.py): (kept call, KEPT frame payload) -> a KeptReply, or a
+        whole ComputeResponse where an output is not of its kept type and shape."""
         kept, payload = request
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
         counts = call.counts = kept.counts()
-        inputs = kept.input_tensors(payload, client, counts)
+        handles = kept.handles(payload)
+        inputs = kept.input_tensors(payload, handles, client, counts)
+        keep = kept.keep
         if kept.into:
-            into = kept.into_tensors(client)
-            outputs = info.compute(inputs, allocator, (), into=into)
+            into = kept.into_tensors(handles, client)
+            outputs = info.compute(inputs, allocator, keep, into=into)
         else:
-            into, outputs = None, info.compute(inputs, allocator, ())
+            into, outputs = None, info.compute(inputs, allocator, keep)
         arrays = kept.output_arrays(outputs)
         if arrays is None:
-            return self._reply(client, outputs, allocator, (), kept.inline_limit, into, kept.into_refs, counts)
+            return self._reply(client, outputs, allocator, keep, kept.inline_limit, into,
+                               kept.into_refs(handles) if into else None, counts)
         if into:
-            kept.write_into(client, into, outputs, counts)
+            kept.write_into(client, handles, into, outputs, counts)
         counts["bytes_inline_out"] = kept.output_bytes
-        return arrays
+        if not kept.placed:
+            return KeptReply(arrays, [])
+        records, regions = kept.place(client, allocator, outputs, counts)
+        return KeptReply([*arrays, records], regions)
 
     def _reply(self, client, outputs, allocator, keep, inline_limit: int, into, output_buffers,
                counts: dict[str, int]) -> ep_pb2.ComputeResponse:

@@ -25,7 +25,7 @@ from ephost.errors import EpError, EpInvalidArgument
 from ephost.fastlane import (BY_ID, KEPT, METHODS, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
                              FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
-from ephost.server.kept_calls import KeptCalls
+from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -162,8 +162,11 @@ class LaneServer:
     def _serve_kept(self, conn: socket.socket, client_id: str, frame, kept: KeptCalls, sent: set[int]) -> None:
         """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed."""
         def respond(reply):
-            if isinstance(reply, list):
-                send_parts(conn, KEPT, 0.0, reply, call.output_bytes)
+            if isinstance(reply, KeptReply):
+                new = [r for r in reply.regions if r not in sent]
+                if new and self._export is not None:
+                    self._hand_over(conn, client_id, new, sent)
+                send_parts(conn, KEPT, 0.0, reply.parts, call.reply_bytes)
             else:
                 self._send_reply(conn, client_id, COMPUTE, reply, sent)
 

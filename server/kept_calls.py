@@ -1,58 +1,64 @@
-"""Kept calls: Computes that one fast-lane connection repeats with nothing but the inputs' bytes (the frames are
+"""Kept calls: Computes that one fast-lane connection repeats with nothing but what changes (the frames are
 described in ephost/fastlane.py).
 
 What a kept call keeps is what its first request and reply said and the worker checked then: the handles of
-the partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, for inputs
-in one of the client's buffers (large ones it staged there and writes again each run, or values already here:
-an IOBinding's bound inputs) that buffer's handle, and for outputs written into the client's buffers (an
-IOBinding's bound outputs, ComputeRequest.output_buffers) theirs. The frame carries only the small inputs'
-bytes, the reply only the bytes of the outputs that go back. Each repeat looks every handle up again (a
-released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small is INVALID_ARGUMENT) and
-checks the payload's length against the kept sizes before any byte is read; nothing else a peer sends is
-trusted.
+the partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, which inputs
+come in buffers of the client's (large ones it staged there, or values already here: an IOBinding's bound
+inputs), which outputs go into buffers of the client's (an IOBinding's bound outputs, `output_buffers`) and which
+into new buffers of the allocator (`keep`). Each repeat names those buffers by handle and carries the small
+inputs' bytes; the reply carries the other outputs' bytes and a record for each new buffer. Every handle is
+looked up on every repeat (a released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small is
+INVALID_ARGUMENT) and the payload's length is checked against the kept sizes before any byte is read; nothing
+else a peer sends is trusted.
 """
 from __future__ import annotations
 
 import itertools
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ephost.errors import EpInvalidArgument, EpUnknownKeptCall
-from ephost.fastlane import KEPT_ID, MAX_KEPT
+from ephost.fastlane import KEPT_ID, MAX_KEPT, PLACED
 from ephost.tensor import Tensor
-from ephost.types import HOST_MEMORY, checked_desc
+from ephost.types import HOST_MEMORY, checked_desc, desc_to_proto
 from ephost.server.clients import ClientState
-from ephost.server.tensors import buffer_tensor, tally, write_into
+from ephost.server.tensors import buffer_tensor, place_output, tally, write_into
+from ephost.v1 import common_pb2
 
 
 Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nbytes) of each tensor
-# (shape, dtype, nbytes, buffer handle) of each input; handle 0: its bytes come in the frame
-Inputs = tuple[tuple[tuple[int, ...], np.dtype, int, int], ...]
+# (shape, dtype, nbytes, in a buffer) of each input; in a buffer: its handle comes in the frame, else its bytes
+Inputs = tuple[tuple[tuple[int, ...], np.dtype, int, bool], ...]
 
 
-def _inline_layout(values, into) -> Layout | None:
-    """The layout of Values that are all tensors carried inline, but those at the positions in `into`, else
-    None."""
-    layout = []
+def _output_layout(values, into, placed) -> tuple[Layout, dict] | None:
+    """The layout of the Values carried inline, and of those left in a buffer at the positions in `placed`, by
+    position; those at the positions in `into` are not looked at. None where one is not where it should be."""
+    layout, left = [], {}
     for i, value in enumerate(values):
         if i in into:
             continue
-        if value.WhichOneof("kind") != "tensor" or value.tensor.WhichOneof("location") != "inline":
+        if value.WhichOneof("kind") != "tensor" or \
+                value.tensor.WhichOneof("location") != ("buffer" if i in placed else "inline"):
             return None
-        layout.append(checked_desc(value.tensor.desc))
-    return tuple(layout)
+        if i in placed:
+            left[i] = checked_desc(value.tensor.desc)
+        else:
+            layout.append(checked_desc(value.tensor.desc))
+    return tuple(layout), left
 
 
-def _into_layout(refs) -> Inputs | None:
-    """(shape, dtype, nbytes, handle) of the caller's buffers outputs are written into, by position; None
-    where one is not named by handle."""
+def _into_layout(refs) -> dict | None:
+    """(shape, dtype, nbytes) of the caller's buffers outputs are written into, by position; None where one
+    is not named by handle."""
     into = {}
     for i, ref in sorted(refs.items()):
         if ref.WhichOneof("location") != "buffer":
             return None
-        into[i] = (*checked_desc(ref.desc), ref.buffer)
+        into[i] = checked_desc(ref.desc)
     return into
 
 
@@ -66,7 +72,7 @@ def _input_layout(values) -> Inputs | None:
         where = ref.WhichOneof("location")
         if where not in ("inline", "buffer"):
             return None
-        layout.append((*checked_desc(ref.desc), ref.buffer if where == "buffer" else 0))
+        layout.append((*checked_desc(ref.desc), where == "buffer"))
     return tuple(layout)
 
 
@@ -79,44 +85,65 @@ class KeptCall:
     outputs: Layout       # the outputs that go back in the reply (all but those written into `into`)
     input_bytes: int      # the payload after its id: the bytes of every input that comes in the frame
     output_bytes: int     # a reply's payload: the bytes of `outputs`
-    into: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes, handle)
-    into_refs: dict = field(default_factory=dict, compare=False)  # position -> the request's TensorRef
-    # input index -> (buffer, tensor over it) of the last run: the tensor and its array are made again only
-    # when the handle names another buffer (the connection's one thread uses it)
+    into: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
+    placed: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
+    # input index (output i: -1 - i) -> (buffer, tensor over it) of the last run: the tensor and its array are
+    # made again only when the handle names another buffer (the connection's one thread uses it)
     _viewed: dict = field(default_factory=dict, compare=False, repr=False)
     _counts: dict = field(default_factory=dict, compare=False, repr=False)
+    _handles: struct.Struct | None = field(default=None, init=False, compare=False, repr=False)  # a frame's u64s
 
     def __post_init__(self):
+        named = sum(1 for *_, h in self.inputs if h) + len(self.into)
+        object.__setattr__(self, "_handles", struct.Struct(f"<{named}Q"))
         self._counts.update(kept_calls=1, compute_inputs_transferred=sum(1 for *_, h in self.inputs if not h),
                             compute_input_bytes_transferred=self.input_bytes, bytes_inline_in=self.input_bytes)
 
     @classmethod
     def of(cls, request, reply) -> "KeptCall | None":
         """What to keep of a Compute (its request and its reply), or None where it does not qualify: every
-        input a tensor inline or in a buffer of the caller's, every output a tensor carried inline or written
-        into a buffer of the caller's, and no keep or stream."""
-        if request.keep or request.stream:
+        input a tensor inline or in a buffer of the caller's, every output a tensor carried inline, written into
+        a buffer of the caller's or left in a new buffer of the allocator (`keep`), and no stream."""
+        if request.stream:
             return None
         into = _into_layout(request.output_buffers) if request.output_buffers else {}
         if into is None:
             return None
-        inputs, outputs = _input_layout(request.inputs), _inline_layout(reply.outputs, into)
-        if inputs is None or outputs is None:
+        placed = frozenset(request.keep) - frozenset(into)
+        inputs, outputs = _input_layout(request.inputs), _output_layout(reply.outputs, into, placed)
+        if inputs is None or outputs is None or (placed and not request.output_allocator):
             return None
-        return cls(request.node_compute_info, request.output_allocator, request.inline_limit, inputs, outputs,
-                   sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n in outputs), into,
-                   {i: type(ref)(desc=ref.desc, buffer=ref.buffer) for i, ref in request.output_buffers.items()})
+        layout, left = outputs
+        return cls(request.node_compute_info, request.output_allocator, request.inline_limit, inputs, layout,
+                   sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n in layout), into, left)
 
-    def input_tensors(self, payload, client: ClientState, counts: dict[str, int]) -> list[Tensor]:
+    @property
+    def keep(self) -> tuple[int, ...]:
+        """The outputs the EP leaves in the allocator."""
+        return tuple(self.placed)
+
+    @property
+    def reply_bytes(self) -> int:
+        """A KEPT reply's payload: the inline outputs' bytes, and a record per output left in the worker."""
+        return self.output_bytes + PLACED.size * len(self.placed)
+
+    def handles(self, payload) -> tuple[int, ...]:
+        """The handles of the buffers a KEPT frame's payload names (its inputs' in a buffer, in order, then the
+        buffers its outputs go into, by position), once its length is checked."""
+        expected = self._handles.size + self.input_bytes
+        if len(payload) != KEPT_ID.size + expected:
+            raise EpInvalidArgument(f"a kept call takes {expected} bytes (its buffers' handles, then its inline "
+                                    f"inputs), got {len(payload) - KEPT_ID.size}")
+        return self._handles.unpack_from(payload, KEPT_ID.size)
+
+    def input_tensors(self, payload, handles: tuple[int, ...], client: ClientState,
+                      counts: dict[str, int]) -> list[Tensor]:
         """The inputs, as tensors over a KEPT frame's payload and over the client's buffers (no copy); what
         they are counted in `counts` (resident: made here by an earlier Compute)."""
-        if len(payload) != KEPT_ID.size + self.input_bytes:
-            raise EpInvalidArgument(f"a kept call takes {self.input_bytes} bytes of inputs, got "
-                                    f"{len(payload) - KEPT_ID.size}")
-        tensors, offset = [], KEPT_ID.size
-        for i, (shape, dtype, nbytes, handle) in enumerate(self.inputs):
-            if handle:
-                tensor, produced = self._buffered(i, client, handle, shape, dtype, nbytes, "input")
+        tensors, offset, named = [], KEPT_ID.size + self._handles.size, iter(handles)
+        for i, (shape, dtype, nbytes, by_handle) in enumerate(self.inputs):
+            if by_handle:
+                tensor, produced = self._buffered(i, client, next(named), shape, dtype, nbytes, "input")
                 tensors.append(tensor)
                 where = "resident" if produced else "transferred"
                 tally(counts, f"compute_inputs_{where}")
@@ -131,10 +158,21 @@ class KeptCall:
         """A repeat's counters, as far as they are known before it runs (its inline inputs')."""
         return dict(self._counts)
 
-    def into_tensors(self, client: ClientState) -> dict[int, Tensor]:
+    def into_tensors(self, handles: tuple[int, ...], client: ClientState) -> dict[int, Tensor]:
         """The client's buffers outputs are written into, by position."""
         return {i: self._buffered(-1 - i, client, handle, shape, dtype, nbytes, "output")[0]
-                for i, (shape, dtype, nbytes, handle) in self.into.items()}
+                for (i, (shape, dtype, nbytes)), handle in zip(self.into.items(), self._into_handles(handles))}
+
+    def into_refs(self, handles: tuple[int, ...]) -> dict[int, common_pb2.TensorRef]:
+        """The buffers outputs go into as a request names them (for a whole reply)."""
+        refs = {}
+        for (i, (shape, dtype, _)), handle in zip(self.into.items(), self._into_handles(handles)):
+            ref = refs[i] = common_pb2.TensorRef(buffer=handle)
+            desc_to_proto(shape, dtype, ref.desc)
+        return refs
+
+    def _into_handles(self, handles: tuple[int, ...]) -> tuple[int, ...]:
+        return handles[len(handles) - len(self.into):]
 
     def _buffered(self, key: int, client: ClientState, handle: int, shape, dtype, nbytes: int,
                   what: str) -> tuple[Tensor, bool]:
@@ -154,19 +192,24 @@ class KeptCall:
             self._viewed[key] = (entry.buffer, tensor)
         return tensor, entry.produced
 
-    def write_into(self, client: ClientState, into: dict[int, Tensor], outputs: list[Any],
-                   counts: dict[str, int]) -> None:
+    def write_into(self, client: ClientState, handles: tuple[int, ...], into: dict[int, Tensor],
+                   outputs: list[Any], counts: dict[str, int]) -> None:
         """The outputs that go into the client's buffers, written there (where the EP did not itself)."""
-        for i, target in into.items():
-            write_into(client, self.into[i][3], target, outputs[i], counts)
+        for (i, target), handle in zip(into.items(), self._into_handles(handles)):
+            write_into(client, handle, target, outputs[i], counts)
 
     def output_arrays(self, outputs: list[Any]) -> list[np.ndarray] | None:
         """The outputs that go back, as arrays to send as they are, or None where one is not of its kept type
         and shape (the whole reply is sent then)."""
-        if len(outputs) != len(self.outputs) + len(self.into):
+        if len(outputs) != len(self.outputs) + len(self.into) + len(self.placed):
             return None
-        if self.into:
-            outputs = [v for i, v in enumerate(outputs) if i not in self.into]
+        if self.placed:
+            for i, (shape, dtype, _) in self.placed.items():
+                value = outputs[i]
+                if not isinstance(value, Tensor) or value.shape != shape or value.dtype != dtype:
+                    return None
+        if self.into or self.placed:
+            outputs = [v for i, v in enumerate(outputs) if i not in self.into and i not in self.placed]
         arrays = []
         for value, (shape, dtype, _) in zip(outputs, self.outputs):
             if not isinstance(value, Tensor) or value.shape != shape or value.dtype != dtype:
@@ -176,6 +219,26 @@ class KeptCall:
                 return None
             arrays.append(array)
         return arrays
+
+    def place(self, client: ClientState, allocator, outputs: list[Any], counts: dict[str, int]) -> tuple[bytes, list]:
+        """The outputs left in the allocator handed to the client: their PLACED records, and the shared regions
+        they lie in."""
+        records, regions = bytearray(), []
+        for i in self.placed:
+            handle, buffer = place_output(client, allocator, outputs[i], counts)
+            if buffer.region is not None and buffer.region.shareable:
+                regions.append(buffer.region.id)
+                records += PLACED.pack(handle, buffer.region.id, buffer.offset, buffer.nbytes)
+            else:
+                records += PLACED.pack(handle, 0, 0, 0)
+        return bytes(records), regions
+
+
+@dataclass
+class KeptReply:
+    """A kept call's answer: the parts of a KEPT reply's payload, and the regions its records name."""
+    parts: list
+    regions: list[int]
 
 
 class KeptCalls:

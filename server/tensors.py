@@ -120,6 +120,15 @@ def output_value(state: WorkerState, client: ClientState, allocator, inline_limi
         tally(counts, "bytes_inline_out", value.nbytes)
         ref.inline = value.local_array().tobytes()
         return
+    ref.buffer, buffer = place_output(client, allocator, value, counts)
+    if buffer.region is not None and buffer.region.shareable:
+        mapped = ref.mapped
+        mapped.region, mapped.offset, mapped.nbytes = buffer.region.id, buffer.offset, buffer.nbytes
+
+
+def place_output(client: ClientState, allocator, value: Tensor, counts: dict[str, int]) -> tuple[int, Buffer]:
+    """A Compute output left in a buffer of `allocator` (where the EP put it, else copied there), handed to the
+    client: its handle, and the buffer."""
     buffer = value.buffer
     in_allocator = buffer is not None and buffer.region is not None \
         and allocator.region(buffer.region.id) is buffer.region  # the EP put it there itself
@@ -131,10 +140,7 @@ def output_value(state: WorkerState, client: ClientState, allocator, inline_limi
         value = placed
         tally(counts, "compute_outputs_copied")
     buffer = value.detach_buffer()  # the client owns it from now on, through its handle
-    ref.buffer = client.add("buffer", BufferEntry(allocator, buffer, produced=True))
-    if buffer.region is not None and buffer.region.shareable:
-        mapped = ref.mapped
-        mapped.region, mapped.offset, mapped.nbytes = buffer.region.id, buffer.offset, buffer.nbytes
+    return client.add("buffer", BufferEntry(allocator, buffer, produced=True)), buffer
 
 
 def output_buffers(state: WorkerState, client: ClientState, refs) -> dict[int, Tensor]:

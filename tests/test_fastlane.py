@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pytest
 
 import ephost
 from ephost import InferenceSession, RunOptions
-from ephost.fastlane import (HEADER, KEPT, KEPT_ID, MAGIC, MAX_LENGTH, METHODS, FrameReader, decode_error,
+from ephost.fastlane import (HEADER, KEPT, KEPT_ID, MAGIC, PLACED, MAX_LENGTH, METHODS, FrameReader, decode_error,
                              send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
 import models
@@ -590,14 +591,15 @@ def test_kept_calls_on_the_wire(lane_worker):
         assert other.recv(2) == b"OK"
         assert kept_frame(other, kid + x.tobytes()).status == 5
         other.close()
-        # Not asked, or not all inline (an output left in a buffer), or over gRPC: not kept.
+        # Not asked, or an output left in a buffer it did not ask for (over its inline limit), or over gRPC:
+        # not kept.
         request.keep_call = False
         assert lane_call(sock, "Ep/Compute", request)[1].kept_call == 0
         request.keep_call = True
-        kept_in_buffer = ep_pb2.ComputeRequest()
-        kept_in_buffer.CopyFrom(request)
-        kept_in_buffer.output_allocator, kept_in_buffer.keep[:] = host_allocator(raw), [0]
-        assert lane_call(sock, "Ep/Compute", kept_in_buffer)[1].kept_call == 0
+        left_in_buffer = ep_pb2.ComputeRequest()
+        left_in_buffer.CopyFrom(request)
+        left_in_buffer.output_allocator, left_in_buffer.inline_limit = host_allocator(raw), 1
+        assert lane_call(sock, "Ep/Compute", left_in_buffer)[1].kept_call == 0
         assert raw(raw.ep.Compute, request).kept_call == 0
 
         # Past 64, the oldest go.
@@ -686,9 +688,9 @@ def test_a_kept_call_through_buffers_survives_its_worker():
 
 
 def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
-    """A kept call whose input is in a buffer of the caller's: the KEPT frame carries only the id, the worker
-    reads the buffer as it is at each call, and looks the buffer up every time (freed: NOT_FOUND; the
-    connection serves on)."""
+    """A kept call whose input is in a buffer of the caller's: the KEPT frame carries the id and the buffer's
+    handle (a run may name another buffer), the worker reads the buffer as it is at each call, and looks the
+    buffer up every time (freed or unknown: NOT_FOUND; too small: INVALID_ARGUMENT; the connection serves on)."""
     raw = RawClient(lane_worker.address)
     try:
         ep, partition, request = kept_partition(raw)
@@ -708,15 +710,25 @@ def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
         assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
         kid = KEPT_ID.pack(reply.kept_call)
         write([5, -6, 7, -8])
-        frame = kept_frame(sock, kid)
+        frame = kept_frame(sock, kid + struct.pack("<Q", buffer))
         assert (frame.method, frame.status) == (KEPT, 0), fastlane_error(frame)
         np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
-        frame = kept_frame(sock, kid + bytes(16))  # the input is not in the frame: nothing else may be
-        assert frame.status == 3 and b"takes 0 bytes" in bytes(frame.payload)
+        frame = kept_frame(sock, kid + struct.pack("<Q", buffer) + bytes(16))  # the input is not in the frame
+        assert frame.status == 3 and b"takes 8 bytes" in bytes(frame.payload)
+        other = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+        raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
+            allocator=allocator, buffer=other, data=np.array([-9, 9, -9, 9], np.float32).tobytes())]))
+        frame = kept_frame(sock, kid + struct.pack("<Q", other))  # another buffer this run
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [0, 9, 0, 9])
+        small = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=8)).buffer
+        frame = kept_frame(sock, kid + struct.pack("<Q", small))
+        assert frame.status == 3 and b"does not fit its buffer of 8 bytes" in bytes(frame.payload), \
+            fastlane_error(frame)
 
         raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=buffer))
-        frame = kept_frame(sock, kid)
-        assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
+        for handle in (buffer, 99999):
+            frame = kept_frame(sock, kid + struct.pack("<Q", handle))
+            assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
     finally:
         raw.close()
@@ -747,17 +759,54 @@ def test_kept_calls_writing_into_a_buffer_on_the_wire(lane_worker):
         assert reply.outputs[0].tensor.buffer == out
         np.testing.assert_array_equal(result(), [0, 2, 0, 4])
         kid = KEPT_ID.pack(reply.kept_call)
-        frame = kept_frame(sock, kid + np.array([5, -6, 7, -8], np.float32).tobytes())
+        frame = kept_frame(sock, kid + struct.pack("<Q", out) + np.array([5, -6, 7, -8], np.float32).tobytes())
         assert (frame.method, frame.status, len(frame.payload)) == (KEPT, 0, 0), fastlane_error(frame)
         np.testing.assert_array_equal(result(), [5, 0, 7, 0])
 
         raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=out))
-        frame = kept_frame(sock, kid + np.array([1, 1, 1, 1], np.float32).tobytes())
+        frame = kept_frame(sock, kid + struct.pack("<Q", out) + np.array([1, 1, 1, 1], np.float32).tobytes())
         assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
         target.ClearField("buffer")
         target.reply.SetInParent()
         frame, reply = lane_call(sock, "Ep/Compute", request)
         assert frame.status != 0 or reply.kept_call == 0
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
+    finally:
+        raw.close()
+
+
+def test_kept_calls_leaving_outputs_in_the_worker_on_the_wire(lane_worker):
+    """A kept call whose output the worker leaves in a new buffer of the call's allocator (`keep`, an
+    IOBinding's output bound to a device): each KEPT reply is a PLACED record naming a new buffer (a handle of
+    the client's, where it lies in a region the connection was handed) holding that run's result."""
+    raw = RawClient(lane_worker.address)
+    try:
+        _, _, request = kept_partition(raw)
+        allocator = host_allocator(raw)
+        request.output_allocator, request.keep[:] = allocator, [0]
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
+        first = reply.outputs[0].tensor
+        kid = KEPT_ID.pack(reply.kept_call)
+        handles = {first.buffer}
+        before = raw(raw.worker.GetStats, common_pb2.Empty())
+        for values in ([5, -6, 7, -8], [-1, -1, 9, 1]):
+            x = np.array(values, np.float32)
+            frame = kept_frame(sock, kid + x.tobytes())
+            assert (frame.method, frame.status, len(frame.payload)) == (KEPT, 0, PLACED.size), fastlane_error(frame)
+            handle, region, offset, nbytes = PLACED.unpack(frame.payload)
+            assert handle not in handles and region == first.mapped.region and nbytes == 16 and offset >= 0
+            handles.add(handle)
+            data = b"".join(c.data for c in raw(raw.allocator.Read, allocator_pb2.ReadRequest(
+                allocator=allocator, buffer=handle, nbytes=16)))
+            np.testing.assert_array_equal(np.frombuffer(data, np.float32), np.maximum(x, 0))
+        after = raw(raw.worker.GetStats, common_pb2.Empty())
+        assert after.kept_calls - before.kept_calls == 2
+        assert after.buffers_live - before.buffers_live == 2  # the client's now, until it frees them
+        for handle in handles:
+            raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=handle))
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
     finally:
         raw.close()
