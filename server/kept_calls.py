@@ -29,6 +29,8 @@ from ephost.server.tensors import buffer_tensor, place_output, tally, write_into
 from ephost.v1 import common_pb2
 
 
+_VIEWED = 16  # tensors over buffers a kept call keeps made
+
 Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nbytes) of each tensor
 # (shape, dtype, nbytes, in a buffer) of each input; in a buffer: its handle comes in the frame, else its bytes
 Inputs = tuple[tuple[tuple[int, ...], np.dtype, int, bool], ...]
@@ -87,8 +89,8 @@ class KeptCall:
     output_bytes: int     # a reply's payload: the bytes of `outputs`
     into: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
     placed: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
-    # input index (output i: -1 - i) -> (buffer, tensor over it) of the last run: the tensor and its array are
-    # made again only when the handle names another buffer (the connection's one thread uses it)
+    # (input index (output i: -1 - i), handle) -> (buffer, tensor over it) of an earlier run: the tensor and its
+    # array are made again only for a buffer not seen lately (the connection's one thread uses it)
     _viewed: dict = field(default_factory=dict, compare=False, repr=False)
     _counts: dict = field(default_factory=dict, compare=False, repr=False)
     _handles: struct.Struct | None = field(default=None, init=False, compare=False, repr=False)  # a frame's u64s
@@ -177,11 +179,11 @@ class KeptCall:
     def _buffered(self, key: int, client: ClientState, handle: int, shape, dtype, nbytes: int,
                   what: str) -> tuple[Tensor, bool]:
         """A tensor in the client's buffer `handle` (looked up on every run: a freed one is NOT_FOUND), with
-        its array made, and whether the buffer's bytes were made here: the same tensor as last run where the
-        handle names the same buffer (an array over shared memory costs tens of microseconds to make on a
-        run's cold caches)."""
+        its array made, and whether the buffer's bytes were made here: the same tensor as an earlier run where
+        the handle names the same buffer (two bound tensors swapped each step, a thread's staging buffer: an
+        array over shared memory costs tens of microseconds to make on a run's cold caches)."""
         entry = client.get("buffer", handle)
-        viewed = self._viewed.get(key)
+        viewed = self._viewed.get((key, handle))
         if viewed is not None and viewed[0] is entry.buffer:
             return viewed[1], entry.produced
         tensor, _ = buffer_tensor(client, handle, shape, dtype, nbytes,
@@ -189,7 +191,9 @@ class KeptCall:
         array = tensor.local_array()
         if array is not None:
             tensor = Tensor.trusted(shape, dtype, tensor.memory_info, nbytes, buffer=entry.buffer, host=array)
-            self._viewed[key] = (entry.buffer, tensor)
+            if len(self._viewed) >= _VIEWED:  # a loop naming a new buffer each step: nothing to find again
+                self._viewed.clear()
+            self._viewed[(key, handle)] = (entry.buffer, tensor)
         return tensor, entry.produced
 
     def write_into(self, client: ClientState, handles: tuple[int, ...], into: dict[int, Tensor],
