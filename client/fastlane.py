@@ -100,7 +100,7 @@ class _Connection:
 
     def __init__(self, sock: socket.socket, adopt, spin_s: float):
         self.sock = sock
-        self.reader = FrameReader(sock, adopt, spin_s)
+        self.reader = FrameReader(sock, adopt, spin_s, expect=True)
         self.timeout = sock.gettimeout()
         self.kept: dict = {}  # key -> _Kept, or None where the worker would not keep the call
 

@@ -183,12 +183,14 @@ class FrameReader:
     thread pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine
     waking an idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins
     only while frames keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is
-    short again), so that idle connections burn no CPU. After a long wait it expects the next to be as long
-    (a partition run again): it sleeps through all but the last `spin_s` of it (woken at once if the frame comes
-    sooner) and polls from there, so that the frame that ends a long call finds its reader awake (measured on
-    the small CNNs: 3-5% of a 4 ms run)."""
+    short again), so that idle connections burn no CPU. With `expect` (a caller reading replies), after a long
+    wait it expects the next to be as long (a partition run again): it sleeps through all but the last `spin_s`
+    of it (woken at once if the frame comes sooner) and polls from there, so that the reply that ends a long
+    call finds its reader awake (measured on the small CNNs: 3-5% of a 4 ms run). A worker reading requests
+    does not: how long a caller takes between calls says little about the next, and polling through its end
+    would take a CPU from whatever the caller does meanwhile."""
 
-    def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0):
+    def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0, expect: bool = False):
         self._sock = sock
         self._packet = bytearray(PACKET)
         self._adopt = adopt
@@ -196,6 +198,7 @@ class FrameReader:
         self._flags = socket.MSG_CMSG_CLOEXEC if adopt is not None else 0  # received descriptors: close-on-exec
         self._spin_s = spin_s if spin_s > 0 else 0.0
         self._spinning = bool(self._spin_s)
+        self._expect_long = expect
         self._expected = 0.0  # how long the last read waited
         self._poll = None
         if self._spin_s:
@@ -208,7 +211,7 @@ class FrameReader:
             started = time.perf_counter()
             if self._spinning:
                 self._spin(started + self._spin_s)
-            elif self._expected > 2 * self._spin_s:
+            elif self._expect_long and self._expected > 2 * self._spin_s:
                 self._expect(started)
         n, ancillary, flags, _ = self._sock.recvmsg_into([self._packet], self._ancillary, self._flags)
         if self._spin_s:

@@ -428,7 +428,7 @@ def test_a_reader_that_expects_a_long_wait_still_answers_early_late_and_on_its_d
         low = b.detach()
         b = socket.socket(fileno=os.dup2(low, 1100))
         os.close(low)
-    reader = FrameReader(b, spin_s=0.001)
+    reader = FrameReader(b, spin_s=0.001, expect=True)
     compute = METHODS["Ep/Compute"].id
 
     def read_after(gap: float):
