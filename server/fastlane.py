@@ -149,6 +149,7 @@ class LaneServer:
                 self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
                             f"a {method.name} frame whose message cannot be parsed")
                 continue
+
             def respond(reply):
                 if frame.method == COMPUTE and request.keep_call and self._kept is not None:
                     reply.kept_call = kept.keep(request, reply)
