@@ -54,7 +54,9 @@ class ExampleComputeInfo:
         self._max_batch = kernel_info.option_int("max_batch", 0)
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None) -> list[Any]:
+                timeout: float | None = None, into=None, leave=()) -> list[Any]:
+        # `into` (outputs the caller would like written into its tensors) and `leave` are hints this EP need not
+        # take: it returns new arrays, and whoever called copies them where they go.
         info = self.kernel_info
         names = [v.name for v in info.inputs]
         values = local_inputs(self.name, names, inputs)

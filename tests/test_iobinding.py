@@ -292,3 +292,26 @@ def test_without_shared_memory_a_bound_loop_moves_no_bytes_either():
     assert all(after[c] == first[c] for c in COUNTERS if "resident" not in c), (first, after)
     assert (calls_after["Allocator/Read"].calls if "Allocator/Read" in calls_after else 0) == \
         (calls["Allocator/Read"].calls if "Allocator/Read" in calls else 0)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_an_ep_that_makes_new_arrays_still_fills_an_output_bound_in_its_worker(transport):
+    """The example EP returns new arrays whatever it is asked (`into` is a hint): an output bound to a tensor in
+    its worker is copied there, run after run (on the fast lane, kept calls after the first)."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("npu", "example", TRANSPORTS[transport])
+        device = device_of(env, "npu")
+        allocator = env.allocator_for(device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE))
+        out = ephost.Tensor.empty([3], np.float32, allocator)
+        with InferenceSession(models.chain(["Relu", "Neg"], shape=(3,)), options_for(env, "npu"), env=env) as s:
+            binding = s.io_binding()
+            binding.bind_output("y", tensor=out)
+            for k in range(4):
+                x = np.array([-1, 2, -3], np.float32) * (k + 1)
+                binding.bind_cpu_input("x", x)
+                s.run_with_iobinding(binding)
+                assert binding.get_outputs() == [out]
+                np.testing.assert_array_equal(out.numpy(), -np.maximum(x, 0))
+        stats = env.get_worker_stats("npu")
+        assert stats.compute_outputs_copied == 4
+        assert stats.kept_calls == (3 if transport == "fast_lane" else 0)
