@@ -98,7 +98,7 @@ class WorkerConnection:
         self._regions: dict[int, Region | None] = {}
         self._regions_lock = threading.Lock()
         self.lane: FastLane | None = None
-        self.kept_calls = kept_calls  # repeat small Computes as kept calls on the lane (FastLane.call_kept)
+        self.kept_calls = kept_calls  # repeat Computes and copies as kept calls on the lane (FastLane.call_kept)
         self._lane_methods: dict = {}
         try:
             hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL,
@@ -151,15 +151,17 @@ class WorkerConnection:
         except grpc.RpcError as e:
             raise self._error(e, method) from None
 
-    def compute_kept(self, key, parts: list, nbytes: int, request_of, timeout: float | None = None):
-        """A Compute the calling thread repeats (FastLane.call_kept), over the fast lane where it opens, else a
-        plain Compute over gRPC: the outputs as arrays, or the ComputeResponse."""
-        if self.lane is not None and self.kept_calls and not self._closed:
+    def call_kept(self, method, key, parts: list, nbytes: int, request_of, timeout: float | None = None):
+        """A Compute or CopyTensors (`method`: the stub's method) the calling thread repeats (FastLane.call_kept),
+        over the fast lane where it opens, else a plain call over gRPC: what came back (see call_kept), or the
+        reply."""
+        lane_method = self._lane_methods.get(method)
+        if lane_method is not None and self.kept_calls and not self._closed:
             try:
-                return self.lane.call_kept(key, parts, nbytes, request_of, timeout or self.timeout_s)
+                return self.lane.call_kept(lane_method, key, parts, nbytes, request_of, timeout or self.timeout_s)
             except LaneUnavailable:
                 pass  # nothing was sent
-        return self.call(self.ep.Compute, request_of(), timeout=timeout)
+        return self.call(method, request_of(), timeout=timeout)
 
     def _error(self, e: grpc.RpcError, method) -> EpError:
         code, details = e.code(), e.details() or ""

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 5.0
 COMPUTE = METHODS["Ep/Compute"]
+COPY = METHODS["DataTransfer/CopyTensors"]
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _LANES: "weakref.WeakSet[FastLane]" = weakref.WeakSet()
 
@@ -66,10 +67,12 @@ class _Kept:
         self.nbytes = sum(n for _, _, n, left in outputs if not left) + PLACED.size * self.placed
 
     @classmethod
-    def of(cls, request, reply) -> "_Kept":
-        """From the call and the reply the worker kept it with: the outputs that come back are those it sent
-        inline and those it left in the call's allocator (`keep`); it wrote the others into the caller's
-        buffers (`output_buffers`)."""
+    def of(cls, method: Method, request, reply) -> "_Kept":
+        """From the call and the reply the worker kept it with. A Compute's outputs that come back are those it
+        sent inline and those it left in the call's allocator (`keep`); it wrote the others into the caller's
+        buffers (`output_buffers`). A CopyTensors has none: it writes into the caller's buffers."""
+        if method is not COMPUTE:
+            return cls(reply.kept_call, [])
         into, keep = request.output_buffers, frozenset(request.keep)
         return cls(reply.kept_call, [(*checked_desc(v.tensor.desc), i in keep) for i, v in enumerate(reply.outputs)
                                      if i not in into])
@@ -170,33 +173,35 @@ class FastLane:
         frame = self._exchange(self._connection(), method.id, method.name, [data], len(data), timeout)
         return method.reply.FromString(frame.payload)
 
-    def call_kept(self, key: Hashable, parts: list, nbytes: int, request_of: Callable[[], Any], timeout: float):
-        """A Compute this thread repeats (ephost/fastlane.py, kept calls). `key` says what makes it the same
-        call (partition, allocator, input types and shapes), `parts` are the inputs' bytes (`nbytes` in all) and
-        `request_of()` the whole ComputeRequest. The first call on a connection sends the request, asking the
-        worker to keep it; the next send only the bytes. Returns the outputs that come back (_Kept.arrays: arrays
-        over the reply, no copy, and a Placed for each left in the worker) where the reply is a kept call's, else
-        the ComputeResponse."""
+    def call_kept(self, method: Method, key: Hashable, parts: list, nbytes: int, request_of: Callable[[], Any],
+                  timeout: float):
+        """A Compute or CopyTensors this thread repeats (ephost/fastlane.py, kept calls). `key` says what makes
+        it the same call (a Compute's partition, allocator, input types and shapes), `parts` are what a repeat
+        carries (the handles of the buffers it names, the inputs' bytes: `nbytes` in all) and `request_of()` the
+        whole request. The first call on a connection sends the request, asking the worker to keep it; the next
+        send only the parts. Returns what comes back (_Kept.arrays: a Compute's outputs as arrays over the reply,
+        no copy, and a Placed for each left in the worker) where the reply is a kept call's, else the reply."""
         conn = self._connection()
+        key = (method.id, key)
         kept = conn.kept.get(key, _UNKEPT)
         if kept is None:  # the worker would not keep it
-            return self.call(COMPUTE, request_of(), timeout)
+            return self.call(method, request_of(), timeout)
         if kept is not _UNKEPT:
             try:
-                frame = self._exchange(conn, KEPT, "Ep/Compute", [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
+                frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
                                        timeout)
             except EpUnknownKeptCall:  # the worker let it go: the whole request again, asking to keep it
                 del conn.kept[key]
             else:
                 if frame.method == KEPT:
                     return kept.arrays(frame.payload)
-                return COMPUTE.reply.FromString(frame.payload)  # outputs of other types or shapes: the whole reply
+                return method.reply.FromString(frame.payload)  # outputs of other types or shapes: the whole reply
         request = request_of()
         request.keep_call = True
-        reply = self.call(COMPUTE, request, timeout)
+        reply = self.call(method, request, timeout)
         if len(conn.kept) >= MAX_KEPT:
             del conn.kept[next(iter(conn.kept))]  # the oldest (the worker lets its oldest go too)
-        conn.kept[key] = _Kept.of(request, reply) if reply.kept_call else None
+        conn.kept[key] = _Kept.of(method, request, reply) if reply.kept_call else None
         return reply
 
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float):

@@ -134,9 +134,9 @@ class RemoteComputeInfo(RemoteHandle):
             nbytes += 8 * len(handles)
         key = (self.handle, allocator.handle if allocator is not None else 0, layout,
                tuple((i, t.shape, t.dtype) for i, t in sorted(targets.items())) if targets else (), placed)
-        result = self.link.run(lambda c: c.compute_kept(
-            key, parts, nbytes, lambda: self._request(inputs, allocator, placed, targets, [], staged), timeout),
-            conn=conn)
+        result = self.link.run(lambda c: c.call_kept(
+            c.ep.Compute, key, parts, nbytes, lambda: self._request(inputs, allocator, placed, targets, [], staged),
+            timeout), conn=conn)
         if isinstance(result, list):  # the outputs that came back, in order: all but the targets
             if not targets and not placed:
                 outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]

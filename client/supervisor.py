@@ -38,7 +38,7 @@ class SupervisionPolicy:
     shared_memory: bool = True    # use shared memory where the worker proves it shares this host
     fast_lane: bool = True        # Compute and CopyTensors over the data-plane socket where memory is shared
     fast_lane_spin_us: float = SPIN_S * 1e6  # each end polls this long for the next frame before it sleeps
-    kept_calls: bool = True       # small Computes repeated on the fast lane as kept calls (inputs' bytes only)
+    kept_calls: bool = True       # Computes and copies repeated on the fast lane as kept calls (what changes only)
 
     OPTIONS = {
         "restart": "restart a launched worker that dies (default true)",
@@ -51,8 +51,9 @@ class SupervisionPolicy:
         "fast_lane": "carry Compute and CopyTensors over a unix socket where memory is shared (default true)",
         "fast_lane_spin_us": "how long each end of the fast lane polls for the next frame before it sleeps, while "
                              f"frames come that fast (default {SPIN_S * 1e6:g}; 0: never)",
-        "kept_calls": "repeat a Compute whose inputs and outputs travel inline as a kept call on the fast lane: "
-                      "only the inputs' bytes go, only the outputs' bytes come back (default true)",
+        "kept_calls": "repeat a Compute, or a CopyTensors between buffers of the worker's, as a kept call on the "
+                      "fast lane: only the inputs' bytes and the buffers' handles go, only the outputs' bytes "
+                      "come back (default true)",
     }
 
     @classmethod

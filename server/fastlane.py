@@ -31,7 +31,6 @@ from ephost.server.stats import WorkerStats
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-COMPUTE = METHODS["Ep/Compute"].id
 # (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True,
 #  respond=callable that sends the reply) -> reply;
 # raises EpError
@@ -53,13 +52,14 @@ def lane_path(fd_socket: str) -> str:
 class LaneServer:
     def __init__(self, path: str, tickets: DescriptorServer, dispatch: Dispatch, stats: WorkerStats,
                  export: Callable[[str, int], tuple[int, int] | None] | None = None, spin_s: float = 0.0,
-                 kept: Callable | None = None):
+                 kept: dict[str, Callable] | None = None):
         """`dispatch` runs a call as the gRPC path does. `export(client_id, region)`: a duplicate descriptor of
         one of that client's shareable regions and its size, or None; the region rides along with the first
-        reply on a connection that names it. `kept((kept call, payload), client id, deadline, respond=)` runs a
-        kept call repeated (server/kept_calls.py), through the same dispatch; without it no call is kept."""
+        reply on a connection that names it. `kept`: by method ("Ep/Compute"), the handler that runs a kept call
+        of it repeated (server/kept_calls.py: `handler((kept call, payload), call)`), dispatched as the method;
+        calls of other methods, and all without it, are not kept."""
         self.path = path
-        self._kept = kept
+        self._kept = kept or {}
         self._export = export
         self._spin_s = spin_s  # how long a connection's thread polls for the next request before it sleeps
         self._tickets = tickets
@@ -135,7 +135,7 @@ class LaneServer:
             frame = reader.read()
             if frame is None:
                 return
-            if frame.method == KEPT and self._kept is not None:
+            if frame.method == KEPT and self._kept:
                 self._serve_kept(conn, client_id, frame, kept, sent)
                 continue
             method = BY_ID.get(frame.method)
@@ -151,8 +151,8 @@ class LaneServer:
                 continue
 
             def respond(reply):
-                if frame.method == COMPUTE and request.keep_call and self._kept is not None:
-                    reply.kept_call = kept.keep(request, reply)
+                if method.name in self._kept and request.keep_call:
+                    reply.kept_call = kept.keep(method.name, request, reply)
                 self._send_reply(conn, client_id, frame.method, reply, sent)
 
             try:
@@ -169,12 +169,13 @@ class LaneServer:
                     self._hand_over(conn, client_id, new, sent)
                 send_parts(conn, KEPT, 0.0, reply.parts, call.reply_bytes)
             else:
-                self._send_reply(conn, client_id, COMPUTE, reply, sent)
+                self._send_reply(conn, client_id, METHODS[call.method].id, reply, sent)
 
         try:
-            deadline = _deadline(frame, "kept Ep/Compute")
+            deadline = _deadline(frame, "kept call")
             call = kept.get(frame.payload)
-            self._kept((call, frame.payload), client_id, deadline, respond=respond)
+            self._dispatch(call.method, (call, frame.payload), client_id, deadline, lane=True,
+                           handler=self._kept[call.method], respond=respond)
         except EpError as e:
             self._error(conn, KEPT, e.code, str(e), getattr(e, "reason", ""))
 

@@ -1,5 +1,5 @@
-"""Kept calls: Computes that one fast-lane connection repeats with nothing but what changes (the frames are
-described in ephost/fastlane.py).
+"""Kept calls: Computes and CopyTensors that one fast-lane connection repeats with nothing but what changes
+(the frames are described in ephost/fastlane.py).
 
 What a kept call keeps is what its first request and reply said and the worker checked then: the handles of
 the partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, which inputs
@@ -9,14 +9,16 @@ into new buffers of the allocator (`keep`). Each repeat names those buffers by h
 inputs' bytes; the reply carries the other outputs' bytes and a record for each new buffer. Every handle is
 looked up on every repeat (a released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small is
 INVALID_ARGUMENT) and the payload's length is checked against the kept sizes before any byte is read; nothing
-else a peer sends is trusted.
+else a peer sends is trusted. A kept CopyTensors (all its sources and destinations buffers of the client's) keeps
+the data transfer, the stream and the tensors' types and shapes; each repeat names the buffers, and its reply
+is empty.
 """
 from __future__ import annotations
 
 import itertools
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -24,7 +26,7 @@ from ephost.errors import EpInvalidArgument, EpUnknownKeptCall
 from ephost.fastlane import KEPT_ID, MAX_KEPT, PLACED
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, checked_desc, desc_to_proto
-from ephost.server.clients import ClientState
+from ephost.server.clients import BufferEntry, ClientState
 from ephost.server.tensors import buffer_tensor, place_output, tally, write_into
 from ephost.v1 import common_pb2
 
@@ -78,8 +80,49 @@ def _input_layout(values) -> Inputs | None:
     return tuple(layout)
 
 
+class _Views:
+    """Tensors over the client's buffers that a kept call's earlier runs named, with their arrays made: the
+    same tensor again where a handle names the same buffer (two bound tensors swapped each step, a thread's
+    staging buffer: an array over shared memory costs tens of microseconds to make on a run's cold caches).
+    Used by the connection's one thread."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self):
+        self._seen: dict = {}  # (key, handle) -> (buffer, tensor over it)
+
+    def tensor(self, key: int, client: ClientState, handle: int, shape, dtype, nbytes: int,
+               what: str) -> tuple[Tensor, BufferEntry]:
+        """A tensor in the client's buffer `handle` (looked up on every run: a freed one is NOT_FOUND, one too
+        small INVALID_ARGUMENT), and the buffer's entry. `key` tells apart the places a call names buffers."""
+        entry = client.get("buffer", handle)
+        seen = self._seen.get((key, handle))
+        if seen is not None and seen[0] is entry.buffer:
+            return seen[1], entry
+        tensor, _ = buffer_tensor(client, handle, shape, dtype, nbytes,
+                                  lambda: f"a kept call's {what} ({nbytes} bytes)")
+        array = tensor.local_array()
+        if array is not None:
+            tensor = Tensor.trusted(shape, dtype, tensor.memory_info, nbytes, buffer=entry.buffer, host=array)
+            if len(self._seen) >= _VIEWED:  # a loop naming a new buffer each step: nothing to find again
+                self._seen.clear()
+            self._seen[(key, handle)] = (entry.buffer, tensor)
+        return tensor, entry
+
+
+def _handles(kept, payload) -> tuple[int, ...]:
+    """The handles a KEPT frame's payload names after its id, once its length is checked (they and the inline
+    inputs' bytes fill it exactly)."""
+    expected = kept._handles.size + kept.input_bytes
+    if len(payload) != KEPT_ID.size + expected:
+        raise EpInvalidArgument(f"a kept call takes {expected} bytes (its buffers' handles, then its inline "
+                                f"inputs), got {len(payload) - KEPT_ID.size}")
+    return kept._handles.unpack_from(payload, KEPT_ID.size)
+
+
 @dataclass(frozen=True)
 class KeptCall:
+    method: ClassVar[str] = "Ep/Compute"
     compute_info: int
     allocator: int        # 0: none
     inline_limit: int
@@ -89,9 +132,8 @@ class KeptCall:
     output_bytes: int     # a reply's payload: the bytes of `outputs`
     into: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
     placed: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
-    # (input index (output i: -1 - i), handle) -> (buffer, tensor over it) of an earlier run: the tensor and its
-    # array are made again only for a buffer not seen lately (the connection's one thread uses it)
-    _viewed: dict = field(default_factory=dict, compare=False, repr=False)
+    # tensors over the buffers earlier runs named, by input index (output i: -1 - i) and handle
+    _views: _Views = field(default_factory=_Views, compare=False, repr=False)
     _counts: dict = field(default_factory=dict, compare=False, repr=False)
     _handles: struct.Struct | None = field(default=None, init=False, compare=False, repr=False)  # a frame's u64s
 
@@ -132,11 +174,7 @@ class KeptCall:
     def handles(self, payload) -> tuple[int, ...]:
         """The handles of the buffers a KEPT frame's payload names (its inputs' in a buffer, in order, then the
         buffers its outputs go into, by position), once its length is checked."""
-        expected = self._handles.size + self.input_bytes
-        if len(payload) != KEPT_ID.size + expected:
-            raise EpInvalidArgument(f"a kept call takes {expected} bytes (its buffers' handles, then its inline "
-                                    f"inputs), got {len(payload) - KEPT_ID.size}")
-        return self._handles.unpack_from(payload, KEPT_ID.size)
+        return _handles(self, payload)
 
     def input_tensors(self, payload, handles: tuple[int, ...], client: ClientState,
                       counts: dict[str, int]) -> list[Tensor]:
@@ -145,9 +183,9 @@ class KeptCall:
         tensors, offset, named = [], KEPT_ID.size + self._handles.size, iter(handles)
         for i, (shape, dtype, nbytes, by_handle) in enumerate(self.inputs):
             if by_handle:
-                tensor, produced = self._buffered(i, client, next(named), shape, dtype, nbytes, "input")
+                tensor, entry = self._views.tensor(i, client, next(named), shape, dtype, nbytes, "input")
                 tensors.append(tensor)
-                where = "resident" if produced else "transferred"
+                where = "resident" if entry.produced else "transferred"
                 tally(counts, f"compute_inputs_{where}")
                 tally(counts, f"compute_input_bytes_{where}", nbytes)
                 continue
@@ -162,7 +200,7 @@ class KeptCall:
 
     def into_tensors(self, handles: tuple[int, ...], client: ClientState) -> dict[int, Tensor]:
         """The client's buffers outputs are written into, by position."""
-        return {i: self._buffered(-1 - i, client, handle, shape, dtype, nbytes, "output")[0]
+        return {i: self._views.tensor(-1 - i, client, handle, shape, dtype, nbytes, "output")[0]
                 for (i, (shape, dtype, nbytes)), handle in zip(self.into.items(), self._into_handles(handles))}
 
     def into_refs(self, handles: tuple[int, ...]) -> dict[int, common_pb2.TensorRef]:
@@ -175,26 +213,6 @@ class KeptCall:
 
     def _into_handles(self, handles: tuple[int, ...]) -> tuple[int, ...]:
         return handles[len(handles) - len(self.into):]
-
-    def _buffered(self, key: int, client: ClientState, handle: int, shape, dtype, nbytes: int,
-                  what: str) -> tuple[Tensor, bool]:
-        """A tensor in the client's buffer `handle` (looked up on every run: a freed one is NOT_FOUND), with
-        its array made, and whether the buffer's bytes were made here: the same tensor as an earlier run where
-        the handle names the same buffer (two bound tensors swapped each step, a thread's staging buffer: an
-        array over shared memory costs tens of microseconds to make on a run's cold caches)."""
-        entry = client.get("buffer", handle)
-        viewed = self._viewed.get((key, handle))
-        if viewed is not None and viewed[0] is entry.buffer:
-            return viewed[1], entry.produced
-        tensor, _ = buffer_tensor(client, handle, shape, dtype, nbytes,
-                                  lambda: f"a kept call's {what} ({nbytes} bytes)")
-        array = tensor.local_array()
-        if array is not None:
-            tensor = Tensor.trusted(shape, dtype, tensor.memory_info, nbytes, buffer=entry.buffer, host=array)
-            if len(self._viewed) >= _VIEWED:  # a loop naming a new buffer each step: nothing to find again
-                self._viewed.clear()
-            self._viewed[(key, handle)] = (entry.buffer, tensor)
-        return tensor, entry.produced
 
     def write_into(self, client: ClientState, handles: tuple[int, ...], into: dict[int, Tensor],
                    outputs: list[Any], counts: dict[str, int]) -> None:
@@ -238,6 +256,53 @@ class KeptCall:
         return bytes(records), regions
 
 
+@dataclass(frozen=True)
+class KeptCopy:
+    """A CopyTensors whose sources and destinations are all buffers of the caller's: what a repeat needs but
+    their handles (sources, then destinations, in the frame)."""
+    method: ClassVar[str] = "DataTransfer/CopyTensors"
+    input_bytes: ClassVar[int] = 0  # a repeat carries handles only
+    reply_bytes: ClassVar[int] = 0  # and its reply nothing
+    data_transfer: int
+    stream: int                     # 0: none
+    src: Layout
+    dst: Layout
+    _views: _Views = field(default_factory=_Views, compare=False, repr=False)
+    _handles: struct.Struct | None = field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_handles", struct.Struct(f"<{len(self.src) + len(self.dst)}Q"))
+
+    @classmethod
+    def of(cls, request, reply) -> "KeptCopy | None":
+        """What to keep of a CopyTensors, or None where a source or destination is not named by handle."""
+        layouts = []
+        for refs in (request.src, request.dst):
+            if any(ref.WhichOneof("location") != "buffer" for ref in refs):
+                return None
+            layouts.append(tuple(checked_desc(ref.desc) for ref in refs))
+        return cls(request.data_transfer, request.stream, *layouts)
+
+    def tensors(self, payload, client: ClientState) -> tuple[list[Tensor], list[Tensor], list[BufferEntry],
+                                                              list[BufferEntry]]:
+        """The sources and destinations a KEPT frame names, as tensors over the client's buffers, and their
+        buffers' entries."""
+        handles = iter(_handles(self, payload))
+        out: tuple[list, list, list, list] = ([], [], [], [])
+        for side, (layout, what) in enumerate(((self.src, "source"), (self.dst, "destination"))):
+            tensors, entries = out[side], out[2 + side]
+            for i, (shape, dtype, nbytes) in enumerate(layout):
+                tensor, entry = self._views.tensor(i if side == 0 else -1 - i, client, next(handles), shape, dtype,
+                                                   nbytes, what)
+                tensors.append(tensor)
+                entries.append(entry)
+        return out
+
+
+# What a call of each method keeps, from its request and reply (None: it does not qualify).
+KEEPERS = {KeptCall.method: KeptCall.of, KeptCopy.method: KeptCopy.of}
+
+
 @dataclass
 class KeptReply:
     """A kept call's answer: the parts of a KEPT reply's payload, and the regions its records name."""
@@ -249,13 +314,13 @@ class KeptCalls:
     """The kept calls of one fast-lane connection (used by that connection's thread only)."""
 
     def __init__(self):
-        self._calls: dict[int, KeptCall] = {}
+        self._calls: dict[int, KeptCall | KeptCopy] = {}
         self._ids = itertools.count(1)
 
-    def keep(self, request, reply) -> int:
-        """Keep a Compute that asked to be kept: its id, or 0 where it does not qualify. Past MAX_KEPT the
+    def keep(self, method: str, request, reply) -> int:
+        """Keep a call that asked to be kept: its id, or 0 where it does not qualify. Past MAX_KEPT the
         oldest is let go (a KEPT frame naming it is told so, and its caller sends the whole call again)."""
-        kept = KeptCall.of(request, reply)
+        kept = KEEPERS[method](request, reply)
         if kept is None:
             return 0
         if len(self._calls) >= MAX_KEPT:
@@ -264,14 +329,14 @@ class KeptCalls:
         self._calls[kid] = kept
         return kid
 
-    def get(self, payload) -> KeptCall:
+    def get(self, payload) -> KeptCall | KeptCopy:
         """The kept call a KEPT frame's payload names."""
         if len(payload) < KEPT_ID.size:
             raise EpInvalidArgument(f"a KEPT frame of {len(payload)} bytes, shorter than its {KEPT_ID.size}-byte id")
         (kid,) = KEPT_ID.unpack_from(payload)
         kept = self._calls.get(kid)
         if kept is None:
-            raise EpUnknownKeptCall(f"no kept call {kid} on this connection; send the whole Compute")
+            raise EpUnknownKeptCall(f"no kept call {kid} on this connection; send the whole call")
         return kept
 
     def __len__(self) -> int:

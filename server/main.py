@@ -6,7 +6,6 @@ the process that launched it dies (it watches its stdin, whose other end only th
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -147,9 +146,9 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
                                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                                   ("grpc.keepalive_permit_without_calls", 1)])
     # A launched worker has one client, which may use all of it; a shared one keeps a quarter from any one.
-    ep_service = EpService(state)
+    ep_service, transfer_service = EpService(state), DataTransferService(state)
     dispatcher = Dispatcher.of(state, [EpFactoryService(state), ep_service, AllocatorService(state),
-                                       StreamService(state), DataTransferService(state),
+                                       StreamService(state), transfer_service,
                                        WorkerService(state, request_stop)],
                                per_client=threads if exit_with_parent else max(1, threads * 3 // 4),
                                total=threads)
@@ -158,8 +157,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     if fd_server is not None:  # the fast lane, for clients on this host: the same dispatch, another transport
         state.lane = LaneServer(lane_path(listen.fd_socket), fd_server, dispatcher.dispatch, state.stats,
                                 export=state.export_region, spin_s=lane_spin_s,
-                                kept=functools.partial(dispatcher.dispatch, "Ep/Compute", lane=True,
-                                                       handler=ep_service.compute_kept))
+                                kept={"Ep/Compute": ep_service.compute_kept,
+                                      "DataTransfer/CopyTensors": transfer_service.copy_kept})
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Server reflection, so that standard gRPC tools (grpcurl, grpc_cli) can list and call the services.

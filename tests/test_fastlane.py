@@ -17,7 +17,7 @@ import ephost
 from ephost import InferenceSession, RunOptions
 from ephost.fastlane import (HEADER, KEPT, KEPT_ID, MAGIC, PLACED, MAX_LENGTH, METHODS, FrameReader, decode_error,
                              send_frame)
-from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
+from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 import models
 from helpers import RawClient, options_for, worker_stats
 
@@ -770,6 +770,113 @@ def test_kept_calls_writing_into_a_buffer_on_the_wire(lane_worker):
         target.reply.SetInParent()
         frame, reply = lane_call(sock, "Ep/Compute", request)
         assert frame.status != 0 or reply.kept_call == 0
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
+    finally:
+        raw.close()
+
+
+def test_copies_between_a_workers_buffers_repeat_as_kept_calls(ort_env):
+    """CopyTensors between buffers of the worker's (shared memory to its private memory and back, destinations
+    alternating): the first sends the whole call and the worker keeps it, the next send the buffers' handles;
+    every copy lands. A copy from this process's own memory is sent whole. gRPC keeps nothing, nor a
+    registration with kept_calls=false."""
+    ort_env.register_execution_provider_library("ort_unkept", "onnxruntime", {"kept_calls": "false"})
+    try:
+        for registration, kept in (("ort", 29), ("ort_grpc", 0), ("ort_unkept", 0)):
+            device = next(d for d in ort_env.get_ep_devices() if d.registration_name == registration)
+            shared = ort_env.create_shared_allocator(device, ephost.DeviceMemoryType.HOST_ACCESSIBLE)
+            private = ort_env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+            try:
+                src, back = (ephost.Tensor.empty((256,), np.float32, shared) for _ in range(2))
+                inside = [ephost.Tensor.empty((256,), np.float32, private) for _ in range(2)]
+                before = worker_stats(ort_env, registration)
+                for k in range(10):
+                    x = np.arange(256, dtype=np.float32) * (k + 1)
+                    src.numpy()[:] = x                                  # straight into the worker's memory
+                    ort_env.copy_tensors([src], [inside[k % 2]])
+                    ort_env.copy_tensors([inside[k % 2]], [back])
+                    np.testing.assert_array_equal(back.numpy(), x)
+                    here = ephost.Tensor.from_numpy(np.zeros_like(x))   # this process's memory: sent whole
+                    ort_env.copy_tensors([inside[k % 2]], [here])
+                    np.testing.assert_array_equal(here.numpy(), x)
+                after = worker_stats(ort_env, registration)
+                assert after.methods["DataTransfer/CopyTensors"].calls - \
+                    before.methods["DataTransfer/CopyTensors"].calls == 30
+                assert after.copies - before.copies == 30
+                # the 20 between buffers of the worker's are one kept call; the 10 into this process's memory
+                # (staged through a buffer of the worker's and read back) are sent whole
+                assert after.kept_calls - before.kept_calls == (19 if kept else 0), registration
+                for t in (src, back, *inside):
+                    t.release()
+            finally:
+                ort_env.release_shared_allocator(device, ephost.DeviceMemoryType.HOST_ACCESSIBLE)
+                ort_env.release_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+    finally:
+        ort_env.unregister_execution_provider_library("ort_unkept")
+
+
+def test_kept_copies_on_the_wire(lane_worker):
+    """A kept CopyTensors: the KEPT frame carries the id and the buffers' handles (sources, then destinations;
+    each repeat may name others), its reply nothing; every handle is looked up on every repeat (freed or
+    unknown: NOT_FOUND; too small: INVALID_ARGUMENT; a wrong length: INVALID_ARGUMENT; the connection serves
+    on). A copy with an inline source is not kept, nor one over gRPC."""
+    raw = RawClient(lane_worker.address)
+    try:
+        transfer = raw(raw.factory.CreateDataTransfer, common_pb2.Empty()).data_transfer
+        allocator = host_allocator(raw)
+        a, b, c = (raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+                   for _ in range(3))
+        small = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=8)).buffer
+
+        def write(buffer, values):
+            raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
+                allocator=allocator, buffer=buffer, data=np.array(values, np.float32).tobytes())]))
+
+        def read(buffer):
+            return np.frombuffer(b"".join(chunk.data for chunk in raw(raw.allocator.Read, allocator_pb2.ReadRequest(
+                allocator=allocator, buffer=buffer, nbytes=16))), np.float32)
+
+        def ref(refs, buffer):
+            r = refs.add()
+            r.desc.elem_type, r.desc.shape[:] = 1, [4]
+            r.buffer = buffer
+            return r
+
+        request = data_transfer_pb2.CopyTensorsRequest(data_transfer=transfer, keep_call=True)
+        ref(request.src, a)
+        ref(request.dst, b)
+        assert raw(raw.transfer.CopyTensors, request).kept_call == 0, "gRPC keeps no call"
+        write(a, [1, 2, 3, 4])
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        frame, reply = lane_call(sock, "DataTransfer/CopyTensors", request)
+        assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
+        np.testing.assert_array_equal(read(b), [1, 2, 3, 4])
+        kid = KEPT_ID.pack(reply.kept_call)
+        write(a, [5, 6, 7, 8])
+        frame = kept_frame(sock, kid + struct.pack("<QQ", a, c))  # another destination this time
+        assert (frame.method, frame.status, len(frame.payload)) == (KEPT, 0, 0), fastlane_error(frame)
+        np.testing.assert_array_equal(read(c), [5, 6, 7, 8])
+        frame = kept_frame(sock, kid + struct.pack("<QQ", c, b))  # and the other way
+        assert frame.status == 0, fastlane_error(frame)
+        np.testing.assert_array_equal(read(b), [5, 6, 7, 8])
+
+        frame = kept_frame(sock, kid + struct.pack("<Q", a))
+        assert frame.status == 3 and b"takes 16 bytes" in bytes(frame.payload), fastlane_error(frame)
+        frame = kept_frame(sock, kid + struct.pack("<QQ", a, small))
+        assert frame.status == 3 and b"does not fit its buffer of 8 bytes" in bytes(frame.payload), \
+            fastlane_error(frame)
+        raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=c))
+        for pair in ((a, c), (99999, b)):
+            frame = kept_frame(sock, kid + struct.pack("<QQ", *pair))
+            assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
+        np.testing.assert_array_equal(read(b), [5, 6, 7, 8])  # nothing half-done
+
+        request.src[0].ClearField("buffer")
+        request.src[0].inline = np.array([9, 9, 9, 9], np.float32).tobytes()
+        frame, reply = lane_call(sock, "DataTransfer/CopyTensors", request)
+        assert frame.status == 0 and reply.kept_call == 0, fastlane_error(frame)
+        np.testing.assert_array_equal(read(b), [9, 9, 9, 9])
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
     finally:
         raw.close()

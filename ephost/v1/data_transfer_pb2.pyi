@@ -24,19 +24,23 @@ class CanCopyResponse(_message.Message):
     def __init__(self, can_copy: _Optional[bool] = ...) -> None: ...
 
 class CopyTensorsRequest(_message.Message):
-    __slots__ = ("data_transfer", "src", "dst", "stream")
+    __slots__ = ("data_transfer", "src", "dst", "stream", "keep_call")
     DATA_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CALL_FIELD_NUMBER: _ClassVar[int]
     data_transfer: int
     src: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
     dst: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
     stream: int
-    def __init__(self, data_transfer: _Optional[int] = ..., src: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., dst: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., stream: _Optional[int] = ...) -> None: ...
+    keep_call: bool
+    def __init__(self, data_transfer: _Optional[int] = ..., src: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., dst: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., stream: _Optional[int] = ..., keep_call: _Optional[bool] = ...) -> None: ...
 
 class CopyTensorsResponse(_message.Message):
-    __slots__ = ("replies",)
+    __slots__ = ("replies", "kept_call")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_CALL_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, replies: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    kept_call: int
+    def __init__(self, replies: _Optional[_Iterable[bytes]] = ..., kept_call: _Optional[int] = ...) -> None: ...
