@@ -1,9 +1,11 @@
 """The data plane, side by side in one run: the same calls in process, over the fast lane (a unix
-SOCK_SEQPACKET socket per calling thread; small Computes repeated as kept calls, and with `kept_calls=false`
-every Compute sent whole) and over gRPC (`fast_lane=false`), each in hot loops, the loops interleaved in blocks
+SOCK_SEQPACKET socket per calling thread; Computes and copies repeated as kept calls, and with
+`kept_calls=false` every call sent whole) and over gRPC (`fast_lane=false`), each in hot loops, the loops interleaved in blocks
 (in, lane, gRPC, in, lane, gRPC, ...) so that the machine's noise falls on all alike without alternating call
 by call (which inflates the in-process figure several times over).
 
+- first, what the machine gives two processes right now: a bare round trip on such a socket, each end asleep
+  in the kernel or polling (the floor under what follows; it moves with the hypervisor and the load);
 - tiny model (one Add on 16 floats, ORT CPU EP): overhead per call over a hot in-process ORT run, and what
   placing both processes on one core, or on two, does to it;
 - a 60-node chain whose nodes alternate between two workers (60 partitions): cost per partition call;
@@ -16,6 +18,12 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import time
 
 import numpy as np
 import onnx
@@ -137,11 +145,12 @@ def cnns(env, blocks: int, per_block: int) -> None:
 def copies(env, blocks: int, per_block: int) -> None:
     print("\nCopyTensors between two buffers of a worker (shared memory -> its private memory): calls per "
           "second, and bytes per second against memcpy here\n")
-    print("| size | memcpy | fast lane | gRPC | fast lane / memcpy | gRPC / memcpy |")
-    print("|---|---|---|---|---|---|")
+    print("| size | memcpy | " + " | ".join(LABELS[t] for t in TRANSPORTS) + " | " +
+          " | ".join(f"{LABELS[t]} / memcpy" for t in TRANSPORTS) + " |")
+    print("|---|---|" + "---|" * 2 * len(TRANSPORTS))
     pairs = {}
     allocators = []
-    for transport in ("lane", "grpc"):  # (kept calls are Computes: CopyTensors is the same either way)
+    for transport in TRANSPORTS:
         device = next(d for d in env.get_ep_devices() if d.registration_name == f"ort-{transport}")
         shared = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
         private = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
@@ -157,11 +166,10 @@ def copies(env, blocks: int, per_block: int) -> None:
                 fns[t] = lambda src=src, dst=dst: env.copy_tensors([src], [dst])
             r = interleaved(fns, blocks, per_block)
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            rate = {k: 1 / v for k, v in r.items()}
-            print(f"| {label} | {rate['in'] / 1e3:.0f} k/s, {size * rate['in'] / 1e9:.1f} GB/s | "
-                  f"{rate['lane'] / 1e3:.1f} k/s, {size * rate['lane'] / 1e9:.2f} GB/s | "
-                  f"{rate['grpc'] / 1e3:.2f} k/s, {size * rate['grpc'] / 1e9:.3f} GB/s | "
-                  f"{r['in'] / r['lane']:.3f} | {r['in'] / r['grpc']:.4f} |")
+            rates = [f"{size / r[k] / 1e9:.1f} GB/s" if k == "in" else f"{size / r[k] / 1e9:.2f} GB/s"
+                     for k in r]
+            print(f"| {label} | " + " | ".join(f"{1 / r[k] / 1e3:.1f} k/s, {rate}" for k, rate in zip(r, rates)) +
+                  " | " + " | ".join(f"{r['in'] / r[t]:.4f}" for t in TRANSPORTS) + " |")
             for src, dst in tensors.values():
                 src.release()
                 dst.release()
@@ -171,10 +179,65 @@ def copies(env, blocks: int, per_block: int) -> None:
             env.release_shared_allocator(device, DeviceMemoryType.DEFAULT)
 
 
+# A peer process that answers every packet with itself, on the socket it inherits (descriptor FD), reading
+# either asleep in the kernel or polling (as the fast lane's readers do while frames keep coming).
+_ECHO = """
+import os, select, socket
+s = socket.socket(fileno=int(os.environ["FD"]))
+p = select.poll()
+p.register(s, select.POLLIN)
+spin = os.environ["SPIN"] == "1"
+while True:
+    if spin:
+        while not p.poll(0):
+            os.sched_yield()
+    m = s.recv(4096)
+    if not m:
+        break
+    s.send(m)
+"""
+
+
+def round_trips(n: int) -> None:
+    """What this machine gives two processes, measured now: the floor under every figure below (it moves with
+    the machine's load and the hypervisor, run to run)."""
+    rows = []
+    for label, spin in (("asleep in recv", "0"), ("polling", "1")):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        peer = subprocess.Popen([sys.executable, "-c", _ECHO], pass_fds=(theirs.fileno(),),
+                                env={**os.environ, "SPIN": spin, "FD": str(theirs.fileno())},
+                                stdin=subprocess.DEVNULL)
+        theirs.close()
+        poll = select.poll()
+        poll.register(mine, select.POLLIN)
+        message, times = b"x" * 200, []
+        try:
+            for i in range(n):
+                start = time.perf_counter()
+                mine.send(message)
+                if spin == "1":
+                    while not poll.poll(0):
+                        os.sched_yield()
+                mine.recv(4096)
+                times.append(time.perf_counter() - start)
+        finally:
+            mine.close()
+            peer.wait(10)
+        rows.append((label, statistics.median(times[n // 10:])))
+    print("A round trip of 200 bytes on a SOCK_SEQPACKET socket between two Python processes, each end reading "
+          "as below: median\n")
+    print("| reader | round trip |")
+    print("|---|---|")
+    for label, t in rows:
+        print(f"| {label} | {t * 1e6:.1f} µs |")
+    print()
+
+
 def main(quick: bool = False) -> None:
     import onnxruntime as ort
     ort.set_default_logger_severity(3)
     blocks, per_block = (4, 100) if quick else (10, 300)
+    round_trips(2000 if quick else 20000)
     with ephost.Environment() as env:
         for transport, extra in TRANSPORTS.items():
             env.register_execution_provider_library(f"ort-{transport}", "onnxruntime",
