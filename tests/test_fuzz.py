@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import struct
 
 import grpc
 import numpy as np
@@ -31,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ephost import fastlane, wire
 from ephost.server.contract import SERVICES
-from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
+from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 
 from helpers import RawClient, Worker
 
@@ -406,8 +407,9 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
 
 
 def test_kept_call_frames_survive_hostile_payloads(fuzzed):
-    """KEPT frames (a kept Compute repeated with only its inputs' bytes) with ids kept or not, payloads of every
-    length, and timeouts of every kind: one reply each, a result or a typed error, and the worker serves on."""
+    """KEPT frames (a kept Compute repeated with only its inputs' bytes, a kept CopyTensors with only its buffers'
+    handles) with ids kept or not, payloads of every length, handles of buffers and not, and timeouts of every
+    kind: one reply each, a result or a typed error, and the worker serves on."""
     w, _ = fuzzed
     owner = RawClient(w.address, "owner")
     handles = _populate(owner)
@@ -420,16 +422,29 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
     fastlane.send_frame(lane.open(), fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request.SerializeToString())
     (frame,) = lane.replies()
     kept = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
-    assert kept
+    copy = data_transfer_pb2.CopyTensorsRequest(data_transfer=handles["data_transfer"][0], keep_call=True)
+    for refs, buffer in ((copy.src, handles["buffer"][0]), (copy.dst, handles["buffer"][2])):
+        r = refs.add()
+        r.desc.elem_type, r.desc.shape[:] = TensorProto.FLOAT, [4]
+        r.buffer = buffer
+    fastlane.send_frame(lane.open(), fastlane.METHODS["DataTransfer/CopyTensors"].id, 0, DEADLINE_S,
+                        copy.SerializeToString())
+    (frame,) = lane.replies()
+    assert frame.status == 0, fastlane.decode_error(frame.payload)[0]
+    kept_copy = data_transfer_pb2.CopyTensorsResponse.FromString(frame.payload).kept_call
+    assert kept and kept_copy
+    buffers = handles["buffer"]
 
     @seed(SEED)
     @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
-    @given(kid=st.sampled_from([kept, kept, 0, kept + 1, 2 ** 32 - 1]),
+    @given(kid=st.sampled_from([kept, kept, kept_copy, kept_copy, 0, kept_copy + 1, 2 ** 32 - 1]),
            length=st.sampled_from([16, 16, 0, 3, 15, 17, 64]), prefix=st.sampled_from([4, 4, 0, 2]),
-           timeout_s=st.sampled_from(TIMEOUTS), rng=st.randoms(use_true_random=False))
-    def fuzz(kid, length, prefix, timeout_s, rng):
-        payload = fastlane.KEPT_ID.pack(kid)[:prefix] + rng.randbytes(length)
+           handles_=st.lists(st.sampled_from([*buffers, 0, 2 ** 64 - 1]), min_size=2, max_size=2),
+           named=st.booleans(), timeout_s=st.sampled_from(TIMEOUTS), rng=st.randoms(use_true_random=False))
+    def fuzz(kid, length, prefix, handles_, named, timeout_s, rng):
+        body = struct.pack("<2Q", *handles_) if named and length == 16 else rng.randbytes(length)
+        payload = fastlane.KEPT_ID.pack(kid)[:prefix] + body
         fastlane.send_frame(lane.open(), fastlane.KEPT, 0, timeout_s, payload)
         frames = lane.replies()
         assert frames, "the worker closed a connection after a well-formed KEPT frame"
@@ -438,7 +453,8 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
         assert code is not None and code not in BAD or (code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s < 1), \
             f"a KEPT frame was answered {frames[0].status}: {detail}"
         if code == grpc.StatusCode.OK:
-            assert (kid, prefix, length) == (kept, 4, 16) and len(frames[0].payload) == 16
+            assert (prefix, length) == (4, 16) and kid in (kept, kept_copy)
+            assert len(frames[0].payload) == (16 if kid == kept else 0)
         assert w.proc.poll() is None, "the worker died on a KEPT frame"
 
     try:
