@@ -7,11 +7,27 @@ BENCHES = (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane"
            ("recovery", recovery), ("fallback", fallback), ("iobinding", iobinding), ("ortbridge", ort_bridge),
            ("epcontext", ep_context), ("extdata", external_data))
 
-parser = argparse.ArgumentParser(prog="python -m bench")
-parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
-parser.add_argument("which", nargs="*", choices=[name for name, _ in BENCHES], help="which (default: all)")
-args = parser.parse_args()
-for name, module in BENCHES:
-    if not args.which or name in args.which:
-        module.main(quick=args.quick)
-        print()
+
+def parse_args(argv=None) -> argparse.Namespace:
+    names = [name for name, _ in BENCHES]
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
+    # Checked here rather than by `choices`: argparse checks an empty list of positionals against them too.
+    parser.add_argument("which", nargs="*", metavar="BENCH", help=f"which (default: all): {', '.join(names)}")
+    args = parser.parse_args(argv)
+    unknown = [w for w in args.which if w not in names]
+    if unknown:
+        parser.error(f"no bench {', '.join(unknown)}; choose from {', '.join(names)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    for name, module in BENCHES:
+        if not args.which or name in args.which:
+            module.main(quick=args.quick)
+            print()
+
+
+if __name__ == "__main__":
+    main()
