@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 5.0
 COMPUTE = METHODS["Ep/Compute"]
-COPY = METHODS["DataTransfer/CopyTensors"]
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _LANES: "weakref.WeakSet[FastLane]" = weakref.WeakSet()
 

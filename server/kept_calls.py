@@ -110,14 +110,14 @@ class _Views:
         return tensor, entry
 
 
-def _handles(kept, payload) -> tuple[int, ...]:
+def _unpack_handles(handles: struct.Struct, input_bytes: int, payload) -> tuple[int, ...]:
     """The handles a KEPT frame's payload names after its id, once its length is checked (they and the inline
     inputs' bytes fill it exactly)."""
-    expected = kept._handles.size + kept.input_bytes
+    expected = handles.size + input_bytes
     if len(payload) != KEPT_ID.size + expected:
         raise EpInvalidArgument(f"a kept call takes {expected} bytes (its buffers' handles, then its inline "
                                 f"inputs), got {len(payload) - KEPT_ID.size}")
-    return kept._handles.unpack_from(payload, KEPT_ID.size)
+    return handles.unpack_from(payload, KEPT_ID.size)
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class KeptCall:
     def handles(self, payload) -> tuple[int, ...]:
         """The handles of the buffers a KEPT frame's payload names (its inputs' in a buffer, in order, then the
         buffers its outputs go into, by position), once its length is checked."""
-        return _handles(self, payload)
+        return _unpack_handles(self._handles, self.input_bytes, payload)
 
     def input_tensors(self, payload, handles: tuple[int, ...], client: ClientState,
                       counts: dict[str, int]) -> list[Tensor]:
@@ -261,8 +261,7 @@ class KeptCopy:
     """A CopyTensors whose sources and destinations are all buffers of the caller's: what a repeat needs but
     their handles (sources, then destinations, in the frame)."""
     method: ClassVar[str] = "DataTransfer/CopyTensors"
-    input_bytes: ClassVar[int] = 0  # a repeat carries handles only
-    reply_bytes: ClassVar[int] = 0  # and its reply nothing
+    reply_bytes: ClassVar[int] = 0  # a repeat carries handles only, and its reply nothing
     data_transfer: int
     stream: int                     # 0: none
     src: Layout
@@ -287,7 +286,7 @@ class KeptCopy:
                                                               list[BufferEntry]]:
         """The sources and destinations a KEPT frame names, as tensors over the client's buffers, and their
         buffers' entries."""
-        handles = iter(_handles(self, payload))
+        handles = iter(_unpack_handles(self._handles, 0, payload))
         out: tuple[list, list, list, list] = ([], [], [], [])
         for side, (layout, what) in enumerate(((self.src, "source"), (self.dst, "destination"))):
             tensors, entries = out[side], out[2 + side]
