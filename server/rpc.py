@@ -88,7 +88,9 @@ class Admission:
     def __init__(self, per_client: int, total: int):
         self.per_client = per_client
         self.total = total
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified only while someone waits (drain): every call
+        self._waiting = 0                             # leaves, and a notify costs more than the rest of it
         self._by_client: dict[str, int] = {}
         self._all = 0
 
@@ -108,8 +110,8 @@ class Admission:
     def leave(self, client_id: str) -> None:
         with self._lock:
             self._all -= 1
-            if not self._all:
-                self._lock.notify_all()
+            if not self._all and self._waiting:
+                self._idle.notify_all()
             if client_id:
                 left = self._by_client[client_id] - 1
                 if left:
@@ -124,7 +126,11 @@ class Admission:
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no call is under way (on any transport); False if some still are after `timeout`."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._all, timeout)
+            self._waiting += 1
+            try:
+                return self._idle.wait_for(lambda: not self._all, timeout)
+            finally:
+                self._waiting -= 1
 
 
 @dataclass
