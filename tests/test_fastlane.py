@@ -815,6 +815,42 @@ def test_copies_between_a_workers_buffers_repeat_as_kept_calls(ort_env):
         ort_env.unregister_execution_provider_library("ort_unkept")
 
 
+def test_kept_copies_start_again_on_a_successor_worker():
+    """Copies kept by a worker that is then killed: its private memory is gone (a copy from it says so, and
+    nothing is sent on the old connection), and copies between buffers of its successor are kept there anew."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "onnxruntime", {"intra_op_num_threads": "1"})
+        device = next(d for d in env.get_ep_devices() if d.registration_name == "w")
+        shared = env.create_shared_allocator(device, ephost.DeviceMemoryType.HOST_ACCESSIBLE)
+        private = env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+        x = np.arange(64, dtype=np.float32)
+
+        def round_trip(k):
+            src, back = ephost.Tensor.from_numpy(x * k, shared), ephost.Tensor.empty(x.shape, x.dtype, shared)
+            inside = ephost.Tensor.empty(x.shape, x.dtype, private)
+            env.copy_tensors([src], [inside])
+            env.copy_tensors([inside], [back])
+            np.testing.assert_array_equal(back.numpy(), x * k)
+            return inside
+
+        try:
+            for k in range(3):
+                left = round_trip(k)
+            assert worker_stats(env, "w").kept_calls == 5
+            process = env.registration("w").process
+            os.kill(process.pid, signal.SIGKILL)
+            assert process.exited.wait(10)
+            env.registration("w").link.wait_noticed(10)
+            with pytest.raises(ephost.EpNotFound, match="neither this process nor the worker can read"):
+                env.copy_tensors([left], [ephost.Tensor.from_numpy(np.zeros_like(x))])
+            for k in range(3):
+                round_trip(k + 10)
+            assert worker_stats(env, "w").kept_calls == 5, "the successor keeps its own, from its first copy"
+        finally:
+            env.release_shared_allocator(device, ephost.DeviceMemoryType.HOST_ACCESSIBLE)
+            env.release_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+
+
 def test_kept_copies_on_the_wire(lane_worker):
     """A kept CopyTensors: the KEPT frame carries the id and the buffers' handles (sources, then destinations;
     each repeat may name others), its reply nothing; every handle is looked up on every repeat (freed or
