@@ -193,6 +193,7 @@ class FrameReader:
     def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0, expect: bool = False):
         self._sock = sock
         self._packet = bytearray(PACKET)
+        self._into = [self._packet]  # recvmsg_into's buffers, made once
         self._adopt = adopt
         self._ancillary = socket.CMSG_SPACE(MAX_FDS * 4) if adopt is not None else 0
         self._flags = socket.MSG_CMSG_CLOEXEC if adopt is not None else 0  # received descriptors: close-on-exec
@@ -207,24 +208,34 @@ class FrameReader:
 
     def read(self) -> Frame | None:
         """The next frame, or None at end of file (the peer closed or died)."""
-        if self._spin_s:
+        spin_s = self._spin_s
+        if spin_s:
             started = time.perf_counter()
             if self._spinning:
-                self._spin(started + self._spin_s)
-            elif self._expect_long and self._expected > 2 * self._spin_s:
+                self._spin(started + spin_s)
+            elif self._expect_long and self._expected > 2 * spin_s:
                 self._expect(started)
-        n, ancillary, flags, _ = self._sock.recvmsg_into([self._packet], self._ancillary, self._flags)
-        if self._spin_s:
-            self._expected = time.perf_counter() - started
-            self._spinning = self._expected <= self._spin_s
-        while ancillary or (self._adopt is not None and n >= HEADER.size
-                            and HEADER.unpack_from(self._packet)[1] == REGIONS):
-            self._take_regions(n, ancillary)
-            n, ancillary, flags, _ = self._sock.recvmsg_into([self._packet], self._ancillary, self._flags)
+        if self._adopt is None:
+            # No descriptors taken (the kernel closes any a peer attaches); with MSG_TRUNC the kernel returns
+            # the packet's whole length, so a longer one is told from a full one (recvmsg_into costs more).
+            n = self._sock.recv_into(self._packet, PACKET, _TRUNC)
+            if spin_s:
+                self._expected = time.perf_counter() - started
+                self._spinning = self._expected <= spin_s
+            if n > PACKET:
+                raise FrameError(f"a packet longer than {PACKET} bytes")
+        else:
+            n, ancillary, flags, _ = self._sock.recvmsg_into(self._into, self._ancillary, self._flags)
+            if spin_s:
+                self._expected = time.perf_counter() - started
+                self._spinning = self._expected <= spin_s
+            while ancillary or (n >= HEADER.size and HEADER.unpack_from(self._packet)[1] == REGIONS):
+                self._take_regions(n, ancillary)
+                n, ancillary, flags, _ = self._sock.recvmsg_into(self._into, self._ancillary, self._flags)
+            if flags & _TRUNC:
+                raise FrameError(f"a packet longer than {PACKET} bytes")
         if n == 0:
             return None
-        if flags & _TRUNC:
-            raise FrameError(f"a packet longer than {PACKET} bytes")
         if n < HEADER.size:
             raise FrameError(f"a frame of {n} bytes, shorter than its {HEADER.size}-byte header")
         magic, method, status, timeout_s, length = HEADER.unpack_from(self._packet)
