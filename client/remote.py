@@ -63,7 +63,7 @@ class RemoteComputeInfo(RemoteHandle):
                 timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]:
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
-        targets = {i: t for i, t in into.items() if owned(t.buffer, self.link)} if into else _NO_TARGETS
+        targets = self._owned(into) if into else _NO_TARGETS
         if not keep or allocator is not None:
             kept = self._kept_inputs(inputs)
             if kept is not None:
@@ -71,7 +71,7 @@ class RemoteComputeInfo(RemoteHandle):
         staged: list[Buffer] = []
         try:
             conn = self.link.conn
-            targets = {i: t for i, t in targets.items() if owned(t.buffer, self.link)}  # the worker may be new
+            targets = self._owned(targets)  # the worker may be new
             request = self._request(inputs, allocator, keep, targets, staged)
             reply = self.link.call(_compute_of, request, conn=conn, timeout=timeout)
         finally:
@@ -80,6 +80,12 @@ class RemoteComputeInfo(RemoteHandle):
                    for i, v in enumerate(reply.outputs)]
         self.link.between_calls()
         return outputs
+
+    def _owned(self, targets: Mapping[int, Tensor]) -> Mapping[int, Tensor]:
+        """The targets in the memory of the worker that runs now (all of them, as given, in the common case)."""
+        if all(owned(t.buffer, self.link) for t in targets.values()):
+            return targets
+        return {i: t for i, t in targets.items() if owned(t.buffer, self.link)}
 
     def _kept_inputs(self, inputs: Sequence[Any]) -> tuple[tuple, list, int, list[int], list[int]] | None:
         """(types and shapes, the small inputs' bytes, their total size, the positions of the large ones, the
@@ -116,8 +122,7 @@ class RemoteComputeInfo(RemoteHandle):
         inputs the worker has, and those the `targets` outputs are written into), and gets the other outputs'
         bytes back (those in `keep` as handles to new buffers of the worker's), nothing else."""
         conn = self.link.conn  # first: it waits for a worker being replaced, whose buffers the staging needs
-        if targets and not all(owned(t.buffer, self.link) for t in targets.values()):
-            targets = {i: t for i, t in targets.items() if owned(t.buffer, self.link)}  # the worker is new
+        targets = self._owned(targets)  # the worker may be new
         placed = tuple(i for i in keep if i not in targets) if keep else ()
         staged = {}
         if large:
