@@ -1,11 +1,13 @@
 """The data plane, side by side in one run: the same calls in process, over the fast lane (a unix
-SOCK_SEQPACKET socket per calling thread; Computes and copies repeated as kept calls, and with
-`kept_calls=false` every call sent whole) and over gRPC (`fast_lane=false`), each in hot loops, the loops interleaved in blocks
-(in, lane, gRPC, in, lane, gRPC, ...) so that the machine's noise falls on all alike without alternating call
+SOCK_SEQPACKET socket per calling thread, frames through shared slots; with `fast_lane_slots=false` every frame
+on the socket; Computes and copies repeated as kept calls, and with `kept_calls=false` every call sent whole)
+and over gRPC (`fast_lane=false`), each in hot loops, the loops interleaved in blocks (in, lane, gRPC, in,
+lane, gRPC, ...) so that the machine's noise falls on all alike without alternating call
 by call (which inflates the in-process figure several times over).
 
 - first, what the machine gives two processes right now: a bare round trip on such a socket, each end asleep
-  in the kernel or polling (the floor under what follows; it moves with the hypervisor and the load);
+  in the kernel or polling, and through shared memory polling (the floor under what follows; it moves with the
+  hypervisor and the load);
 - tiny model (one Add on 16 floats, ORT CPU EP): overhead per call over a hot in-process ORT run, and what
   placing both processes on one core, or on two, does to it;
 - a 60-node chain whose nodes alternate between two workers (60 partitions): cost per partition call;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import mmap
 import os
 import select
 import socket
@@ -35,10 +38,12 @@ from ephost.run_command import bundled_input, bundled_model
 from bench.session_overhead import SESSION_CONFIG, in_process_session, interleaved, options_for, tiny_model
 
 CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
-# The fast lane as it is (small Computes repeated as kept calls), the fast lane sending every Compute whole,
-# and gRPC alone.
-TRANSPORTS = {"lane": {}, "unkept": {"kept_calls": "false"}, "grpc": {"fast_lane": "false"}}
-LABELS = {"in": "in process", "lane": "fast lane", "unkept": "fast lane, calls not kept", "grpc": "gRPC"}
+# The fast lane as it is (frames through shared slots, small Computes repeated as kept calls), the fast lane
+# with every frame on its socket, the fast lane sending every Compute whole, and gRPC alone.
+TRANSPORTS = {"lane": {}, "socket": {"fast_lane_slots": "false"}, "unkept": {"kept_calls": "false"},
+              "grpc": {"fast_lane": "false"}}
+LABELS = {"in": "in process", "lane": "fast lane", "socket": "fast lane, socket only",
+          "unkept": "fast lane, calls not kept", "grpc": "gRPC"}
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -126,20 +131,23 @@ def chain(blocks: int, per_block: int, nodes: int = 60) -> None:
 
 def cnns(env, blocks: int, per_block: int) -> None:
     print("\nCNNs from the onnx package, ORT CPU EP: median per run, out of process / in process\n")
-    print("| model | in process | fast lane | gRPC | fast lane / in | gRPC / in |")
-    print("|---|---|---|---|---|---|")
+    ways = ("lane", "socket", "grpc")
+    print("| model | in process | " + " | ".join(LABELS[k] for k in ways) + " | " +
+          " | ".join(f"{LABELS[k]} / in" for k in ways) + " |")
+    print("|---|---|" + "---|---|" * len(ways))
     for name in ("squeezenet", "shufflenet"):
         path, _ = bundled_model(name)
         model = onnx.load(path)
         inproc = in_process_session(model, "ORT CPU")
-        with InferenceSession(model, options_for(env, "ort-lane"), env=env) as lane, \
-                InferenceSession(model, options_for(env, "ort-grpc"), env=env) as grpc_:
-            (arg,) = lane.get_inputs()
+        with contextlib.ExitStack() as stack:
+            sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, f"ort-{k}"), env=env))
+                        for k in ways}
+            (arg,) = sessions["lane"].get_inputs()
             feeds = {arg.name: bundled_input(arg)}
-            t = interleaved({"in": lambda: inproc.run(None, feeds), "lane": lambda: lane.run(None, feeds),
-                             "grpc": lambda: grpc_.run(None, feeds)}, blocks, per_block)
-        print(f"| {name} | {t['in'] * 1e3:.2f} ms | {t['lane'] * 1e3:.2f} ms | {t['grpc'] * 1e3:.2f} ms | "
-              f"{t['lane'] / t['in']:.3f} | {t['grpc'] / t['in']:.3f} |")
+            t = interleaved({"in": lambda: inproc.run(None, feeds),
+                             **{k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()}}, blocks, per_block)
+        print(f"| {name} | {t['in'] * 1e3:.2f} ms | " + " | ".join(f"{t[k] * 1e3:.2f} ms" for k in ways) + " | " +
+              " | ".join(f"{t[k] / t['in']:.3f}" for k in ways) + " |")
 
 
 def copies(env, blocks: int, per_block: int) -> None:
@@ -180,10 +188,25 @@ def copies(env, blocks: int, per_block: int) -> None:
 
 
 # A peer process that answers every packet with itself, on the socket it inherits (descriptor FD), reading
-# either asleep in the kernel or polling (as the fast lane's readers do while frames keep coming).
+# either asleep in the kernel or polling (as the fast lane's readers do while frames keep coming); or, with
+# MAP, every message put in shared memory (a u64 count, then 200 bytes; the reply's one page further), polling
+# the count as the lane's readers poll their slot (the CPU yielded every 8th turn).
 _ECHO = """
-import os, select, socket
+import mmap, os, select, socket
 s = socket.socket(fileno=int(os.environ["FD"]))
+if "MAP" in os.environ:
+    m = mmap.mmap(int(os.environ["MAP"]), 8192)
+    words, seen, turn = memoryview(m).cast("Q"), 0, 0
+    while True:
+        while words[0] == seen:
+            turn += 1
+            if not turn & 7:
+                os.sched_yield()
+        seen = words[0]
+        if seen == 2 ** 64 - 1:
+            break
+        m[4096 + 8:4096 + 208] = m[8:208]
+        words[512] = seen
 p = select.poll()
 p.register(s, select.POLLIN)
 spin = os.environ["SPIN"] == "1"
@@ -196,6 +219,40 @@ while True:
         break
     s.send(m)
 """
+
+
+def _shared_round_trips(n: int) -> list[float]:
+    """Round trips of 200 bytes through shared memory with a peer polling for them."""
+    fd = os.memfd_create("bench-round-trip")
+    os.ftruncate(fd, 8192)
+    mapping = mmap.mmap(fd, 8192)
+    words = memoryview(mapping).cast("Q")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    peer = subprocess.Popen([sys.executable, "-c", _ECHO], pass_fds=(theirs.fileno(), fd),
+                            env={**os.environ, "SPIN": "1", "FD": str(theirs.fileno()), "MAP": str(fd)},
+                            stdin=subprocess.DEVNULL)
+    theirs.close()
+    os.close(fd)
+    message, times, clock, yield_ = b"x" * 200, [], time.perf_counter, os.sched_yield
+    try:
+        for i in range(1, n + 1):
+            start = clock()
+            mapping[8:208] = message
+            words[0] = i
+            turn = 0
+            while words[512] != i:
+                turn += 1
+                if not turn & 7:
+                    yield_()
+            bytes(mapping[4096 + 8:4096 + 208])
+            times.append(clock() - start)
+        words[0] = 2 ** 64 - 1
+    finally:
+        mine.close()
+        peer.wait(10)
+        words.release()
+        mapping.close()
+    return times
 
 
 def round_trips(n: int) -> None:
@@ -223,9 +280,11 @@ def round_trips(n: int) -> None:
         finally:
             mine.close()
             peer.wait(10)
-        rows.append((label, statistics.median(times[n // 10:])))
-    print("A round trip of 200 bytes on a SOCK_SEQPACKET socket between two Python processes, each end reading "
-          "as below: median\n")
+        rows.append((f"socket, {label}", statistics.median(times[n // 10:])))
+    times = _shared_round_trips(n)
+    rows.append(("shared memory, polling", statistics.median(times[n // 10:])))
+    print("A round trip of 200 bytes between two Python processes, on a SOCK_SEQPACKET socket or through shared "
+          "memory, each end reading as below: median\n")
     print("| reader | round trip |")
     print("|---|---|")
     for label, t in rows:

@@ -63,7 +63,8 @@ class Credentials:
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
-                 fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S, kept_calls: bool = True):
+                 fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S, kept_calls: bool = True,
+                 fast_lane_slots: bool = True):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -127,7 +128,8 @@ class WorkerConnection:
             log.info("no shared memory with the worker at %s: tensors and models travel inline, in chunks", address)
         # The data plane: Compute, CopyTensors, Alloc and Free over the fast lane where it opens, else gRPC.
         if fast_lane and self.fd_socket:
-            lane = FastLane(self._lane_ticket, self._lane_lost, self.adopt_region, fast_lane_spin_s)
+            lane = FastLane(self._lane_ticket, self._lane_lost, self.adopt_region, fast_lane_spin_s,
+                            fast_lane_slots)
             if lane.open():
                 self.lane = lane
                 stubs = {"Ep": self.ep, "EpFactory": self.factory, "DataTransfer": self.data_transfer,

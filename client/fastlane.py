@@ -22,10 +22,12 @@ import grpc
 
 import numpy as np
 
+from ephost import lane_slots
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
                            error_for_status)
 from ephost.fastlane import (KEPT, KEPT_ID, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK, FrameError,
                              FrameReader, Method, configure, decode_error, send_parts)
+from ephost.lane_slots import Slots
 from ephost.types import checked_desc
 from ephost.wire import SPIN_S
 
@@ -98,25 +100,29 @@ _UNKEPT = object()
 
 
 class _Connection:
-    __slots__ = ("sock", "reader", "timeout", "kept", "__weakref__")
+    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "__weakref__")
 
-    def __init__(self, sock: socket.socket, adopt, spin_s: float):
+    def __init__(self, sock: socket.socket, adopt, spin_s: float, slots: Slots | None):
         self.sock = sock
-        self.reader = FrameReader(sock, adopt, spin_s, expect=True)
+        self.slots = slots
+        self.reader = FrameReader(sock, adopt, spin_s, expect=True, slots=slots)
         self.timeout = sock.gettimeout()
         self.kept: dict = {}  # key -> _Kept, or None where the worker would not keep the call
 
     def close(self) -> None:
         self.sock.close()
+        if self.slots is not None:
+            self.slots.close()
 
     def __del__(self):  # the thread that owned it ended
-        self.sock.close()
+        self.close()
 
 
 class FastLane:
     def __init__(self, ticket: Callable[[], tuple[bytes, str]], lost: Callable[[str], EpError],
-                 adopt: Callable[[int, int, int], None], spin_s: float = SPIN_S):
+                 adopt: Callable[[int, int, int], None], spin_s: float = SPIN_S, slots: bool = True):
         self._ticket = ticket  # (ticket, socket path), from Worker.OpenDataPlane
+        self._slots = slots    # ask the worker for shared slots (ephost/lane_slots.py) on each connection
         self._spin_s = spin_s  # how long a thread polls for its reply before it sleeps (FrameReader)
         self._lost = lost
         self._adopt = adopt    # (region, size, fd): a region's descriptor, handed over with a reply naming it
@@ -150,16 +156,30 @@ class FastLane:
             sock.settimeout(OPEN_TIMEOUT_S)
             sock.connect(path)
             configure(sock)
-            sock.send(ticket)
-            answer = sock.recv(len(TICKET_OK))
+            sock.send(ticket + lane_slots.ASK if self._slots else ticket)
+            answer, fds, _, _ = socket.recv_fds(sock, len(TICKET_OK), 1)
         except OSError as e:
             sock.close()
             raise LaneUnavailable(f"cannot reach the worker's data-plane socket: {e.strerror or e}") from e
-        if answer != TICKET_OK:
+        slots = None
+        try:
+            if answer != TICKET_OK:
+                raise LaneUnavailable("the worker refused the data-plane connection") from \
+                    EpPermissionDenied("the worker refused the data-plane connection (ticket unknown or expired)")
+            if self._slots:
+                if len(fds) != 1:
+                    raise LaneUnavailable("the worker handed over no slots")
+                slots = Slots(lane_slots.adopt(fds.pop()), sock, worker=False)
+        except (LaneUnavailable, FrameError, OSError) as e:
+            for fd in fds:
+                os.close(fd)
             sock.close()
-            raise LaneUnavailable("the worker refused the data-plane connection") from \
-                EpPermissionDenied("the worker refused the data-plane connection (ticket unknown or expired)")
-        conn = _Connection(sock, self._adopt, self._spin_s)
+            if isinstance(e, LaneUnavailable):
+                raise
+            raise LaneUnavailable(f"cannot map the worker's slots: {e}") from e
+        for fd in fds:  # none that was not asked for is kept
+            os.close(fd)
+        conn = _Connection(sock, self._adopt, self._spin_s, slots)
         with self._lock:
             self._connections.add(conn)
         self._local.conn = conn
@@ -210,7 +230,7 @@ class FastLane:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
                 conn.timeout = timeout
-            send_parts(sock, method, timeout, parts, nbytes)
+            send_parts(sock, method, timeout, parts, nbytes, conn.slots)
             frame = conn.reader.read()
         except TimeoutError:
             self._drop(conn)

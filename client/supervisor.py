@@ -39,6 +39,7 @@ class SupervisionPolicy:
     fast_lane: bool = True        # Compute and CopyTensors over the data-plane socket where memory is shared
     fast_lane_spin_us: float = SPIN_S * 1e6  # each end polls this long for the next frame before it sleeps
     kept_calls: bool = True       # Computes and copies repeated on the fast lane as kept calls (what changes only)
+    fast_lane_slots: bool = True  # the lane's frames through shared slots, the socket waking a sleeping end
 
     OPTIONS = {
         "restart": "restart a launched worker that dies (default true)",
@@ -54,6 +55,8 @@ class SupervisionPolicy:
         "kept_calls": "repeat a Compute, or a CopyTensors between buffers of the worker's, as a kept call on the "
                       "fast lane: only the inputs' bytes and the buffers' handles go, only the outputs' bytes "
                       "come back (default true)",
+        "fast_lane_slots": "pass the fast lane's frames (those that fit one packet) through shared memory between "
+                           "its two ends, the socket only waking an end asleep in the kernel (default true)",
     }
 
     @classmethod
@@ -189,7 +192,8 @@ class WorkerLink:
                                     credentials=self.credentials, shared_memory=self.policy.shared_memory,
                                     fast_lane=self.policy.fast_lane,
                                     fast_lane_spin_s=self.policy.fast_lane_spin_us * 1e-6,
-                                    kept_calls=self.policy.kept_calls)
+                                    kept_calls=self.policy.kept_calls,
+                                    fast_lane_slots=self.policy.fast_lane_slots)
         except BaseException:
             if self.supervisor is not None:
                 self.supervisor.stop()

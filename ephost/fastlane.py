@@ -6,7 +6,9 @@ one header and the message's bytes. The header says which method (its id is its 
 request and reply classes come from the proto descriptors), the status of a reply (0 = OK; otherwise the gRPC
 status code, and the payload is the error message), the time the caller still gives the call, and the
 payload's length. A frame larger than one packet continues in plain packets until `length` bytes arrived
-(SEQPACKET keeps each packet whole, so no packet boundary is ever guessed).
+(SEQPACKET keeps each packet whole, so no packet boundary is ever guessed). Where the client asked for them, a
+frame that fits one packet passes instead through the connection's shared slots (ephost/lane_slots.py), and the
+socket only wakes a reader asleep in the kernel.
 
 Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs travel inline or in buffers of
 the caller's (large ones, which the caller writes again before each repeat, or values the worker made: an
@@ -51,6 +53,9 @@ STATUS_OK = 0
 # REGION entry (region id, size) per descriptor, in order.
 REGIONS = 0xFFFF
 REGION = struct.Struct("<QQ")
+# A one-byte packet that wakes a reader asleep in the kernel for a frame put in its slot (ephost/lane_slots.py).
+DOORBELL = b"\0"
+FIRST_SLEEP_S = 0.001  # a reader about to sleep looks at its slot again after this long (ephost/lane_slots.py)
 KEPT = 0xFF00                  # a kept call repeated (see above)
 KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
 # In a KEPT reply, after the inline outputs' bytes, each output left in the worker: its buffer's handle, and
@@ -120,8 +125,11 @@ def configure(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
-def send_regions(sock: socket.socket, regions: list[tuple[int, int, int]]) -> None:
-    """Hand over (region id, size, fd) triples, at most MAX_FDS at a time."""
+def send_regions(sock: socket.socket, regions: list[tuple[int, int, int]], slots=None) -> None:
+    """Hand over (region id, size, fd) triples, at most MAX_FDS at a time; the frame after them follows them
+    on the socket (its reader reads on from them there)."""
+    if slots is not None:
+        slots.socket_next = True
     for start in range(0, len(regions), MAX_FDS):
         batch = regions[start:start + MAX_FDS]
         payload = b"".join(REGION.pack(region, size) for region, size, _ in batch)
@@ -129,27 +137,34 @@ def send_regions(sock: socket.socket, regions: list[tuple[int, int, int]]) -> No
                         [fd for _, _, fd in batch])
 
 
-def send_frame(sock: socket.socket, method: int, status: int, timeout_s: float, payload: bytes | memoryview) -> None:
+def send_frame(sock: socket.socket, method: int, status: int, timeout_s: float, payload: bytes | memoryview,
+               slots=None) -> None:
+    """One frame: through `slots` (ephost/lane_slots.py) where given and it fits, else on the socket."""
     header = HEADER.pack(MAGIC, method, status, timeout_s, len(payload))
     first = PACKET - HEADER.size
     if len(payload) <= first:
-        sock.sendmsg([header, payload])
+        if slots is None or not slots.put(header + payload):
+            sock.sendmsg([header, payload])
         return
+    if slots is not None:
+        slots.socket_next = False
     view = memoryview(payload)
     sock.sendmsg([header, view[:first]])
     for start in range(first, len(view), PACKET):
         sock.sendall(view[start:start + PACKET])
 
 
-def send_parts(sock: socket.socket, method: int, timeout_s: float, parts: list, nbytes: int) -> None:
+def send_parts(sock: socket.socket, method: int, timeout_s: float, parts: list, nbytes: int, slots=None) -> None:
     """A frame whose payload is `parts` (bytes-like, `nbytes` in all) one after another: sent without joining
-    them where they fit one packet."""
+    them where they fit one packet (joined once, into the slot, where there are slots)."""
     if nbytes <= PACKET - HEADER.size:
-        sock.sendmsg([HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes), *parts])
+        header = HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes)
+        if slots is None or not slots.put(b"".join((header, *parts))):
+            sock.sendmsg([header, *parts])
     else:
         # As bytes: an array's len() and slices count its rows, not its bytes.
         send_frame(sock, method, STATUS_OK, timeout_s, memoryview(parts[0]).cast("B") if len(parts) == 1
-                   else b"".join(parts))
+                   else b"".join(parts), slots)
 
 
 def encode_error(message: str, reason: str = "") -> bytes:
@@ -188,9 +203,13 @@ class FrameReader:
     of it (woken at once if the frame comes sooner) and polls from there, so that the reply that ends a long
     call finds its reader awake (measured on the small CNNs: 3-5% of a 4 ms run). A worker reading requests
     does not: how long a caller takes between calls says little about the next, and polling through its end
-    would take a CPU from whatever the caller does meanwhile."""
+    would take a CPU from whatever the caller does meanwhile.
 
-    def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0, expect: bool = False):
+    With `slots` (ephost/lane_slots.py), a frame comes through the slot or on the socket: polling looks at the
+    slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to
+    sleep says so in the slot, so that the writer rings."""
+
+    def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0, expect: bool = False, slots=None):
         self._sock = sock
         self._packet = bytearray(PACKET)
         self._into = [self._packet]  # recvmsg_into's buffers, made once
@@ -201,39 +220,69 @@ class FrameReader:
         self._spinning = bool(self._spin_s)
         self._expect_long = expect
         self._expected = 0.0  # how long the last read waited
+        self._slots = slots
         self._poll = None
-        if self._spin_s:
+        if self._spin_s or slots is not None:
             self._poll = select.poll()
             self._poll.register(sock, select.POLLIN)
 
     def read(self) -> Frame | None:
         """The next frame, or None at end of file (the peer closed or died)."""
-        spin_s = self._spin_s
+        slots, spin_s = self._slots, self._spin_s
+        if slots is not None and slots.arrived():  # there already: no clock, no system call
+            if spin_s:
+                self._expected, self._spinning = 0.0, True
+            return self._frame(slots.take(self._packet))
+        started = time.perf_counter() if spin_s or slots is not None else 0.0
         if spin_s:
-            started = time.perf_counter()
             if self._spinning:
                 self._spin(started + spin_s)
             elif self._expect_long and self._expected > 2 * spin_s:
                 self._expect(started)
+        while True:
+            if slots is not None:
+                if slots.arrived():
+                    n = slots.take(self._packet)
+                    break
+                if not self._poll.poll(0):  # nothing on the socket either
+                    if self._spinning and time.perf_counter() < started + spin_s:
+                        # The spin ended on a doorbell rung for an earlier frame (the reader took that frame from
+                        # the slot before the bell came): spin on, or every read would sleep and be rung for.
+                        self._spin(started + spin_s)
+                        continue
+                    timeout = self._sock.gettimeout()
+                    left = math.inf if timeout is None else started + timeout - time.perf_counter()
+                    if not self._doze(left):
+                        raise TimeoutError("timed out")
+                    continue
+            n = self._receive()
+            if slots is None or n != len(DOORBELL) or self._packet[0] != DOORBELL[0]:
+                break
+            # A doorbell: the frame is in the slot (or it was rung for an earlier one, and we look again).
+        if spin_s:
+            self._expected = time.perf_counter() - started
+            self._spinning = self._expected <= spin_s
+        return self._frame(n)
+
+    def _receive(self) -> int:
+        """The next packet from the socket into the buffer, REGIONS frames before it taken: its length."""
         if self._adopt is None:
             # No descriptors taken (the kernel closes any a peer attaches); with MSG_TRUNC the kernel returns
             # the packet's whole length, so a longer one is told from a full one (recvmsg_into costs more).
             n = self._sock.recv_into(self._packet, PACKET, _TRUNC)
-            if spin_s:
-                self._expected = time.perf_counter() - started
-                self._spinning = self._expected <= spin_s
             if n > PACKET:
                 raise FrameError(f"a packet longer than {PACKET} bytes")
-        else:
+            return n
+        n, ancillary, flags, _ = self._sock.recvmsg_into(self._into, self._ancillary, self._flags)
+        while ancillary or (n >= HEADER.size and HEADER.unpack_from(self._packet)[1] == REGIONS):
+            self._take_regions(n, ancillary)
             n, ancillary, flags, _ = self._sock.recvmsg_into(self._into, self._ancillary, self._flags)
-            if spin_s:
-                self._expected = time.perf_counter() - started
-                self._spinning = self._expected <= spin_s
-            while ancillary or (n >= HEADER.size and HEADER.unpack_from(self._packet)[1] == REGIONS):
-                self._take_regions(n, ancillary)
-                n, ancillary, flags, _ = self._sock.recvmsg_into(self._into, self._ancillary, self._flags)
-            if flags & _TRUNC:
-                raise FrameError(f"a packet longer than {PACKET} bytes")
+        if flags & _TRUNC:
+            raise FrameError(f"a packet longer than {PACKET} bytes")
+        return n
+
+    def _frame(self, n: int) -> Frame | None:
+        """The frame whose first `n` bytes are in the buffer (the rest read from the socket)."""
         if n == 0:
             return None
         if n < HEADER.size:
@@ -266,27 +315,58 @@ class FrameReader:
         timeout = self._sock.gettimeout()
         deadline = math.inf if timeout is None else started + timeout
         wake = started + self._expected - self._spin_s
-        if self._readable(min(wake, deadline) - time.perf_counter()):
+        # Woken by a frame, or at `wake` to poll (so a doorbell lost to a race costs nothing here).
+        if self._doze(min(wake, deadline) - time.perf_counter(), bounded=False):
             return
         self._spin(min(wake + 2 * self._spin_s, deadline))
-        if timeout is not None and not self._poll.poll(0):
+        if self._slots is None and timeout is not None and not self._poll.poll(0):
             left = deadline - time.perf_counter()
             if left <= 0 or not self._readable(left):
                 raise TimeoutError("timed out")
 
+    def _doze(self, timeout: float, bounded: bool = True) -> bool:
+        """Sleep until the socket is readable or a frame came through the slot (True), or `timeout` (False).
+        With slots, the writer is told to ring (ephost/lane_slots.py); the first FIRST_SLEEP_S of a `bounded`
+        sleep end with one more look at the slot, as a writer may have missed the flag just as it rose."""
+        slots = self._slots
+        if slots is None:
+            return self._readable(timeout)
+        slots.asleep(True)
+        try:
+            if slots.arrived():
+                return True
+            first = min(timeout, FIRST_SLEEP_S) if bounded else timeout
+            if self._readable(first) or slots.arrived():
+                return True
+            return timeout > first and (self._readable(timeout - first) or slots.arrived())
+        finally:
+            slots.asleep(False)
+
     def _readable(self, timeout: float) -> bool:
-        """Whether the socket is readable within `timeout` seconds. select's timeout has microseconds (poll's
-        and the socket's, milliseconds), but it takes descriptors below FD_SETSIZE only."""
+        """Whether the socket is readable within `timeout` seconds (inf: however long it takes). select's
+        timeout has microseconds (poll's and the socket's, milliseconds), but it takes descriptors below
+        FD_SETSIZE only."""
+        forever = timeout == math.inf
         timeout = max(0.0, timeout)  # poll would take a negative one as "forever"
         if self._sock.fileno() < _FD_SETSIZE:
-            return bool(select.select((self._sock,), (), (), timeout)[0])
-        return bool(self._poll.poll(timeout * 1e3))
+            return bool(select.select((self._sock,), (), (), None if forever else timeout)[0])
+        return bool(self._poll.poll(None if forever else timeout * 1e3))
 
     def _spin(self, until: float) -> None:
-        """Poll without sleeping until the socket is readable (or closed), or `until`."""
+        """Poll without sleeping until a frame is there (on the socket or in the slot; the socket also at end
+        of file), or `until`."""
         poll, clock, yield_ = self._poll.poll, time.perf_counter, os.sched_yield
-        while not poll(0) and clock() < until:
-            yield_()  # a peer waiting for this CPU (both on one core) runs first
+        if self._slots is None:
+            while not poll(0) and clock() < until:
+                yield_()  # a peer waiting for this CPU (both on one core) runs first
+            return
+        arrived, turn = self._slots.arrived, 0
+        while not arrived() and clock() < until:
+            turn += 1
+            if not turn & 7:  # the slot costs a fraction of a system call: the socket and the CPU every 8th
+                if poll(0):
+                    return
+                yield_()
 
     def _take_regions(self, n: int, ancillary) -> None:
         fds: list[int] = []

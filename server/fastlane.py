@@ -2,7 +2,9 @@
 this host. Each connection is checked (same uid, by SO_PEERCRED), then bound to one gRPC client by a
 single-use ticket that client got from Worker.OpenDataPlane; a thread of its own then reads a frame, runs the
 call with the same handler the gRPC method runs (same handles, checks, errors, stats, drain, lease) and
-writes the reply. No pool, no hand-off: the thread that reads is the thread that answers.
+writes the reply. No pool, no hand-off: the thread that reads is the thread that answers. A client that asks
+for them gets shared slots with the ticket's answer (ephost/lane_slots.py): frames that fit a packet then pass
+through memory both ways, without a system call while the reader polls.
 
 A frame that cannot be read closes its connection (what follows it cannot be trusted to start a frame); a
 frame that can be read but names an unknown method or carries a bad message gets a typed error back, and
@@ -17,10 +19,12 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
 
+from ephost import lane_slots
 from ephost.errors import EpError, EpInvalidArgument
 from ephost.fastlane import (BY_ID, KEPT, METHODS, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
                              FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
@@ -89,15 +93,16 @@ class LaneServer:
             threading.Thread(target=self._serve, args=(conn,), name="ephost-lane-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        peer = None
         try:
-            client_id = self._bind(conn)
-            if client_id is not None:
+            peer = self._bind(conn)
+            if peer is not None:
                 self._stats.add(fast_lane_connections=1)
-                self._loop(conn, client_id)
+                self._loop(peer)
         except FrameError as e:
             log.warning("fast lane: closing a connection that sent %s", e)
             try:
-                self._error(conn, 0, grpc.StatusCode.INVALID_ARGUMENT, f"fast lane: {e}; connection closed")
+                self._error(_Peer(conn, ""), 0, grpc.StatusCode.INVALID_ARGUMENT, f"fast lane: {e}; connection closed")
             except OSError:
                 pass
         except OSError as e:  # the peer went (quietly); anything else is worth a line
@@ -109,101 +114,118 @@ class LaneServer:
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
+            if peer is not None and peer.slots is not None:
+                peer.slots.close()
 
-    def _bind(self, conn: socket.socket) -> str | None:
-        """The client a new connection speaks for: same uid, and a ticket issued to that client."""
+    def _bind(self, conn: socket.socket) -> "_Peer | None":
+        """The client a new connection speaks for (same uid, and a ticket issued to that client), and its
+        slots where it asked for them (the ticket followed by lane_slots.ASK)."""
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
         uid = peer_uid(conn)
-        ticket = conn.recv(TICKET_BYTES)
-        client_id = self._tickets.redeem_lane(ticket) if uid == os.getuid() else None
+        message = conn.recv(TICKET_BYTES + len(lane_slots.ASK))
+        ticket, ask = message[:TICKET_BYTES], message[TICKET_BYTES:]
+        client_id = self._tickets.redeem_lane(ticket) if uid == os.getuid() and ask in (b"", lane_slots.ASK) \
+            else None
         if client_id is None:
             log.warning("fast lane: refused a connection (%s)", "another user" if uid != os.getuid()
                         else "ticket unknown, used or expired")
             conn.send(TICKET_NO)
             return None
         configure(conn)
-        conn.send(TICKET_OK)
+        slots = None
+        if ask:
+            fd, mapping = lane_slots.create()
+            try:
+                socket.send_fds(conn, [TICKET_OK], [fd])
+            except OSError:
+                mapping.close()
+                raise
+            finally:
+                os.close(fd)
+            slots = lane_slots.Slots(mapping, conn, worker=True)
+        else:
+            conn.send(TICKET_OK)
         conn.settimeout(None)
-        return client_id
+        return _Peer(conn, client_id, slots)
 
-    def _loop(self, conn: socket.socket, client_id: str) -> None:
-        reader = FrameReader(conn, spin_s=self._spin_s)
+    def _loop(self, peer: "_Peer") -> None:
+        reader = FrameReader(peer.conn, spin_s=self._spin_s, slots=peer.slots)
         dispatch = self._dispatch
-        sent: set[int] = set()  # regions whose descriptors this connection's peer has
         kept = KeptCalls()
         while True:
             frame = reader.read()
             if frame is None:
                 return
             if frame.method == KEPT and self._kept:
-                self._serve_kept(conn, client_id, frame, kept, sent)
+                self._serve_kept(peer, frame, kept)
                 continue
             method = BY_ID.get(frame.method)
             if method is None:
                 # Answered as method 0, never echoed: an echoed REGIONS id would read as a descriptor hand-over.
-                self._error(conn, 0, grpc.StatusCode.UNIMPLEMENTED, f"the fast lane carries no method {frame.method}")
+                self._error(peer, 0, grpc.StatusCode.UNIMPLEMENTED, f"the fast lane carries no method {frame.method}")
                 continue
             try:
                 request = method.request.FromString(frame.payload)
             except Exception:  # DecodeError, and RuntimeError from the upb parser on deep nesting
-                self._error(conn, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
+                self._error(peer, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
                             f"a {method.name} frame whose message cannot be parsed")
                 continue
 
             def respond(reply):
                 if method.name in self._kept and request.keep_call:
                     reply.kept_call = kept.keep(method.name, request, reply)
-                self._send_reply(conn, client_id, frame.method, reply, sent)
+                self._send_reply(peer, frame.method, reply)
 
             try:
-                dispatch(method.name, request, client_id, _deadline(frame, method.name), lane=True, respond=respond)
+                dispatch(method.name, request, peer.client_id, _deadline(frame, method.name), lane=True,
+                         respond=respond)
             except EpError as e:
-                self._error(conn, frame.method, e.code, str(e), getattr(e, "reason", ""))
+                self._error(peer, frame.method, e.code, str(e), getattr(e, "reason", ""))
 
-    def _serve_kept(self, conn: socket.socket, client_id: str, frame, kept: KeptCalls, sent: set[int]) -> None:
+    def _serve_kept(self, peer: "_Peer", frame, kept: KeptCalls) -> None:
         """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed."""
         def respond(reply):
             if isinstance(reply, KeptReply):
-                new = [r for r in reply.regions if r not in sent]
+                new = [r for r in reply.regions if r not in peer.sent]
                 if new and self._export is not None:
-                    self._hand_over(conn, client_id, new, sent)
-                send_parts(conn, KEPT, 0.0, reply.parts, call.reply_bytes)
+                    self._hand_over(peer, new)
+                send_parts(peer.conn, KEPT, 0.0, reply.parts, call.reply_bytes, peer.slots)
             else:
-                self._send_reply(conn, client_id, METHODS[call.method].id, reply, sent)
+                self._send_reply(peer, METHODS[call.method].id, reply)
 
         try:
             deadline = _deadline(frame, "kept call")
             call = kept.get(frame.payload)
-            self._dispatch(call.method, (call, frame.payload), client_id, deadline, lane=True,
+            self._dispatch(call.method, (call, frame.payload), peer.client_id, deadline, lane=True,
                            handler=self._kept[call.method], respond=respond)
         except EpError as e:
-            self._error(conn, KEPT, e.code, str(e), getattr(e, "reason", ""))
+            self._error(peer, KEPT, e.code, str(e), getattr(e, "reason", ""))
 
-    def _send_reply(self, conn: socket.socket, client_id: str, method: int, reply, sent: set[int]) -> None:
+    def _send_reply(self, peer: "_Peer", method: int, reply) -> None:
         named = REPLY_REGIONS.get(method)
         if named is not None and self._export is not None:
-            regions = [r for r in named(reply) if r not in sent]
+            regions = [r for r in named(reply) if r not in peer.sent]
             if regions:
-                self._hand_over(conn, client_id, regions, sent)
-        send_frame(conn, method, STATUS_OK, 0.0, reply.SerializeToString())
+                self._hand_over(peer, regions)
+        send_frame(peer.conn, method, STATUS_OK, 0.0, reply.SerializeToString(), peer.slots)
 
-    def _hand_over(self, conn: socket.socket, client_id: str, regions: list[int], sent: set[int]) -> None:
+    def _hand_over(self, peer: "_Peer", regions: list[int]) -> None:
         batch = []
         try:
             for region in dict.fromkeys(regions):
-                exported = self._export(client_id, region)
+                exported = self._export(peer.client_id, region)
                 if exported is not None:
                     batch.append((region, exported[1], exported[0]))
             if batch:
-                send_regions(conn, batch)
-                sent.update(region for region, _, _ in batch)
+                send_regions(peer.conn, batch, peer.slots)
+                peer.sent.update(region for region, _, _ in batch)
         finally:
             for _, _, fd in batch:
                 os.close(fd)
 
     @staticmethod
-    def _error(conn: socket.socket, method: int, code: grpc.StatusCode, details: str, reason: str = "") -> None:
-        send_frame(conn, method, code.value[0], 0.0, encode_error(details, reason))
+    def _error(peer: "_Peer", method: int, code: grpc.StatusCode, details: str, reason: str = "") -> None:
+        send_frame(peer.conn, method, code.value[0], 0.0, encode_error(details, reason), peer.slots)
 
     def close(self) -> None:
         with self._lock:
@@ -220,3 +242,13 @@ class LaneServer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+@dataclass
+class _Peer:
+    """One connection's end in the worker: its socket and slots (None: frames on the socket only), the client
+    it speaks for, and the regions whose descriptors it was handed."""
+    conn: socket.socket
+    client_id: str
+    slots: "lane_slots.Slots | None" = None
+    sent: set[int] = field(default_factory=set)

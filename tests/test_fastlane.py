@@ -3,7 +3,9 @@ with everything the gRPC path guarantees (handles per client, typed errors, dead
 leases), over real workers, sockets and shared memory."""
 from __future__ import annotations
 
+import mmap
 import os
+import select
 import signal
 import socket
 import struct
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 import ephost
-from ephost import InferenceSession, RunOptions
+from ephost import InferenceSession, RunOptions, lane_slots
 from ephost.fastlane import (HEADER, KEPT, KEPT_ID, MAGIC, PLACED, MAX_LENGTH, METHODS, FrameReader, decode_error,
                              send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
@@ -65,6 +67,28 @@ def test_compute_goes_over_the_fast_lane_and_gives_what_grpc_gives(ort_env):
     for k in range(5):
         np.testing.assert_array_equal(results["ort"][k], models.diamond_expected(X * k))
         np.testing.assert_array_equal(results["ort"][k], results["ort_grpc"][k])
+
+
+def test_frames_through_shared_slots_are_a_registration_option_and_give_what_the_socket_gives(ort_env):
+    """By default each lane connection passes its frames through shared slots (the worker maps them);
+    `fast_lane_slots=false` keeps every frame on the socket. Both give the same results."""
+    ort_env.register_execution_provider_library("ort_socket", "onnxruntime", {"intra_op_num_threads": "1",
+                                                                              "fast_lane_slots": "false"})
+    try:
+        results = {}
+        for registration in ("ort", "ort_socket"):
+            before = worker_stats(ort_env, registration).fast_lane_calls
+            with diamond_session(ort_env, registration) as s:
+                results[registration] = [s.run(None, {"x": X * k})[0] for k in range(20)]
+            assert worker_stats(ort_env, registration).fast_lane_calls - before >= 20
+            with open(f"/proc/{ort_env.registration(registration).process.pid}/maps") as f:
+                mapped = "memfd:ephost-lane" in f.read()
+            assert mapped == (registration == "ort"), registration
+        for k in range(20):
+            np.testing.assert_array_equal(results["ort"][k], models.diamond_expected(X * k))
+            np.testing.assert_array_equal(results["ort"][k], results["ort_socket"][k])
+    finally:
+        ort_env.unregister_execution_provider_library("ort_socket")
 
 
 def test_no_lane_without_shared_memory():
@@ -385,18 +409,30 @@ def test_a_new_regions_descriptor_rides_along_with_the_first_reply_naming_it(tra
         assert exports >= 1
 
 
-def test_a_spinning_reader_reads_every_frame_whatever_the_gaps():
+def slot_pair(a: socket.socket, b: socket.socket, slots: bool):
+    """Shared slots between the two ends of a socket pair (a writes as a worker does, b reads as a client
+    does), or none."""
+    if not slots:
+        return None, None
+    fd, mapping = lane_slots.create()
+    return lane_slots.Slots(mapping, a, worker=True), lane_slots.Slots(lane_slots.adopt(fd), b, worker=False)
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["socket", "slots"])
+def test_a_spinning_reader_reads_every_frame_whatever_the_gaps(slots):
     """A reader that polls before it sleeps (the lane's default) loses no frame and no end of file, whether a
-    frame comes within its spin, long after it, or in several packets."""
+    frame comes within its spin, long after it (through a slot: the doorbell wakes it), or in several packets
+    (on the socket, between frames through the slot)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    reader = FrameReader(b, spin_s=0.002)
+    writer, mine = slot_pair(a, b, slots)
+    reader = FrameReader(b, spin_s=0.002, slots=mine)
     payloads = [b"first", b"x" * 200_000, b"", b"after a long gap", b"again at once"]
     gaps = [0.0, 0.0, 0.05, 0.05, 0.0]
 
     def peer():
         for gap, payload in zip(gaps, payloads):
             time.sleep(gap)
-            send_frame(a, METHODS["Ep/Compute"].id, 0, 1.5, payload)
+            send_frame(a, METHODS["Ep/Compute"].id, 0, 1.5, payload, writer)
         time.sleep(0.05)
         a.close()  # end of file, long after the reader began to spin for it
 
@@ -412,12 +448,14 @@ def test_a_spinning_reader_reads_every_frame_whatever_the_gaps():
         b.close()
 
 
+@pytest.mark.parametrize("slots", [False, True], ids=["socket", "slots"])
 @pytest.mark.parametrize("descriptor", ["low", "above FD_SETSIZE"])
-def test_a_reader_that_expects_a_long_wait_still_answers_early_late_and_on_its_deadline(descriptor):
+def test_a_reader_that_expects_a_long_wait_still_answers_early_late_and_on_its_deadline(descriptor, slots):
     """After a long wait the reader sleeps through most of the next one and polls its end: a frame that comes
     much sooner is read at once, one that comes later is still read, and the socket's timeout (a call's
     deadline) still counts from the start of the read, not from the end of the expected wait. Also on a
-    descriptor above 1023, which select cannot take (an application with many files open)."""
+    descriptor above 1023, which select cannot take (an application with many files open), and with frames
+    through a slot (a sleeping reader woken by the doorbell)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if descriptor != "low":
         import resource
@@ -428,11 +466,12 @@ def test_a_reader_that_expects_a_long_wait_still_answers_early_late_and_on_its_d
         low = b.detach()
         b = socket.socket(fileno=os.dup2(low, 1100))
         os.close(low)
-    reader = FrameReader(b, spin_s=0.001, expect=True)
+    writer, mine = slot_pair(a, b, slots)
+    reader = FrameReader(b, spin_s=0.001, expect=True, slots=mine)
     compute = METHODS["Ep/Compute"].id
 
     def read_after(gap: float):
-        timer = threading.Timer(gap, send_frame, (a, compute, 0, 0.0, b"%g" % gap))
+        timer = threading.Timer(gap, send_frame, (a, compute, 0, 0.0, b"%g" % gap, writer))
         start = time.perf_counter()
         timer.start()
         try:
@@ -612,6 +651,87 @@ def test_kept_calls_on_the_wire(lane_worker):
         frame = kept_frame(sock, KEPT_ID.pack(ids[-1]) + x.tobytes())
         assert frame.status == 5 and b"unknown compute info handle" in bytes(frame.payload)
         # The connection, and the worker, serve on.
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=host_allocator(raw), nbytes=64), lane_worker)
+    finally:
+        raw.close()
+
+
+def open_slots(raw: RawClient) -> tuple[socket.socket, "lane_slots.Slots", mmap.mmap]:
+    """A lane connection that asks for shared slots: its socket, the client's end of the slots, and a mapping
+    of them of the test's own (to write what a client should not)."""
+    reply = raw(raw.worker.OpenDataPlane, common_pb2.Empty())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(reply.socket)
+    sock.send(reply.ticket + lane_slots.ASK)
+    answer, fds, _, _ = socket.recv_fds(sock, 2, 1)
+    assert answer == b"OK" and len(fds) == 1, "the worker hands the slots over with its answer"
+    raw_map = lane_slots.adopt(os.dup(fds[0]))
+    return sock, lane_slots.Slots(lane_slots.adopt(fds[0]), sock, worker=False), raw_map
+
+
+def test_frames_pass_through_shared_slots_and_the_socket_keeps_the_rest(lane_worker):
+    """A connection that asks for slots: a request put in the slot is answered in the slot (nothing on the
+    socket); a frame longer than a packet goes on the socket both ways, between frames through the slot; a
+    reader that says it sleeps is rung for; a slot whose frame count skips, or that says a frame is longer than
+    a packet, closes its connection, and the worker serves on."""
+    raw = RawClient(lane_worker.address)
+    try:
+        ep, partition, request = kept_partition(raw)
+        request.keep_call = False
+        sock, slots, raw_map = open_slots(raw)
+        reader = FrameReader(sock, adopt=lambda region, size, fd: os.close(fd), slots=slots)
+
+        def through_slot(x: np.ndarray) -> np.ndarray:
+            request.inputs[0].tensor.inline = x.tobytes()
+            request.inputs[0].tensor.desc.shape[:] = x.shape
+            send_frame(sock, METHODS["Ep/Compute"].id, 0, 10.0, request.SerializeToString(), slots)
+            deadline = time.monotonic() + 10
+            while not slots.arrived():
+                assert time.monotonic() < deadline, "no reply in the slot"
+            assert not select.select([sock], [], [], 0)[0], "nothing on the socket"
+            frame = reader.read()
+            assert frame.status == 0, fastlane_error(frame)
+            return np.frombuffer(ep_pb2.ComputeResponse.FromString(frame.payload).outputs[0].tensor.inline,
+                                 np.float32)
+
+        x = np.array([-1, 2, -3, 4], np.float32)
+        np.testing.assert_array_equal(through_slot(x), np.maximum(x, 0))
+        # 100 KiB in and out: on the socket, as several packets.
+        big = np.linspace(-1, 1, 25_600, dtype=np.float32)
+        (wide,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(
+            ep=ep, model=ep_pb2.ModelRef(model=models.chain(["Relu"], shape=big.shape).SerializeToString()),
+            graphs=[ep_pb2.FusedGraph(name="w", nodes=["n0_Relu"], inputs=["x"], outputs=["y"])])).node_compute_infos
+        large = ep_pb2.ComputeRequest()
+        large.CopyFrom(request)
+        large.node_compute_info = wide
+        large.inputs[0].tensor.inline = big.tobytes()
+        large.inputs[0].tensor.desc.shape[:] = big.shape
+        frame, reply = lane_call(sock, "Ep/Compute", large)  # read as a reader without slots would
+        assert frame.status == 0, fastlane_error(frame)
+        np.testing.assert_array_equal(np.frombuffer(reply.outputs[0].tensor.inline, np.float32), np.maximum(big, 0))
+        np.testing.assert_array_equal(through_slot(-x), np.maximum(-x, 0))
+        # A reader asleep is rung: one zero byte on the socket once the reply is in the slot.
+        slots.asleep(True)
+        send_frame(sock, METHODS["Ep/Compute"].id, 0, 10.0, request.SerializeToString(), slots)
+        assert select.select([sock], [], [], 10)[0] and sock.recv(16) == b"\0"
+        slots.asleep(False)
+        assert reader.read().status == 0
+
+        for count, length, says in ((2, 64, b"count skipped"), (1, 1 << 20, b"of 1048576 bytes")):
+            other, other_slots, other_map = open_slots(raw)
+            view = memoryview(other_map).cast("Q")
+            view[1], view[0] = length, count  # the request slot's length, then its frame count
+            view.release()
+            frame = FrameReader(other).read()  # on the socket: the slot cannot be trusted
+            assert frame.status == 3 and says in bytes(frame.payload), fastlane_error(frame)
+            assert FrameReader(other).read() is None, "the worker closed the connection"
+            other.close()
+            other_slots.close()
+            other_map.close()
+        np.testing.assert_array_equal(through_slot(x), np.maximum(x, 0))
+        slots.close()
+        raw_map.close()
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=host_allocator(raw), nbytes=64), lane_worker)
     finally:
         raw.close()
