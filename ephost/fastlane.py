@@ -232,7 +232,7 @@ class FrameReader:
         if slots is not None and slots.arrived():  # there already: no clock, no system call
             if spin_s:
                 self._expected, self._spinning = 0.0, True
-            return self._frame(slots.take(self._packet))
+            return self._frame(slots.take(self._packet), whole=True)
         started = time.perf_counter() if spin_s or slots is not None else 0.0
         if spin_s:
             if self._spinning:
@@ -242,7 +242,7 @@ class FrameReader:
         while True:
             if slots is not None:
                 if slots.arrived():
-                    n = slots.take(self._packet)
+                    n, whole = slots.take(self._packet), True
                     break
                 if not self._poll.poll(0):  # nothing on the socket either
                     if self._spinning and time.perf_counter() < started + spin_s:
@@ -255,14 +255,14 @@ class FrameReader:
                     if not self._doze(left):
                         raise TimeoutError("timed out")
                     continue
-            n = self._receive()
+            n, whole = self._receive(), False
             if slots is None or n != len(DOORBELL) or self._packet[0] != DOORBELL[0]:
                 break
             # A doorbell: the frame is in the slot (or it was rung for an earlier one, and we look again).
         if spin_s:
             self._expected = time.perf_counter() - started
             self._spinning = self._expected <= spin_s
-        return self._frame(n)
+        return self._frame(n, whole)
 
     def _receive(self) -> int:
         """The next packet from the socket into the buffer, REGIONS frames before it taken: its length."""
@@ -281,8 +281,9 @@ class FrameReader:
             raise FrameError(f"a packet longer than {PACKET} bytes")
         return n
 
-    def _frame(self, n: int) -> Frame | None:
-        """The frame whose first `n` bytes are in the buffer (the rest read from the socket)."""
+    def _frame(self, n: int, whole: bool = False) -> Frame | None:
+        """The frame whose first `n` bytes are in the buffer (the rest read from the socket; a frame from a slot
+        is `whole`: it has no rest)."""
         if n == 0:
             return None
         if n < HEADER.size:
@@ -297,6 +298,8 @@ class FrameReader:
             raise FrameError(f"a frame carrying {got} bytes after announcing {length}")
         if got == length:
             return Frame(method, status, timeout_s, self._packet[HEADER.size:n])  # a copy, writable
+        if whole:
+            raise FrameError(f"a slot frame carrying {got} bytes after announcing {length}")
         payload = bytearray(length)
         payload[:got] = self._packet[HEADER.size:n]
         view = memoryview(payload)

@@ -26,7 +26,7 @@ import grpc
 
 from ephost import lane_slots
 from ephost.errors import EpError, EpInvalidArgument
-from ephost.fastlane import (BY_ID, KEPT, METHODS, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
+from ephost.fastlane import (BY_ID, KEPT, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
                              FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
 from ephost.server.kept_calls import KeptCalls, KeptReply
@@ -103,6 +103,7 @@ class LaneServer:
             log.warning("fast lane: closing a connection that sent %s", e)
             try:
                 self._error(_Peer(conn, ""), 0, grpc.StatusCode.INVALID_ARGUMENT, f"fast lane: {e}; connection closed")
+                _drain(conn)
             except OSError:
                 pass
         except OSError as e:  # the peer went (quietly); anything else is worth a line
@@ -242,6 +243,19 @@ class LaneServer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _drain(conn: socket.socket, packets: int = 64) -> None:
+    """Read what the peer sent and this end will not (a doorbell, the rest of a broken frame; a few packets at
+    most): a unix socket closed with unread packets resets its peer, who would then never read the error
+    frame sent just before."""
+    conn.setblocking(False)
+    for _ in range(packets):
+        try:
+            if not conn.recv(PACKET):
+                return
+        except (BlockingIOError, InterruptedError):
+            return
 
 
 @dataclass

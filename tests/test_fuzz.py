@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from ephost import fastlane, wire
+from ephost import fastlane, lane_slots, wire
 from ephost.server.contract import SERVICES
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 
@@ -290,15 +290,19 @@ LANE_METHODS = list(fastlane.METHODS.values())
 # What happens to a frame on its way. Well-formed ones must get one reply on a connection that serves on;
 # broken framing may get one INVALID_ARGUMENT, and then the worker closes that connection (never the worker).
 WELL_FORMED = ["good", "good", "good", "mutate", "garbage", "unknown_method", "regions_id", "status", "descriptor"]
-BROKEN = ["short_header", "magic", "announces_less", "announces_more_then_eof", "oversized_length", "long_packet"]
+BROKEN = ["short_header", "magic", "announces_less", "announces_more_then_eof", "oversized_length", "long_packet",
+          "slot_words"]
 TIMEOUTS = [0.0, 5.0, -1.0, float("nan"), float("inf"), 1e308, 1e-9]
 
 
 class _Lane:
-    """One data-plane connection of a client, reopened after the worker closes it."""
+    """One data-plane connection of a client, reopened after the worker closes it; with `slots`, one that asked
+    for shared slots (its well-formed frames go through them; `mapping` is the test's own view of them, for
+    writing what a client should not)."""
 
-    def __init__(self, client: RawClient):
-        self.client, self.sock = client, None
+    def __init__(self, client: RawClient, slots: bool = False):
+        self.client, self.sock, self.ask = client, None, slots
+        self.slots = self.mapping = None
 
     def open(self) -> socket.socket:
         if self.sock is None:
@@ -306,13 +310,38 @@ class _Lane:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self.sock.settimeout(DEADLINE_S)
             self.sock.connect(reply.socket)
-            self.sock.send(reply.ticket)
-            assert self.sock.recv(2) == fastlane.TICKET_OK
+            self.sock.send(reply.ticket + (lane_slots.ASK if self.ask else b""))
+            answer, fds, _, _ = socket.recv_fds(self.sock, 2, 1)
+            assert answer == fastlane.TICKET_OK and len(fds) == self.ask
+            if fds:
+                self.mapping = lane_slots.adopt(os.dup(fds[0]))
+                self.slots = lane_slots.Slots(lane_slots.adopt(fds[0]), self.sock, worker=False)
         return self.sock
+
+    def scribble(self, rng: random.Random) -> None:
+        """Words and a frame in the request slot as no client should write them: a frame count that skips, a
+        length no packet has, a frame without the magic bytes, or one announcing more than it carries."""
+        header, data = fastlane.HEADER, lane_slots.DATA
+        kind = rng.choice(["count", "length", "magic", "announces_more"])
+        if kind == "magic":
+            self.mapping[data:data + header.size] = header.pack(b"??", 1, 0, 1.0, 0)
+        elif kind == "announces_more":
+            self.mapping[data:data + header.size] = header.pack(fastlane.MAGIC, 1, 0, 1.0, 100)
+        words = memoryview(self.mapping).cast("Q")
+        try:
+            count = words[0]
+            words[1] = (rng.choice([0, 3, fastlane.PACKET + 1, 2 ** 32, rng.randrange(2 ** 64)]) if kind == "length"
+                        else header.size + (rng.randrange(100) if kind == "announces_more" else 0))
+            # (what is drawn may not depend on the count: hypothesis replays draws)
+            words[0] = (count + rng.choice([2, 3, 2 ** 40, 2 ** 63])) % 2 ** 64 if kind == "count" else count + 1
+            if words[lane_slots.ASLEEP]:  # the worker sleeps: ring, as a writer does
+                self.sock.send(fastlane.DOORBELL)
+        finally:
+            words.release()
 
     def replies(self) -> list[fastlane.Frame]:
         """Every frame up to the first reply, or to end of file (then the connection is forgotten)."""
-        reader = fastlane.FrameReader(self.sock, adopt=lambda region, size, fd: os.close(fd))
+        reader = fastlane.FrameReader(self.sock, adopt=lambda region, size, fd: os.close(fd), slots=self.slots)
         try:
             frame = reader.read()
         except socket.timeout:
@@ -326,11 +355,20 @@ class _Lane:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        for mapped in (self.slots, self.mapping):
+            if mapped is not None:
+                mapped.close()
+        self.slots = self.mapping = None
 
 
-def _send_broken(sock: socket.socket, kind: str, method: int, payload: bytes) -> None:
-    header = fastlane.HEADER
-    if kind == "short_header":
+def _send_broken(lane: _Lane, kind: str, method: int, payload: bytes, rng: random.Random) -> None:
+    header, sock = fastlane.HEADER, lane.sock
+    if kind == "slot_words":
+        if lane.slots is not None:
+            lane.scribble(rng)
+        else:
+            sock.send(fastlane.MAGIC)
+    elif kind == "short_header":
         sock.send(fastlane.MAGIC + b"\x01")
     elif kind == "magic":
         sock.send(header.pack(b"??", method, 0, 1.0, len(payload)) + payload)
@@ -352,7 +390,7 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
     handles = _populate(owner)
     for kind, more in _populate(other).items():
         handles[kind] = sorted(set(handles[kind] + more))
-    lanes = [_Lane(owner), _Lane(owner), _Lane(other)]
+    lanes = [_Lane(owner), _Lane(owner, slots=True), _Lane(other, slots=True)]
     request = message_strategy(method.request.DESCRIPTOR, handles)
 
     @seed(SEED)
@@ -364,7 +402,7 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
         payload = message.SerializeToString()
         sock = lanes[lane].open()
         if how in BROKEN:
-            _send_broken(sock, how, method.id, payload)
+            _send_broken(lanes[lane], how, method.id, payload, rng)
             frames = lanes[lane].replies()
             assert all(f.status == grpc.StatusCode.INVALID_ARGUMENT.value[0] for f in frames), \
                 f"{how}: {[(f.status, bytes(f.payload)) for f in frames]}"
@@ -384,7 +422,7 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
                                            + payload], [f.fileno()])
             else:
                 fastlane.send_frame(sock, method_id, rng.randrange(2 ** 16) if how == "status" else 0,
-                                    timeout_s, payload)
+                                    timeout_s, payload, lanes[lane].slots)
             frames = lanes[lane].replies()
             assert frames, f"{how}: the worker closed a connection after a well-formed frame; its log ends: " \
                 f"{_log_tail(w)}"
@@ -413,13 +451,14 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
     w, _ = fuzzed
     owner = RawClient(w.address, "owner")
     handles = _populate(owner)
-    lane = _Lane(owner)
+    lane = _Lane(owner, slots=True)  # the frames through its slots, as a client's are
     request = ep_pb2.ComputeRequest(node_compute_info=handles["compute_info"][0], inline_limit=1 << 20,
                                     keep_call=True)
     ref = request.inputs.add().tensor
     ref.desc.elem_type, ref.desc.shape[:] = TensorProto.FLOAT, [4]
     ref.inline = np.arange(4, dtype=np.float32).tobytes()
-    fastlane.send_frame(lane.open(), fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request.SerializeToString())
+    fastlane.send_frame(lane.open(), fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request.SerializeToString(),
+                        lane.slots)
     (frame,) = lane.replies()
     kept = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
     copy = data_transfer_pb2.CopyTensorsRequest(data_transfer=handles["data_transfer"][0], keep_call=True)
@@ -428,7 +467,7 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
         r.desc.elem_type, r.desc.shape[:] = TensorProto.FLOAT, [4]
         r.buffer = buffer
     fastlane.send_frame(lane.open(), fastlane.METHODS["DataTransfer/CopyTensors"].id, 0, DEADLINE_S,
-                        copy.SerializeToString())
+                        copy.SerializeToString(), lane.slots)
     (frame,) = lane.replies()
     assert frame.status == 0, fastlane.decode_error(frame.payload)[0]
     kept_copy = data_transfer_pb2.CopyTensorsResponse.FromString(frame.payload).kept_call
@@ -445,7 +484,7 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
     def fuzz(kid, length, prefix, handles_, named, timeout_s, rng):
         body = struct.pack("<2Q", *handles_) if named and length == 16 else rng.randbytes(length)
         payload = fastlane.KEPT_ID.pack(kid)[:prefix] + body
-        fastlane.send_frame(lane.open(), fastlane.KEPT, 0, timeout_s, payload)
+        fastlane.send_frame(lane.open(), fastlane.KEPT, 0, timeout_s, payload, lane.slots)
         frames = lane.replies()
         assert frames, "the worker closed a connection after a well-formed KEPT frame"
         code = {c.value[0]: c for c in grpc.StatusCode}.get(frames[0].status)
