@@ -187,6 +187,10 @@ class Frame:
 
 
 _FD_SETSIZE = 1024
+# How long before a long call's expected reply its reader wakes to poll: more than select's timer slack (50 µs)
+# and a run's usual jitter; less polls longer beside the worker's threads (squeezenet, interleaved A/B: 500 µs
+# 1.046-1.068 out/in, 200 µs 1.039-1.055).
+EXPECT_MARGIN_S = 200e-6
 
 
 class FrameReader:
@@ -194,16 +198,16 @@ class FrameReader:
     descriptors of REGIONS frames (calling `adopt(region, size, fd)` for each) and reads on to the next frame;
     without it, descriptors a peer attaches are never received (the kernel closes them).
 
-    With `spin_s`, a read first polls the socket for up to that long before it sleeps in the kernel, as ORT's
-    thread pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine
-    waking an idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins
-    only while frames keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is
-    short again), so that idle connections burn no CPU. With `expect` (a caller reading replies), after a long
-    wait it expects the next to be as long (a partition run again): it sleeps through all but the last `spin_s`
-    of it (woken at once if the frame comes sooner) and polls from there, so that the reply that ends a long
-    call finds its reader awake (measured on the small CNNs: 3-5% of a 4 ms run). A worker reading requests
-    does not: how long a caller takes between calls says little about the next, and polling through its end
-    would take a CPU from whatever the caller does meanwhile.
+    With `spin_s`, a read first polls the socket for up to that long before it sleeps in the kernel, as ORT's thread
+    pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine waking an
+    idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins only while frames
+    keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is short again), so that
+    idle connections burn no CPU. With `expect` (a caller reading replies), after a long wait it expects the next to
+    be as long (a partition run again): it sleeps through all but the last 200 µs of it (EXPECT_MARGIN_S; woken at
+    once if the frame comes sooner) and polls from there, so that the reply that ends a long call finds its reader
+    awake (measured on the small CNNs: 3-5% of a 4 ms run). A worker reading requests does not: how long a caller
+    takes between calls says little about the next, and polling through its end would take a CPU from whatever the
+    caller does meanwhile.
 
     With `slots` (ephost/lane_slots.py), a frame comes through the slot or on the socket: polling looks at the
     slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to
@@ -313,15 +317,17 @@ class FrameReader:
         return Frame(method, status, timeout_s, payload)
 
     def _expect(self, started: float) -> None:
-        """Wait for a frame expected `self._expected` after `started`: asleep until `spin_s` before, then
-        polling until `spin_s` after. The socket's timeout (a call's deadline) counts from `started` still."""
+        """Wait for a frame expected `self._expected` after `started`: asleep until EXPECT_MARGIN_S (or
+        `spin_s`, if shorter) before, then polling until as long after. The socket's timeout (a call's deadline)
+        counts from `started` still."""
         timeout = self._sock.gettimeout()
         deadline = math.inf if timeout is None else started + timeout
-        wake = started + self._expected - self._spin_s
+        margin = min(self._spin_s, EXPECT_MARGIN_S)
+        wake = started + self._expected - margin
         # Woken by a frame, or at `wake` to poll (so a doorbell lost to a race costs nothing here).
         if self._doze(min(wake, deadline) - time.perf_counter(), bounded=False):
             return
-        self._spin(min(wake + 2 * self._spin_s, deadline))
+        self._spin(min(wake + 2 * margin, deadline))
         if self._slots is None and timeout is not None and not self._poll.poll(0):
             left = deadline - time.perf_counter()
             if left <= 0 or not self._readable(left):
