@@ -303,5 +303,5 @@ def main(quick: bool = False) -> None:
                                                     {"session_config": CONFIG, **extra})
         tiny(env, blocks, per_block)
         chain(blocks, per_block)
-        cnns(env, max(2, blocks // 2), 5 if quick else 20)
+        cnns(env, blocks, 5 if quick else 20)
         copies(env, blocks, per_block)

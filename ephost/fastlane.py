@@ -336,20 +336,39 @@ class FrameReader:
     def _doze(self, timeout: float, bounded: bool = True) -> bool:
         """Sleep until the socket is readable or a frame came through the slot (True), or `timeout` (False).
         With slots, the writer is told to ring (ephost/lane_slots.py); the first FIRST_SLEEP_S of a `bounded`
-        sleep end with one more look at the slot, as a writer may have missed the flag just as it rose."""
+        sleep end with one more look at the slot, as a writer may have missed the flag just as it rose; and a
+        doorbell is taken here, so that one rung for an earlier frame (taken from the slot before the bell came)
+        does not end the next sleep at once."""
         slots = self._slots
         if slots is None:
             return self._readable(timeout)
+        clock = time.perf_counter
+        end, first = clock() + timeout, bounded
         slots.asleep(True)
         try:
-            if slots.arrived():
-                return True
-            first = min(timeout, FIRST_SLEEP_S) if bounded else timeout
-            if self._readable(first) or slots.arrived():
-                return True
-            return timeout > first and (self._readable(timeout - first) or slots.arrived())
+            while not slots.arrived():
+                left = end - clock()
+                wait = min(left, FIRST_SLEEP_S) if first else left
+                if not self._readable(wait):
+                    if first and left > wait:
+                        first = False
+                        continue
+                    return slots.arrived()
+                if not self._take_doorbell():
+                    return True  # a frame on the socket, or end of file
+            return True
         finally:
             slots.asleep(False)
+
+    def _take_doorbell(self) -> bool:
+        """Take the doorbell waiting on a readable socket; False where what waits is something else."""
+        try:
+            if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != DOORBELL:
+                return False
+            self._sock.recv(1, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            pass
+        return True
 
     def _readable(self, timeout: float) -> bool:
         """Whether the socket is readable within `timeout` seconds (inf: however long it takes). select's

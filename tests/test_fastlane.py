@@ -428,19 +428,22 @@ def test_a_spinning_reader_reads_every_frame_whatever_the_gaps(slots):
     reader = FrameReader(b, spin_s=0.002, slots=mine)
     payloads = [b"first", b"x" * 200_000, b"", b"after a long gap", b"again at once"]
     gaps = [0.0, 0.0, 0.05, 0.05, 0.0]
+    read = [threading.Event() for _ in payloads]  # one frame in flight at a time, as requests and replies go
 
     def peer():
-        for gap, payload in zip(gaps, payloads):
+        for i, (gap, payload) in enumerate(zip(gaps, payloads)):
             time.sleep(gap)
             send_frame(a, METHODS["Ep/Compute"].id, 0, 1.5, payload, writer)
+            read[i].wait(10)
         time.sleep(0.05)
         a.close()  # end of file, long after the reader began to spin for it
 
     thread = threading.Thread(target=peer)
     thread.start()
     try:
-        for payload in payloads:
+        for i, payload in enumerate(payloads):
             frame = reader.read()
+            read[i].set()
             assert (frame.method, frame.timeout_s, bytes(frame.payload)) == (METHODS["Ep/Compute"].id, 1.5, payload)
         assert reader.read() is None
     finally:
