@@ -27,6 +27,7 @@ call was kept, and every handle is looked up again on every run.
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import select
@@ -191,6 +192,9 @@ _FD_SETSIZE = 1024
 # and a run's usual jitter; less polls longer beside the worker's threads (squeezenet, interleaved A/B: 500 µs
 # 1.046-1.068 out/in, 200 µs 1.039-1.055).
 EXPECT_MARGIN_S = 200e-6
+# How many of the last long waits the expected one is read from (their shortest quarter): one run that is
+# a few hundred microseconds shorter than the last (this machine's jitter) still finds its reader polling.
+EXPECT_RUNS = 8
 
 
 class FrameReader:
@@ -224,6 +228,7 @@ class FrameReader:
         self._spinning = bool(self._spin_s)
         self._expect_long = expect
         self._expected = 0.0  # how long the last read waited
+        self._waits: collections.deque[float] = collections.deque(maxlen=EXPECT_RUNS)  # the last long waits
         self._slots = slots
         self._poll = None
         if self._spin_s or slots is not None:
@@ -266,6 +271,8 @@ class FrameReader:
         if spin_s:
             self._expected = time.perf_counter() - started
             self._spinning = self._expected <= spin_s
+            if self._expect_long and not self._spinning:
+                self._waits.append(self._expected)
         return self._frame(n, whole)
 
     def _receive(self) -> int:
@@ -317,13 +324,16 @@ class FrameReader:
         return Frame(method, status, timeout_s, payload)
 
     def _expect(self, started: float) -> None:
-        """Wait for a frame expected `self._expected` after `started`: asleep until EXPECT_MARGIN_S (or
-        `spin_s`, if shorter) before, then polling until as long after. The socket's timeout (a call's deadline)
-        counts from `started` still."""
+        """Wait for a frame expected about as long after `started` as the last long waits took: asleep until
+        EXPECT_MARGIN_S (or `spin_s`, if shorter) before, then polling until as long after. The socket's timeout
+        (a call's deadline) counts from `started` still."""
         timeout = self._sock.gettimeout()
         deadline = math.inf if timeout is None else started + timeout
         margin = min(self._spin_s, EXPECT_MARGIN_S)
-        wake = started + self._expected - margin
+        # Not the last wait: a run a few hundred microseconds shorter than the one before (this machine's
+        # jitter) would find its reader asleep and pay a wake-up. The shortest quarter of the last few.
+        waits = sorted(self._waits)
+        wake = started + waits[len(waits) // 4] - margin
         # Woken by a frame, or at `wake` to poll (so a doorbell lost to a race costs nothing here).
         if self._doze(min(wake, deadline) - time.perf_counter(), bounded=False):
             return
