@@ -122,7 +122,8 @@ class FastLane:
     def __init__(self, ticket: Callable[[], tuple[bytes, str]], lost: Callable[[str], EpError],
                  adopt: Callable[[int, int, int], None], spin_s: float = SPIN_S, slots: bool = True):
         self._ticket = ticket  # (ticket, socket path), from Worker.OpenDataPlane
-        self._slots = slots    # ask the worker for shared slots (ephost/lane_slots.py) on each connection
+        # ask the worker for shared slots (ephost/lane_slots.py) on each connection, where this CPU's order allows
+        self._slots = slots and lane_slots.SUPPORTED
         self._spin_s = spin_s  # how long a thread polls for its reply before it sleeps (FrameReader)
         self._lost = lost
         self._adopt = adopt    # (region, size, fd): a region's descriptor, handed over with a reply naming it

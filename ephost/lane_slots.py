@@ -12,12 +12,14 @@ written through a memoryview: one aligned store, never seen torn; struct.pack_in
 it writes them, which a reader polling the word would see); from DATA the frame, header and payload, as on the
 socket.
 
-The writer puts the frame, then its length, then the count (x86 keeps stores in order), then reads `asleep`
-and rings the doorbell if it is raised. The reader polls the count; before it sleeps in the kernel it raises
-`asleep` and looks at the count once more. A writer and a reader can each read the other's word before the
-other's store is seen (x86 reorders a load before an earlier store, and Python has no fence): so the first
-sleep is bounded (fastlane.FIRST_SLEEP_S), after which both stores are long visible; a doorbell rung when no one slept
-is a packet the reader drops the next time it wakes.
+The writer puts the frame, then its length, then the count (x86 keeps stores in order, and loads), then reads
+`asleep` and rings the doorbell if it is raised. The reader polls the count; before it sleeps in the kernel it
+raises `asleep` and looks at the count once more. A writer and a reader can each read the other's word before
+the other's store is seen (x86 reorders a load before an earlier store, and Python has no fence): so the first
+sleep is bounded (fastlane.FIRST_SLEEP_S), after which both stores are long visible; a doorbell rung when no
+one slept is a packet the reader drops the next time it wakes. Only on x86 (SUPPORTED): where the order is
+weaker (ARM) a reader could see the count before the frame, and without a fence Python cannot prevent it; the
+socket carries every frame there.
 
 The worker makes the memfd and hands it over with the ticket's answer, to a client that asked for slots; each
 side maps it. What a peer writes into a slot is read once (its length checked against the slot, the frame
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 
 from ephost.fastlane import DOORBELL, HEADER, PACKET, FrameError
 
@@ -36,6 +39,7 @@ DATA = 128
 SLOT = DATA + PACKET         # a slot: its words, then room for one packet
 SIZE = 2 * SLOT              # requests (the client writes), then replies (the worker writes)
 ASK = b"S"                   # after the ticket: the client asks for slots
+SUPPORTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")  # see above: x86's order
 
 
 def create() -> tuple[int, mmap.mmap]:

@@ -102,7 +102,8 @@ class LaneServer:
         except FrameError as e:
             log.warning("fast lane: closing a connection that sent %s", e)
             try:
-                self._error(_Peer(conn, ""), 0, grpc.StatusCode.INVALID_ARGUMENT, f"fast lane: {e}; connection closed")
+                self._error(_Peer(conn, ""), 0, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"fast lane: {e}; connection closed")
                 _drain(conn)
             except OSError:
                 pass
@@ -125,8 +126,8 @@ class LaneServer:
         uid = peer_uid(conn)
         message = conn.recv(TICKET_BYTES + len(lane_slots.ASK))
         ticket, ask = message[:TICKET_BYTES], message[TICKET_BYTES:]
-        client_id = self._tickets.redeem_lane(ticket) if uid == os.getuid() and ask in (b"", lane_slots.ASK) \
-            else None
+        asked = (b"", lane_slots.ASK) if lane_slots.SUPPORTED else (b"",)
+        client_id = self._tickets.redeem_lane(ticket) if uid == os.getuid() and ask in asked else None
         if client_id is None:
             log.warning("fast lane: refused a connection (%s)", "another user" if uid != os.getuid()
                         else "ticket unknown, used or expired")
