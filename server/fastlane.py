@@ -135,8 +135,15 @@ class LaneServer:
             return None
         configure(conn)
         slots = None
+        made = None
         if ask:
-            fd, mapping = lane_slots.create()
+            try:
+                made = lane_slots.create()
+            except OSError as e:  # the lane still works: its frames go on the socket
+                log.warning("fast lane: no shared slots for a connection (%s); its frames go on the socket",
+                            e.strerror or e)
+        if made is not None:
+            fd, mapping = made
             try:
                 socket.send_fds(conn, [TICKET_OK], [fd])
             except OSError:
