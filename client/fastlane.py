@@ -188,7 +188,7 @@ class FastLane:
         """One call on this thread's connection. Raises LaneUnavailable (nothing was sent) where there is no
         connection to be had, and the call's typed error otherwise."""
         data = request.SerializeToString()
-        frame = self._exchange(self._connection(), method.id, method.name, [data], len(data), timeout)
+        frame = self._exchange(self._connection(), method.id, method.name, [data], len(data), timeout, method.id)
         return method.reply.FromString(frame.payload)
 
     def call_kept(self, method: Method, key: Hashable, parts: list, nbytes: int, request_of: Callable[[], Any],
@@ -207,7 +207,7 @@ class FastLane:
         if kept is not _UNKEPT:
             try:
                 frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
-                                       timeout)
+                                       timeout, key)
             except EpUnknownKeptCall:  # the worker let it go: the whole request again, asking to keep it
                 del conn.kept[key]
             else:
@@ -222,15 +222,17 @@ class FastLane:
         conn.kept[key] = _Kept.of(method, request, reply) if reply.kept_call else None
         return reply
 
-    def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float):
-        """Send a frame and read its reply frame; the typed error where the reply is one."""
+    def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float,
+                  key: Hashable):
+        """Send a frame and read its reply frame; the typed error where the reply is one. `key` names the call
+        (its reader expects the reply as soon or as late as the last replies to that call came)."""
         sock = conn.sock
         try:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
                 conn.timeout = timeout
             send_parts(sock, method, timeout, parts, nbytes, conn.slots)
-            frame = conn.reader.read()
+            frame = conn.reader.read(key)
         except TimeoutError:
             self._drop(conn)
             raise EpDeadlineExceeded(f"{name} did not finish within its deadline of {timeout:g} s") from None

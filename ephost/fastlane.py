@@ -35,7 +35,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 from google.protobuf import message_factory
 
@@ -195,6 +195,7 @@ EXPECT_MARGIN_S = 200e-6
 # How many of the last long waits the expected one is read from (their shortest quarter): one run that is
 # a few hundred microseconds shorter than the last (this machine's jitter) still finds its reader polling.
 EXPECT_RUNS = 8
+MAX_WAIT_KEYS = 256  # kinds of call whose waits a reader keeps (a connection keeps at most MAX_KEPT kept calls)
 
 
 class FrameReader:
@@ -205,8 +206,8 @@ class FrameReader:
     With `spin_s`, a read first polls the socket for up to that long before it sleeps in the kernel, as ORT's thread
     pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine waking an
     idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins only while frames
-    keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is short again), so that
-    idle connections burn no CPU. With `expect` (a caller reading replies), after a long wait it expects the next to
+    keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is short again; for each
+    kind of call apart, where the caller names them in `read`), so that idle connections burn no CPU. With `expect` (a caller reading replies), after a long wait it expects the next to
     be as long (a partition run again): it sleeps through all but the last 200 µs of it (EXPECT_MARGIN_S; woken at
     once if the frame comes sooner) and polls from there, so that the reply that ends a long call finds its reader
     awake (measured on the small CNNs: 3-5% of a 4 ms run). A worker reading requests does not: how long a caller
@@ -225,36 +226,39 @@ class FrameReader:
         self._ancillary = socket.CMSG_SPACE(MAX_FDS * 4) if adopt is not None else 0
         self._flags = socket.MSG_CMSG_CLOEXEC if adopt is not None else 0  # received descriptors: close-on-exec
         self._spin_s = spin_s if spin_s > 0 else 0.0
-        self._spinning = bool(self._spin_s)
         self._expect_long = expect
-        self._expected = 0.0  # how long the last read waited
-        self._waits: collections.deque[float] = collections.deque(maxlen=EXPECT_RUNS)  # the last long waits
+        # How long the last reads of each kind waited (a caller's reads are told what call they answer), the
+        # last one last: whether to poll for the next, or to expect it late.
+        self._waits: dict[Hashable, collections.deque[float]] = {}
         self._slots = slots
         self._poll = None
         if self._spin_s or slots is not None:
             self._poll = select.poll()
             self._poll.register(sock, select.POLLIN)
 
-    def read(self) -> Frame | None:
-        """The next frame, or None at end of file (the peer closed or died)."""
+    def read(self, key: Hashable = None) -> Frame | None:
+        """The next frame, or None at end of file (the peer closed or died). `key` names what the frame answers
+        (a caller's connection carries every partition of every session on its worker, and the calls between
+        them): how long the last reads with that key waited says whether to poll for it or expect it late."""
         slots, spin_s = self._slots, self._spin_s
+        waits = (self._waits.get(key) or self._new_waits(key)) if spin_s else None
         if slots is not None and slots.arrived():  # there already: no clock, no system call
             if spin_s:
-                self._expected, self._spinning = 0.0, True
+                waits.append(0.0)
             return self._frame(slots.take(self._packet), whole=True)
         started = time.perf_counter() if spin_s or slots is not None else 0.0
-        if spin_s:
-            if self._spinning:
-                self._spin(started + spin_s)
-            elif self._expect_long and self._expected > 2 * spin_s:
-                self._expect(started)
+        spinning = bool(spin_s) and (not waits or waits[-1] <= spin_s)
+        if spinning:
+            self._spin(started + spin_s)
+        elif spin_s and self._expect_long and waits[-1] > 2 * spin_s:
+            self._expect(started, waits)
         while True:
             if slots is not None:
                 if slots.arrived():
                     n, whole = slots.take(self._packet), True
                     break
                 if not self._poll.poll(0):  # nothing on the socket either
-                    if self._spinning and time.perf_counter() < started + spin_s:
+                    if spinning and time.perf_counter() < started + spin_s:
                         # The spin ended on a doorbell rung for an earlier frame (the reader took that frame from
                         # the slot before the bell came): spin on, or every read would sleep and be rung for.
                         self._spin(started + spin_s)
@@ -269,11 +273,14 @@ class FrameReader:
                 break
             # A doorbell: the frame is in the slot (or it was rung for an earlier one, and we look again).
         if spin_s:
-            self._expected = time.perf_counter() - started
-            self._spinning = self._expected <= spin_s
-            if self._expect_long and not self._spinning:
-                self._waits.append(self._expected)
+            waits.append(time.perf_counter() - started)
         return self._frame(n, whole)
+
+    def _new_waits(self, key: Hashable) -> collections.deque[float]:
+        if len(self._waits) >= MAX_WAIT_KEYS:  # a caller naming ever new calls: start again
+            self._waits.clear()
+        waits = self._waits[key] = collections.deque(maxlen=EXPECT_RUNS)
+        return waits
 
     def _receive(self) -> int:
         """The next packet from the socket into the buffer, REGIONS frames before it taken: its length."""
@@ -323,8 +330,8 @@ class FrameReader:
             got += k
         return Frame(method, status, timeout_s, payload)
 
-    def _expect(self, started: float) -> None:
-        """Wait for a frame expected about as long after `started` as the last long waits took: asleep until
+    def _expect(self, started: float, waits: collections.deque[float]) -> None:
+        """Wait for a frame expected about as long after `started` as the last long `waits` took: asleep until
         EXPECT_MARGIN_S (or `spin_s`, if shorter) before, then polling until as long after. The socket's timeout
         (a call's deadline) counts from `started` still."""
         timeout = self._sock.gettimeout()
@@ -332,8 +339,8 @@ class FrameReader:
         margin = min(self._spin_s, EXPECT_MARGIN_S)
         # Not the last wait: a run a few hundred microseconds shorter than the one before (this machine's
         # jitter) would find its reader asleep and pay a wake-up. The shortest quarter of the last few.
-        waits = sorted(self._waits)
-        wake = started + waits[len(waits) // 4] - margin
+        longs = sorted(w for w in waits if w > self._spin_s)
+        wake = started + longs[len(longs) // 4] - margin
         # Woken by a frame, or at `wake` to poll (so a doorbell lost to a race costs nothing here).
         if self._doze(min(wake, deadline) - time.perf_counter(), bounded=False):
             return

@@ -499,6 +499,46 @@ def test_a_reader_that_expects_a_long_wait_still_answers_early_late_and_on_its_d
         b.close()
 
 
+def test_a_reader_keeps_how_long_each_call_waits_apart():
+    """One connection carries every partition of a session on its worker: a reply that always comes soon is
+    polled for even right after a long wait for another call (the reader does not sleep, as the slot's `asleep`
+    word shows), and the long one is still expected late."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd, mapping = lane_slots.create()
+    writer = lane_slots.Slots(mapping, a, worker=True)
+    reader = FrameReader(b, spin_s=0.1, expect=True, slots=lane_slots.Slots(lane_slots.adopt(fd), b, worker=False))
+    fd_words = memoryview(mapping).cast("Q")  # the test's look at the reply slot's `asleep` word
+    asleep = lane_slots.SLOT // 8 + lane_slots.ASLEEP
+    compute = METHODS["Ep/Compute"].id
+
+    def read(key, gap: float) -> tuple[bytes, bool]:
+        """Read a frame sent `gap` after the read begins; whether the reader slept meanwhile."""
+        slept = []
+
+        def send():
+            deadline = time.perf_counter() + gap
+            while time.perf_counter() < deadline:
+                slept.append(fd_words[asleep])
+                time.sleep(0.001)
+            send_frame(a, compute, 0, 0.0, key.encode(), writer)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        try:
+            return bytes(reader.read(key).payload), any(slept)
+        finally:
+            thread.join()
+
+    try:
+        for _ in range(2):
+            assert read("long", 0.5) == (b"long", True)     # expected late: asleep most of it
+            assert read("short", 0.005) == (b"short", False)  # polled for (within the 100 ms spin)
+    finally:
+        fd_words.release()
+        a.close()
+        b.close()
+
+
 def test_how_long_each_end_spins_is_a_registration_option():
     def worker_command(env, name):
         with open(f"/proc/{env.registration(name).process.pid}/cmdline", "rb") as f:
