@@ -207,12 +207,12 @@ class FrameReader:
     pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine waking an
     idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins only while frames
     keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is short again; for each
-    kind of call apart, where the caller names them in `read`), so that idle connections burn no CPU. With `expect` (a caller reading replies), after a long wait it expects the next to
-    be as long (a partition run again): it sleeps through all but the last 200 µs of it (EXPECT_MARGIN_S; woken at
-    once if the frame comes sooner) and polls from there, so that the reply that ends a long call finds its reader
-    awake (measured on the small CNNs: 3-5% of a 4 ms run). A worker reading requests does not: how long a caller
-    takes between calls says little about the next, and polling through its end would take a CPU from whatever the
-    caller does meanwhile.
+    kind of call apart, where the caller names them in `read`), so that idle connections burn no CPU. With `expect`
+    (a caller reading replies), after a long wait it expects the next to be as long (a partition run again): it
+    sleeps through all but the last 200 µs of it (EXPECT_MARGIN_S; woken at once if the frame comes sooner) and
+    polls from there, so that the reply that ends a long call finds its reader awake (measured on the small CNNs:
+    3-5% of a 4 ms run). A worker reading requests does not: how long a caller takes between calls says little about
+    the next, and polling through its end would take a CPU from whatever the caller does meanwhile.
 
     With `slots` (ephost/lane_slots.py), a frame comes through the slot or on the socket: polling looks at the
     slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to

@@ -26,8 +26,8 @@ import grpc
 
 from ephost import lane_slots
 from ephost.errors import EpError, EpInvalidArgument
-from ephost.fastlane import (BY_ID, KEPT, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK, FrameError,
-                             FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
+from ephost.fastlane import (BY_ID, KEPT, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK,
+                             FrameError, FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
 from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
