@@ -268,10 +268,10 @@ class FrameReader:
                     if not self._doze(left):
                         raise TimeoutError("timed out")
                     continue
+                if self._take_doorbell():  # the frame is in the slot (or the bell was for an earlier one)
+                    continue
             n, whole = self._receive(), False
-            if slots is None or n != len(DOORBELL) or self._packet[0] != DOORBELL[0]:
-                break
-            # A doorbell: the frame is in the slot (or it was rung for an earlier one, and we look again).
+            break
         if spin_s:
             waits.append(time.perf_counter() - started)
         return self._frame(n, whole)
@@ -378,7 +378,8 @@ class FrameReader:
             slots.asleep(False)
 
     def _take_doorbell(self) -> bool:
-        """Take the doorbell waiting on a readable socket; False where what waits is something else."""
+        """Take the doorbell waiting on a readable socket; False where what waits is something else (a frame,
+        end of file). The one place a doorbell is read, whether it woke a sleeper or ended a spin."""
         try:
             if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != DOORBELL:
                 return False

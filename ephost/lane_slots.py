@@ -67,12 +67,13 @@ class Slots:
     """One end's view of a connection's slots: it writes frames into one and reads them from the other.
     Used by the connection's one thread."""
 
-    __slots__ = ("_map", "_words", "_out", "_in", "_count_in", "_asleep_out", "_sent", "_taken", "_sock",
-                 "socket_next")
+    __slots__ = ("_map", "_bytes", "_words", "_out", "_in", "_count_in", "_asleep_out", "_sent", "_taken",
+                 "_sock", "socket_next")
 
     def __init__(self, mapping: mmap.mmap, sock, worker: bool):
         self._map = mapping
-        self._words = memoryview(mapping).cast("Q")
+        self._bytes = memoryview(mapping)  # slices of it copy nothing (an mmap's slices are new bytes)
+        self._words = self._bytes.cast("Q")
         self._out, self._in = (SLOT, 0) if worker else (0, SLOT)
         self._count_in = self._in // 8 + COUNT
         self._asleep_out = self._out // 8 + ASLEEP
@@ -108,7 +109,7 @@ class Slots:
         n = words[at // 8 + LENGTH]
         if not HEADER.size <= n <= PACKET:
             raise FrameError(f"a slot frame of {n} bytes")
-        into[:n] = self._map[at + DATA:at + DATA + n]
+        into[:n] = self._bytes[at + DATA:at + DATA + n]
         self._taken = count
         return n
 
@@ -117,4 +118,5 @@ class Slots:
 
     def close(self) -> None:
         self._words.release()
+        self._bytes.release()
         self._map.close()

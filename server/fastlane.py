@@ -134,25 +134,8 @@ class LaneServer:
             conn.send(TICKET_NO)
             return None
         configure(conn)
-        slots = None
-        made = None
-        if ask:
-            try:
-                made = lane_slots.create()
-            except OSError as e:  # the lane still works: its frames go on the socket
-                log.warning("fast lane: no shared slots for a connection (%s); its frames go on the socket",
-                            e.strerror or e)
-        if made is not None:
-            fd, mapping = made
-            try:
-                socket.send_fds(conn, [TICKET_OK], [fd])
-            except OSError:
-                mapping.close()
-                raise
-            finally:
-                os.close(fd)
-            slots = lane_slots.Slots(mapping, conn, worker=True)
-        else:
+        slots = _grant_slots(conn) if ask else None
+        if slots is None:
             conn.send(TICKET_OK)
         conn.settimeout(None)
         return _Peer(conn, client_id, slots)
@@ -251,6 +234,24 @@ class LaneServer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _grant_slots(conn: socket.socket) -> "lane_slots.Slots | None":
+    """Make a connection's slots and answer its ticket with them; None (nothing sent) where they cannot be
+    made: the lane still works, its frames on the socket."""
+    try:
+        fd, mapping = lane_slots.create()
+    except OSError as e:
+        log.warning("fast lane: no shared slots for a connection (%s); its frames go on the socket", e.strerror or e)
+        return None
+    try:
+        socket.send_fds(conn, [TICKET_OK], [fd])
+    except OSError:
+        mapping.close()
+        raise
+    finally:
+        os.close(fd)
+    return lane_slots.Slots(mapping, conn, worker=True)
 
 
 def _drain(conn: socket.socket, packets: int = 64) -> None:
