@@ -231,6 +231,19 @@ def lane_worker():
     w.stop()
 
 
+def sole_client_stats(raw: RawClient, timeout: float = 10.0):
+    """The worker's stats once `raw` is the only client it serves. The raw clients of earlier tests never say
+    goodbye: the buffers they left go when their lease runs out (1.5 s on lane_worker), and a count of live
+    buffers read across that moment would be off by theirs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        raw(raw.worker.Renew, common_pb2.Empty())
+        stats = raw(raw.worker.GetStats, common_pb2.Empty())
+        if stats.clients == 1 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
 def open_lane(raw: RawClient, ticket: bytes | None = None) -> tuple[socket.socket, bytes]:
     reply = raw(raw.worker.OpenDataPlane, common_pb2.Empty())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -1097,7 +1110,7 @@ def test_kept_calls_leaving_outputs_in_the_worker_on_the_wire(lane_worker):
         first = reply.outputs[0].tensor
         kid = KEPT_ID.pack(reply.kept_call)
         handles = {first.buffer}
-        before = raw(raw.worker.GetStats, common_pb2.Empty())
+        before = sole_client_stats(raw)
         for values in ([5, -6, 7, -8], [-1, -1, 9, 1]):
             x = np.array(values, np.float32)
             frame = kept_frame(sock, kid + x.tobytes())
