@@ -100,7 +100,7 @@ _UNKEPT = object()
 
 
 class _Connection:
-    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "__weakref__")
+    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "busy", "__weakref__")
 
     def __init__(self, sock: socket.socket, adopt, spin_s: float, slots: Slots | None):
         self.sock = sock
@@ -108,6 +108,7 @@ class _Connection:
         self.reader = FrameReader(sock, adopt, spin_s, expect=True, slots=slots)
         self.timeout = sock.gettimeout()
         self.kept: dict = {}  # key -> _Kept, or None where the worker would not keep the call
+        self.busy = False  # a call on it waits for its reply
 
     def close(self) -> None:
         self.sock.close()
@@ -226,7 +227,14 @@ class FastLane:
                   key: Hashable):
         """Send a frame and read its reply frame; the typed error where the reply is one. `key` names the call
         (its reader expects the reply as soon or as late as the last replies to that call came)."""
+        if conn.busy:
+            # A call made by this thread while its call on the connection waits for a reply: a finalizer that
+            # the garbage collector ran here (a dropped session's, which releases its partitions). On the lane
+            # it would read the pending reply as its own, and that call its reply; nothing was sent, it goes
+            # over gRPC.
+            raise LaneUnavailable(f"this thread's fast-lane connection is in a call ({name} came inside it)")
         sock = conn.sock
+        conn.busy = True
         try:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
@@ -238,6 +246,8 @@ class FastLane:
             raise EpDeadlineExceeded(f"{name} did not finish within its deadline of {timeout:g} s") from None
         except (OSError, FrameError):
             frame = None
+        finally:
+            conn.busy = False
         if frame is None:
             self._drop(conn)
             raise self._lost(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -556,5 +557,21 @@ class InferenceSession:
         self.close()
 
     def __del__(self):
-        if not getattr(self, "_closed", True):
+        if getattr(self, "_closed", True):
+            return
+        # A finalizer runs wherever the garbage collector happens to run: inside another call of this thread,
+        # with its locks held and its fast-lane connection waiting for a reply. Closing calls the workers, so it
+        # runs on a thread of its own (this object lives on until that thread is done with it).
+        if sys.is_finalizing():  # a thread started now would never run (and start() would wait for it)
+            self._close_dropped()
+            return
+        try:
+            threading.Thread(target=self._close_dropped, name="ephost-session-close", daemon=True).start()
+        except RuntimeError:  # the interpreter is exiting and starts no thread: nothing else runs here now
+            self._close_dropped()
+
+    def _close_dropped(self) -> None:
+        try:
             self.close()
+        except Exception as e:  # its Environment may be closing under it; the workers release what it held
+            log.debug("closing a dropped session: %s", e)

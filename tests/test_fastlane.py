@@ -162,6 +162,40 @@ def test_eight_threads_run_one_session_at_once(ort_env):
     assert opened == 8, "each calling thread has a connection of its own"
 
 
+def test_a_call_made_inside_a_lane_call_of_the_same_thread_goes_over_grpc(ort_env, monkeypatch):
+    """What runs on a thread while its fast-lane call waits for the reply (a finalizer the garbage collector
+    runs there, a signal handler) and calls the same worker does not use that connection: it would read the
+    pending reply as its own, and leave its own for the waiting call (found as an Alloc that read an empty reply
+    as buffer 0). It goes over gRPC, and each call gets its own result."""
+    from ephost.fastlane import FrameReader
+    x, y = X - 8, X * 2
+    with diamond_session(ort_env, "ort") as outer, InferenceSession(
+            models.chain(["Relu", "Neg"], shape=SHAPE), options_for(ort_env, "ort"), env=ort_env) as inner:
+        for _ in range(2):  # both kept on this thread's connection
+            outer.run(None, {"x": x})
+            inner.run(None, {"x": y})
+        nested = []
+        read = FrameReader.read
+
+        def reentrant_read(reader, key=None):
+            if not nested and threading.current_thread() is threading.main_thread():
+                nested.append(None)  # once: the inner call reads too
+                nested[0] = inner.run(None, {"x": y})[0]
+            return read(reader, key)
+
+        before = worker_stats(ort_env, "ort")
+        monkeypatch.setattr(FrameReader, "read", reentrant_read)
+        (got,) = outer.run(None, {"x": x})
+        monkeypatch.undo()
+        after = worker_stats(ort_env, "ort")
+        np.testing.assert_allclose(got, models.diamond_expected(x), rtol=1e-6)
+        assert len(nested) == 1
+        np.testing.assert_array_equal(nested[0], -np.maximum(y, 0))
+        computes = after.methods["Ep/Compute"].calls - before.methods["Ep/Compute"].calls
+        assert (computes, after.fast_lane_calls - before.fast_lane_calls) == (2, 1), "the inner one over gRPC"
+        np.testing.assert_allclose(outer.run(None, {"x": y})[0], models.diamond_expected(y), rtol=1e-6)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
 def test_worker_killed_while_a_thread_is_blocked_in_a_lane_call(policy):

@@ -110,6 +110,91 @@ def test_faults_in_copy_tensors(fault):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("slots", ["true", "false"])
+def test_a_session_collected_in_the_middle_of_a_fast_lane_call_does_not_take_its_reply(monkeypatch, slots):
+    """A session the application drops is closed by its finalizer, which runs wherever the garbage collector
+    happens to run: here between the request and the reply of a fast-lane call of the same thread, on the
+    restarted worker. The finalizer's own calls (ReleaseNodeComputeInfos, ReleaseEp) must not go on that
+    connection: they would read the pending reply, and the call would take theirs (an Alloc read an empty reply
+    as buffer 0, and the run failed with "unknown buffer handle 0"; through the shared slots, a request could
+    also overwrite the one before it, and the worker closed the connection)."""
+    import gc
+    from ephost.fastlane import FrameReader
+    env = chaos_env("exit", "get_capability", fast_lane_slots=slots)
+    gc.disable()  # the dropped session stays garbage until it is collected where this test says
+    try:
+        first = session(env, "retry")
+        assert outcome(lambda: first.run(None, {"x": X})) == "correct"
+        # GetCapability number 2 kills the worker, which is restarted; this session runs on the new one and is
+        # dropped (sessions are collected by the cycle collector, not when their last reference goes)
+        assert outcome(lambda: session(env, "retry").run(None, {"x": X})) == "correct"
+        collected = []  # objects the one collection found (it is made once, and not again from inside itself)
+        read = FrameReader.read
+
+        def collecting_read(reader, key=None):
+            if not collected and threading.current_thread() is threading.main_thread():
+                collected.append(0)
+                collected[0] = gc.collect()  # as a collection set off by an allocation in read() would
+            return read(reader, key)
+
+        monkeypatch.setattr(FrameReader, "read", collecting_read)
+        results = [outcome(lambda: first.run(None, {"x": X})) for _ in range(3)]
+        monkeypatch.undo()
+        # and the dropped session is closed all the same: its EP released on the worker that runs now
+        deadline = time.monotonic() + 10
+        while env.get_worker_stats("chaos").methods["EpFactory/ReleaseEp"].calls < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        released = env.get_worker_stats("chaos").methods["EpFactory/ReleaseEp"].calls
+    finally:
+        gc.enable()
+        env.close()
+    assert collected and collected[0] > 0, "the dropped session was collected during a fast-lane call"
+    assert results == ["correct"] * 3, results
+    assert released == 1, "the dropped session's EP was released"
+
+
+@pytest.mark.timeout(60)
+def test_a_session_collected_inside_the_shared_staging_pool_does_not_deadlock(monkeypatch):
+    """The sessions on one worker share its staging pool (the buffers large inputs are written into), and a
+    dropped session gives its buffers back to the pool as it closes. The garbage collector may find it while
+    another thread holds the pool's lock (here: a new thread taking its first buffer from the pool): closing it
+    there would wait for that lock forever. A dropped session is closed on a thread of its own."""
+    import gc
+    from ephost.client import transfer
+    env = ephost.Environment()
+    env.register_execution_provider_library("ort", "onnxruntime", {})
+    gc.disable()  # the dropped session stays garbage until it is collected where this test says
+    results, collected = [], []
+    try:
+        first = session(env, "raise")
+        assert outcome(lambda: first.run(None, {"x": X})) == "correct"
+        assert outcome(lambda: session(env, "raise").run(None, {"x": X})) == "correct"  # dropped, holding one
+        with session(env, "raise") as closed:  # its staging buffer goes back to the pool, idle
+            assert outcome(lambda: closed.run(None, {"x": X})) == "correct"
+        owned = transfer.owned
+
+        def collecting_owned(buffer, link):  # asked of each idle buffer, under the pool's lock
+            if not collected:
+                collected.append(0)
+                collected[0] = gc.collect()  # as a collection set off by an allocation there would
+            return owned(buffer, link)
+
+        monkeypatch.setattr(transfer, "owned", collecting_owned)
+        thread = threading.Thread(target=lambda: results.append(outcome(lambda: first.run(None, {"x": X}))),
+                                  daemon=True)
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "the run waits for a lock its own thread holds"
+        monkeypatch.undo()
+        results.append(outcome(lambda: first.run(None, {"x": X})))
+    finally:
+        gc.enable()
+        env.close()
+    assert collected and collected[0] > 0, "the dropped session was collected under the pool's lock"
+    assert results == ["correct"] * 2, results
+
+
+@pytest.mark.timeout(60)
 def test_crash_limit_marks_the_ep_failed_and_fallback_takes_over():
     env = ephost.Environment()
     env.register_execution_provider_library("chaos", "chaos", {"fault": "segfault", "every": "1", "crash_limit": "2"})
