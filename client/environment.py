@@ -2,8 +2,11 @@
 hosting them), lists their devices, keeps shared allocators and copies tensors between memories."""
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -78,6 +81,10 @@ class Environment:
         self._allocators: dict[MemoryInfo, SharedAllocator] = {}
         self._lock = threading.RLock()
         self._closed = False
+        # One the application never closes is closed as it exits, while its threads still run: left to the
+        # interpreter's teardown (__del__), stopping a worker waited forever for a watcher thread frozen there.
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         # While workers start (this thread waits on them), so that the first session's shape inference does not.
         threading.Thread(target=load_schemas, name="ephost-onnx-schemas", daemon=True).start()
 
@@ -286,6 +293,7 @@ class Environment:
                 return
             self._closed = True
             names = list(self._registrations)
+        atexit.unregister(self._at_exit)
         for name in reversed(names):
             try:
                 self.unregister_execution_provider_library(name)
@@ -301,3 +309,9 @@ class Environment:
     def __del__(self):
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _close_at_exit(ref: "weakref.ref[Environment]") -> None:
+    env = ref()
+    if env is not None:
+        env.close()

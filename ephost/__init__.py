@@ -5,7 +5,6 @@ first use and closed at interpreter exit.
 """
 from __future__ import annotations
 
-import atexit
 import threading
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -47,8 +46,7 @@ def get_default_environment() -> Environment:
     with _default_lock:
         if _default is None:
             from ephost.client import Environment
-            _default = Environment()
-            atexit.register(_default.close)
+            _default = Environment()  # closed as the application exits, as every Environment is
         return _default
 
 

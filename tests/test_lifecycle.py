@@ -120,6 +120,38 @@ def test_worker_dies_with_the_application_that_launched_it(tmp_path):
         proc.stdout.close()
 
 
+def test_an_application_that_closes_nothing_exits_and_leaves_nothing():
+    """A script that opens an Environment and a session and exits without closing either (the session dropped
+    into a cycle the collector never got to): it exits at once, with its worker gone and nothing in /dev/shm.
+    The Environment closes as the application exits (left to the interpreter's teardown, stopping its worker
+    waited forever for a thread frozen there), and the session closes in place at teardown (a dropped session
+    is closed on a thread of its own, and a thread started then never runs)."""
+    app = textwrap.dedent("""
+        import gc
+        import numpy as np
+        import ephost
+        from onnx import TensorProto, helper
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+        model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                                  opset_imports=[helper.make_opsetid("", 18)])
+        env = ephost.Environment()
+        env.register_execution_provider_library("ref", "reference")
+        print(env.registration("ref").process.pid, flush=True)
+        gc.disable()
+        options = ephost.SessionOptions()
+        options.add_provider_for_devices(env.get_ep_devices())
+        print(ephost.InferenceSession(model, options, env=env).run(None, {"x": np.arange(4, dtype=np.float32) - 2})[0])
+    """)
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run([sys.executable, "-c", app], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    pid, result = proc.stdout.splitlines()
+    assert result.split() == ["[0.", "0.", "0.", "1.]"]
+    assert wait_gone(int(pid), 2.0), "the worker outlived its application"
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
 def test_a_killed_worker_that_is_not_restarted_is_a_typed_error_naming_ep_and_signal():
     env = ephost.Environment()
     try:
