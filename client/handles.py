@@ -40,8 +40,9 @@ class RemoteHandle:
 
     @property
     def current(self) -> bool:
-        """Whether the handle was made on the worker that runs now (nothing to release otherwise)."""
-        return self._generation == self.link.generation
+        """Whether the handle was made on the worker that runs now (nothing to release otherwise, nor once the
+        link is closing: its worker goes, and what it held with it)."""
+        return self._generation == self.link.generation and not self.link.closing
 
     @property
     def current_handle(self) -> int:

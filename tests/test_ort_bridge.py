@@ -346,6 +346,25 @@ def test_the_bridge_needs_no_ephost_import_beyond_register(tmp_path):
     assert "['vendor_npu']" in done.stdout
 
 
+def test_an_ort_session_outliving_its_registration_is_released_quietly(caplog):
+    """ORT releases a session's EP and partitions when the session goes, which may be after the EP was
+    unregistered (its worker closed: at exit, sessions are often the last to go). Nothing is left to release
+    there, and nothing is called or logged as failed."""
+    import gc
+    ephost.ort.register("gone", "onnxruntime")
+    try:
+        session = session_on("gone", models.diamond())
+        x = np.ones((2, 3), np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+    finally:
+        ephost.ort.unregister("gone")
+    with caplog.at_level(logging.DEBUG, logger="ephost"):
+        del session
+        gc.collect()
+    assert "ReleaseEp" in caplog.text, "ORT released the session's EP here"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct():
     """The chaos EP segfaults (a real SIGSEGV) in its second Compute: ORT raises naming the EP, the call and the
     signal; supervision restarts the worker and the bridge compiles again from what it recorded."""
