@@ -11,10 +11,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ephost.errors import EpError
+from ephost.errors import EpError, EpWorkerCrashed
 from ephost.memory import Buffer
 from ephost.types import MemoryInfo
-from ephost.client.handles import RemoteHandle, owned
+from ephost.client.handles import RemoteHandle
 from ephost.client.supervisor import WorkerLink
 from ephost.v1 import allocator_pb2, common_pb2, factory_pb2
 
@@ -74,15 +74,19 @@ class RemoteAllocator(RemoteHandle):
         return self._frees.flush(timeout)
 
     def free_many(self, buffers: list[Buffer]) -> None:
-        if not self.current:
-            return  # its worker is gone, and its memory with it (what this process mapped stays readable)
-        mine = [b for b in buffers if owned(b, self.link)]
-        for start in range(0, len(mine), FREE_BATCH):
+        # To the worker the buffers are in, named with this allocator's handle there: a call that waited out a
+        # restart would name the dead worker's handles to its successor, whose own buffers may bear them.
+        conn, allocator = self.link.current, self.current_handle
+        mine = [b for b in buffers if b.owner is conn] if allocator else []
+        for start in range(0, len(mine), FREE_BATCH):  # none where its worker is gone, and its memory with it
             batch = mine[start:start + FREE_BATCH]
-            reply = self.call(lambda c: c.allocator.Free, lambda h: allocator_pb2.FreeRequest(
-                allocator=h, buffers=[b.handle for b in batch]))
+            try:
+                reply = self.link.call(lambda c: c.allocator.Free, allocator_pb2.FreeRequest(
+                    allocator=allocator, buffers=[b.handle for b in batch]), conn=conn)
+            except EpWorkerCrashed:
+                return  # the worker went, and these buffers with it
             for region_id in reply.released_regions:
-                self._forget_region(batch[0].owner, region_id)
+                self._forget_region(conn, region_id)
 
     def _forget_region(self, conn, region_id: int) -> None:
         with self._regions_lock:

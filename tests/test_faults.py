@@ -195,6 +195,29 @@ def test_a_session_collected_inside_the_shared_staging_pool_does_not_deadlock(mo
 
 
 @pytest.mark.timeout(60)
+def test_a_buffer_of_a_killed_worker_is_freed_without_a_word_to_its_successor():
+    """A buffer freed just after its worker was killed from outside, while the worker is being replaced: the
+    Free goes to the worker the buffer was in (gone, the buffer with it) and raises nothing (it raised
+    EpWorkerCrashed); never to the successor, which numbers its client's handles from 1 again (a Free that
+    waited out the restart named the dead worker's handle there: unknown, or one of the successor's own)."""
+    env = ephost.Environment()
+    env.register_execution_provider_library("ort", "onnxruntime", {})
+    try:
+        allocator = env.allocator_for(env.get_ep_devices()[0].memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE))
+        doomed = Tensor.from_numpy(X, allocator)
+        os.kill(env.registration("ort").process.pid, signal.SIGKILL)
+        doomed.release()
+        kept = Tensor.from_numpy(X * 2, allocator)  # on the successor
+        np.testing.assert_array_equal(kept.numpy(), X * 2)
+        stats = env.get_worker_stats("ort")
+        assert stats.methods["Allocator/Free"].calls == 0 and stats.buffers_live == 1
+        kept.release()
+        assert env.get_worker_stats("ort").buffers_live == 0
+    finally:
+        env.close()
+
+
+@pytest.mark.timeout(60)
 def test_crash_limit_marks_the_ep_failed_and_fallback_takes_over():
     env = ephost.Environment()
     env.register_execution_provider_library("chaos", "chaos", {"fault": "segfault", "every": "1", "crash_limit": "2"})
