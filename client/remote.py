@@ -230,7 +230,8 @@ class RemoteEp(RemoteHandle):
 
     def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str],
                        external: ExternalData | None = None) -> list[NodeGroup]:
-        handle, conn = self.handle, self.link.conn
+        conn = self.link.conn  # first: it waits out a restart, after which the handle is made again
+        handle = self.handle
         with self._models.ref(model, external) as ref:
             reply = self.link.call(lambda c: c.ep.GetCapability, ep_pb2.GetCapabilityRequest(
                 ep=handle, model=ref, claimed_nodes=sorted(claimed)), conn=conn)
@@ -240,7 +241,8 @@ class RemoteEp(RemoteHandle):
         """Compile on the worker that runs now; the compute infos' handles there, in order, each with the
         partition's compiled form where the EP made one."""
         handles: list[tuple[int, EpContext | None]] = []
-        handle, conn = self.handle, self.link.conn
+        conn = self.link.conn  # as in get_capability
+        handle = self.handle
         for source in dict.fromkeys(g.source for g in graphs):  # one call per model they come from
             batch = [g for g in graphs if g.source is source]
             with self._models.ref(source.model, source.external) as ref:

@@ -70,8 +70,9 @@ class Stager:
         if self._memory is None or nbytes < INLINE_LIMIT:
             return None
         with self._lock:
-            idle = [b for b in self._idle.pop(nbytes, ()) if owned(b, self._link)]
-            self._idle_bytes -= nbytes * len(idle)  # those of a dead worker are gone with it
+            kept = self._idle.pop(nbytes, ())
+            self._idle_bytes -= nbytes * len(kept)
+            idle = [b for b in kept if owned(b, self._link)]  # those of a dead worker are gone with it
             if idle:
                 buffer = idle.pop()
                 if idle:
