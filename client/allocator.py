@@ -42,8 +42,11 @@ class RemoteAllocator(RemoteHandle):
         return reply.allocator
 
     def _allocate(self, method_of, nbytes: int) -> Buffer:
-        reply = self.call(method_of, lambda h: allocator_pb2.AllocRequest(allocator=h, nbytes=nbytes))
-        return self.adopt(reply.buffer, reply.nbytes, reply.shm if reply.HasField("shm") else None)
+        conn = self.link.conn  # first: it waits out a restart, after which the handle is made again
+        reply = self.link.call(method_of, allocator_pb2.AllocRequest(allocator=self.handle, nbytes=nbytes), conn=conn)
+        # Owned by the worker the call went to: were a restart to land in between, a buffer owned by the next
+        # would be named there by a handle of the dead one's.
+        return self.adopt(reply.buffer, reply.nbytes, reply.shm if reply.HasField("shm") else None, conn)
 
     def adopt(self, handle: int, nbytes: int, shm=None, conn=None) -> Buffer:
         """A Buffer for a buffer the worker made in this allocator (an allocation, or a Compute's output),
