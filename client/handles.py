@@ -17,9 +17,11 @@ from ephost.client.supervisor import WorkerLink
 class RemoteHandle:
     """A handle in the worker, made by `_make()` and made again after the worker restarts."""
 
-    def __init__(self, link: WorkerLink, handle: int = 0):
+    def __init__(self, link: WorkerLink, handle: int = 0, generation: int = -1):
+        """`handle`: one made already, on the worker of `generation` (read before the call that made it: a
+        restart landing before this object is made then leaves it to be made again, never taken as current)."""
         self.link = link
-        self._generation = link.generation if handle else -1
+        self._generation = generation if handle else -1
         self._id = handle
         self._make_lock = threading.Lock()
 

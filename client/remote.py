@@ -38,9 +38,9 @@ class RemoteComputeInfo(RemoteHandle):
     """A partition compiled in a worker. Values it makes stay in the worker's memory (mapped here when it is
     shared); values that already live in that worker are handed back by handle, without a copy."""
 
-    def __init__(self, ep: "RemoteEp", graph: FusedGraph, handle: int, stager: Stager,
+    def __init__(self, ep: "RemoteEp", graph: FusedGraph, handle: int, generation: int, stager: Stager,
                  context: EpContext | None = None):
-        super().__init__(ep.link, handle)
+        super().__init__(ep.link, handle, generation)
         self._ep, self._graph, self._stager = ep, graph, stager
         self._staging = ThreadStaging(ep.link, stager) if stager.available else None  # kept calls' large inputs
         self.name = graph.name
@@ -254,8 +254,9 @@ class RemoteEp(RemoteHandle):
         return handles
 
     def compile(self, graphs: Sequence[FusedGraph]) -> list[RemoteComputeInfo]:
+        generation = self.link.generation  # before: the handles are of this generation, or a later one
         compiled = self.compile_handles(graphs)
-        return [RemoteComputeInfo(self, g, h, self._stager, c) for g, (h, c) in zip(graphs, compiled)]
+        return [RemoteComputeInfo(self, g, h, generation, self._stager, c) for g, (h, c) in zip(graphs, compiled)]
 
     def release_node_compute_infos(self, infos: Sequence[RemoteComputeInfo]) -> None:
         for info in infos:

@@ -218,6 +218,40 @@ def test_a_buffer_of_a_killed_worker_is_freed_without_a_word_to_its_successor():
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_replaced_just_after_it_answered_compile_compiles_again(monkeypatch):
+    """The worker is killed right after it answered Compile, and replaced before the session holds the
+    partitions' handles: those are the dead worker's, and the first run compiles the partitions again on its
+    successor (they were taken as the successor's, which has no such partition: "unknown compute info
+    handle", or another partition of this client's that bears the number)."""
+    from ephost.client.remote import RemoteEp
+    env = ephost.Environment()
+    env.register_execution_provider_library("ort", "onnxruntime", {})
+    link = env.registration("ort").link
+    compile_handles = RemoteEp.compile_handles
+    replaced = []
+
+    def then_replaced(ep, graphs):
+        handles = compile_handles(ep, graphs)
+        if not replaced:
+            replaced.append(link.generation)
+            os.kill(env.registration("ort").process.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while link.generation == replaced[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return handles
+
+    monkeypatch.setattr(RemoteEp, "compile_handles", then_replaced)
+    try:
+        s = session(env, "raise")
+        monkeypatch.undo()
+        assert link.generation == replaced[0] + 1, "the worker was replaced before the session was made"
+        assert outcome(lambda: s.run(None, {"x": X})) == "correct"
+        assert env.get_worker_stats("ort").methods["Ep/Compile"].calls == 1, "compiled again on the successor"
+    finally:
+        env.close()
+
+
+@pytest.mark.timeout(60)
 def test_crash_limit_marks_the_ep_failed_and_fallback_takes_over():
     env = ephost.Environment()
     env.register_execution_provider_library("chaos", "chaos", {"fault": "segfault", "every": "1", "crash_limit": "2"})
