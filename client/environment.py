@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ class Environment:
         self._allocators: dict[MemoryInfo, SharedAllocator] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self._pid = os.getpid()  # a forked child's copy is inert: the workers are the parent's
         # One the application never closes is closed as it exits, while its threads still run: left to the
         # interpreter's teardown (__del__), stopping a worker waited forever for a watcher thread frozen there.
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
@@ -307,11 +309,11 @@ class Environment:
         self.close()
 
     def __del__(self):
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True) and self._pid == os.getpid():
             self.close()
 
 
 def _close_at_exit(ref: "weakref.ref[Environment]") -> None:
     env = ref()
-    if env is not None:
+    if env is not None and env._pid == os.getpid():  # a forked child inherits the hook too
         env.close()

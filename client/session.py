@@ -220,6 +220,7 @@ class InferenceSession:
             env = get_default_environment()
         self._env = env
         self._closed = False
+        self._pid = os.getpid()  # a forked child's copy is inert: the partitions are the parent's
         self._lock = threading.Lock()
         path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
         model, self._external = _load(model, env)
@@ -557,7 +558,7 @@ class InferenceSession:
         self.close()
 
     def __del__(self):
-        if getattr(self, "_closed", True):
+        if getattr(self, "_closed", True) or self._pid != os.getpid():
             return
         # A finalizer runs wherever the garbage collector happens to run: inside another call of this thread,
         # with its locks held and its fast-lane connection waiting for a reply. Closing calls the workers, so it

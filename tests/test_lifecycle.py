@@ -152,6 +152,39 @@ def test_an_application_that_closes_nothing_exits_and_leaves_nothing():
     assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
+def test_a_forked_child_that_exits_leaves_its_parents_workers_alone():
+    """A child forked from the application that exits normally (atexit hooks run) does not close the
+    Environment it inherited: the workers are the parent's, which runs on with the same worker."""
+    app = textwrap.dedent("""
+        import os, sys
+        import numpy as np
+        import ephost
+        from onnx import TensorProto, helper
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+        model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                                  opset_imports=[helper.make_opsetid("", 18)])
+        env = ephost.Environment()
+        env.register_execution_provider_library("ref", "reference")
+        worker = env.registration("ref").process.pid
+        options = ephost.SessionOptions()
+        options.add_provider_for_devices(env.get_ep_devices())
+        s = ephost.InferenceSession(model, options, env=env)
+        feed = {"x": np.arange(4, dtype=np.float32) - 2}
+        s.run(None, feed)
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # a normal exit: the interpreter's exit hooks run in the child
+        os.waitpid(child, 0)
+        print(s.run(None, feed)[0], env.registration("ref").process.pid == worker, flush=True)
+        s.close()
+        env.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", app], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[0.", "0.", "0.", "1.]", "True"], proc.stdout + proc.stderr
+
+
 def test_a_killed_worker_that_is_not_restarted_is_a_typed_error_naming_ep_and_signal():
     env = ephost.Environment()
     try:
