@@ -180,9 +180,18 @@ def test_a_forked_child_that_exits_leaves_its_parents_workers_alone():
         s.close()
         env.close()
     """)
-    proc = subprocess.run([sys.executable, "-c", app], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["[0.", "0.", "0.", "1.]", "True"], proc.stdout + proc.stderr
+    proc = subprocess.Popen([sys.executable, "-c", app], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:  # a child that hung (the failure this test is for) is in the group too
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, err
+    assert out.split() == ["[0.", "0.", "0.", "1.]", "True"], out + err
 
 
 def test_a_killed_worker_that_is_not_restarted_is_a_typed_error_naming_ep_and_signal():
