@@ -120,27 +120,33 @@ def test_worker_dies_with_the_application_that_launched_it(tmp_path):
         proc.stdout.close()
 
 
+# The start of an application script: a Relu model, an Environment with a launched reference worker ("ref"),
+# and SessionOptions for its devices.
+APP_WITH_A_WORKER = textwrap.dedent("""
+    import numpy as np
+    import ephost
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    env = ephost.Environment()
+    env.register_execution_provider_library("ref", "reference")
+    options = ephost.SessionOptions()
+    options.add_provider_for_devices(env.get_ep_devices())
+""")
+
+
 def test_an_application_that_closes_nothing_exits_and_leaves_nothing():
     """A script that opens an Environment and a session and exits without closing either (the session dropped
     into a cycle the collector never got to): it exits at once, with its worker gone and nothing in /dev/shm.
     The Environment closes as the application exits (left to the interpreter's teardown, stopping its worker
     waited forever for a thread frozen there), and the session closes in place at teardown (a dropped session
     is closed on a thread of its own, and a thread started then never runs)."""
-    app = textwrap.dedent("""
+    app = APP_WITH_A_WORKER + textwrap.dedent("""
         import gc
-        import numpy as np
-        import ephost
-        from onnx import TensorProto, helper
-        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
-        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
-        model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
-                                  opset_imports=[helper.make_opsetid("", 18)])
-        env = ephost.Environment()
-        env.register_execution_provider_library("ref", "reference")
         print(env.registration("ref").process.pid, flush=True)
         gc.disable()
-        options = ephost.SessionOptions()
-        options.add_provider_for_devices(env.get_ep_devices())
         print(ephost.InferenceSession(model, options, env=env).run(None, {"x": np.arange(4, dtype=np.float32) - 2})[0])
     """)
     shm_before = set(os.listdir("/dev/shm"))
@@ -155,20 +161,9 @@ def test_an_application_that_closes_nothing_exits_and_leaves_nothing():
 def test_a_forked_child_that_exits_leaves_its_parents_workers_alone():
     """A child forked from the application that exits normally (atexit hooks run) does not close the
     Environment it inherited: the workers are the parent's, which runs on with the same worker."""
-    app = textwrap.dedent("""
+    app = APP_WITH_A_WORKER + textwrap.dedent("""
         import os, sys
-        import numpy as np
-        import ephost
-        from onnx import TensorProto, helper
-        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
-        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
-        model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
-                                  opset_imports=[helper.make_opsetid("", 18)])
-        env = ephost.Environment()
-        env.register_execution_provider_library("ref", "reference")
         worker = env.registration("ref").process.pid
-        options = ephost.SessionOptions()
-        options.add_provider_for_devices(env.get_ep_devices())
         s = ephost.InferenceSession(model, options, env=env)
         feed = {"x": np.arange(4, dtype=np.float32) - 2}
         s.run(None, feed)
