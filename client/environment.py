@@ -296,6 +296,11 @@ class Environment:
             self._closed = True
             names = list(self._registrations)
         atexit.unregister(self._at_exit)
+        if self._pid != os.getpid():
+            # A forked child's copy: the workers, and the channels to them, are the parent's, which runs on
+            # with them. Closing it stops nothing; this copy is only no longer usable.
+            log.debug("closing a forked child's copy of the environment: its workers are left to the parent")
+            return
         for name in reversed(names):
             try:
                 self.unregister_execution_provider_library(name)

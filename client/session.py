@@ -526,6 +526,10 @@ class InferenceSession:
             if self._closed:
                 return
             self._closed = True
+        if self._pid != os.getpid():
+            # A forked child's copy: its partitions, workers and model files are the parent's, in use there.
+            log.debug("closing a forked child's copy of a session: what it holds is left to the parent")
+            return
         if getattr(self, "_async", None) is not None:
             self._async.shutdown(wait=True)  # runs asked for before close still run, and call back
         self._release_eps()

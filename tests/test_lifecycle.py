@@ -158,9 +158,18 @@ def test_an_application_that_closes_nothing_exits_and_leaves_nothing():
     assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
-def test_a_forked_child_that_exits_leaves_its_parents_workers_alone():
-    """A child forked from the application that exits normally (atexit hooks run) does not close the
-    Environment it inherited: the workers are the parent's, which runs on with the same worker."""
+CHILD_EXITS = {
+    "exit": "sys.exit(0)  # a normal exit: the interpreter's exit hooks run in the child",
+    "close": "s.close(); env.close(); sys.exit(0)",
+    "with": "with env, s: pass\n    sys.exit(0)",
+}
+
+
+@pytest.mark.parametrize("how", CHILD_EXITS)
+def test_a_forked_child_that_exits_leaves_its_parents_workers_alone(how):
+    """A child forked from the application that exits normally (atexit hooks run), or closes the session and
+    the Environment it inherited first (explicitly, or leaving a `with` block), stops nothing: the workers are
+    the parent's, which runs on with the same worker. The child's copies are closed for the child alone."""
     app = APP_WITH_A_WORKER + textwrap.dedent("""
         import os, sys
         worker = env.registration("ref").process.pid
@@ -169,12 +178,12 @@ def test_a_forked_child_that_exits_leaves_its_parents_workers_alone():
         s.run(None, feed)
         child = os.fork()
         if child == 0:
-            sys.exit(0)  # a normal exit: the interpreter's exit hooks run in the child
+            %s
         os.waitpid(child, 0)
         print(s.run(None, feed)[0], env.registration("ref").process.pid == worker, flush=True)
         s.close()
         env.close()
-    """)
+    """) % CHILD_EXITS[how]
     proc = subprocess.Popen([sys.executable, "-c", app], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
