@@ -188,8 +188,8 @@ class Frame:
 
 
 _FD_SETSIZE = 1024
-# How long before a long call's expected reply its reader wakes to poll: more than select's timer slack (50 µs)
-# and a run's usual jitter; less polls longer beside the worker's threads (squeezenet, interleaved A/B: 500 µs
+# How long before a long call's expected reply its reader wakes to poll (besides what its sleeps overslept): a
+# run's usual jitter; less polls longer beside the worker's threads (squeezenet, interleaved A/B: 500 µs
 # 1.046-1.068 out/in, 200 µs 1.039-1.055).
 EXPECT_MARGIN_S = 200e-6
 # How many of the last long waits the expected one is read from (their shortest quarter): one run that is
@@ -211,8 +211,10 @@ class FrameReader:
     (a caller reading replies), after a long wait it expects the next to be as long (a partition run again): it
     sleeps through all but the last 200 µs of it (EXPECT_MARGIN_S; woken at once if the frame comes sooner) and
     polls from there, so that the reply that ends a long call finds its reader awake (measured on the small CNNs:
-    3-5% of a 4 ms run). A worker reading requests does not: how long a caller takes between calls says little about
-    the next, and polling through its end would take a CPU from whatever the caller does meanwhile.
+    3-5% of a 4 ms run). It sets its alarm earlier by as much as its timed sleeps have overslept (the median of
+    the last few): a virtual machine's timer may wake a sleeper 100-200 µs late, which ate the whole margin. A
+    worker reading requests does not expect: how long a caller takes between calls says little about the next,
+    and polling through its end would take a CPU from whatever the caller does meanwhile.
 
     With `slots` (ephost/lane_slots.py), a frame comes through the slot or on the socket: polling looks at the
     slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to
@@ -230,6 +232,8 @@ class FrameReader:
         # How long the last reads of each kind waited (a caller's reads are told what call they answer), the
         # last one last: whether to poll for the next, or to expect it late.
         self._waits: dict[Hashable, collections.deque[float]] = {}
+        # How much later than asked the last timed sleeps before an expected frame ended.
+        self._overslept: collections.deque[float] = collections.deque([0.0], maxlen=EXPECT_RUNS)
         self._slots = slots
         self._poll = None
         if self._spin_s or slots is not None:
@@ -332,19 +336,26 @@ class FrameReader:
 
     def _expect(self, started: float, waits: collections.deque[float]) -> None:
         """Wait for a frame expected about as long after `started` as the last long `waits` took: asleep until
-        EXPECT_MARGIN_S (or `spin_s`, if shorter) before, then polling until as long after. The socket's timeout
-        (a call's deadline) counts from `started` still."""
+        EXPECT_MARGIN_S (or `spin_s`, if shorter) before, and as much earlier as the last sleeps overslept, then
+        polling until as long after. The socket's timeout (a call's deadline) counts from `started` still."""
         timeout = self._sock.gettimeout()
         deadline = math.inf if timeout is None else started + timeout
         margin = min(self._spin_s, EXPECT_MARGIN_S)
         # Not the last wait: a run a few hundred microseconds shorter than the one before (this machine's
         # jitter) would find its reader asleep and pay a wake-up. The shortest quarter of the last few.
         longs = sorted(w for w in waits if w > self._spin_s)
-        wake = started + longs[len(longs) // 4] - margin
+        due = started + longs[len(longs) // 4]
+        overslept = sorted(self._overslept)[len(self._overslept) // 2]
+        wake = min(due - margin - overslept, deadline)
         # Woken by a frame, or at `wake` to poll (so a doorbell lost to a race costs nothing here).
-        if self._doze(min(wake, deadline) - time.perf_counter(), bounded=False):
+        asleep_for = wake - time.perf_counter()
+        came = self._doze(asleep_for, bounded=False)
+        woke = time.perf_counter()
+        if asleep_for > 0 and woke > wake:  # the alarm was this late at least (a frame may have woken it first)
+            self._overslept.append(woke - wake)
+        if came:
             return
-        self._spin(min(wake + 2 * margin, deadline))
+        self._spin(min(due + margin, deadline))
         if self._slots is None and timeout is not None and not self._poll.poll(0):
             left = deadline - time.perf_counter()
             if left <= 0 or not self._readable(left):

@@ -3,6 +3,7 @@ with everything the gRPC path guarantees (handles per client, typed errors, dead
 leases), over real workers, sockets and shared memory."""
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import select
@@ -582,6 +583,59 @@ def test_a_reader_keeps_how_long_each_call_waits_apart():
             assert read("short", 0.005) == (b"short", False)  # polled for (within the 100 ms spin)
     finally:
         fd_words.release()
+        a.close()
+        b.close()
+
+
+def test_a_reader_whose_sleeps_end_late_sets_its_alarm_earlier(monkeypatch):
+    """A virtual machine's timer can wake a sleeper long after it asked (100-200 µs here, more than the margin
+    a reader keeps before an expected reply). Made late on purpose here (every timed sleep 40 ms long, the
+    margin 10 ms): the first expected replies come while the reader oversleeps (the writer finds the slot's
+    `asleep` word raised), and once it has learnt by how much it oversleeps, it is awake and polling when they
+    come."""
+    from ephost import fastlane
+    monkeypatch.setattr(fastlane, "EXPECT_MARGIN_S", 0.01)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd, mapping = lane_slots.create()
+    writer = lane_slots.Slots(mapping, a, worker=True)
+    reader = FrameReader(b, spin_s=0.05, expect=True, slots=lane_slots.Slots(lane_slots.adopt(fd), b, worker=False))
+    readable = reader._readable
+
+    def late_readable(timeout: float) -> bool:
+        if readable(timeout):
+            return True
+        if 0 < timeout < math.inf:
+            time.sleep(0.04)  # the timer went off late
+        return False
+
+    monkeypatch.setattr(reader, "_readable", late_readable)
+    words = memoryview(mapping).cast("Q")
+    asleep = lane_slots.SLOT // 8 + lane_slots.ASLEEP
+    compute = METHODS["Ep/Compute"].id
+
+    def read(gap: float) -> bool:
+        """Whether the reader was asleep when a reply sent `gap` after its read began was written."""
+        seen = []
+
+        def send():
+            time.sleep(gap)
+            seen.append(words[asleep])
+            send_frame(a, compute, 0, 0.0, b"reply", writer)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        try:
+            assert bytes(reader.read("long").payload) == b"reply"
+        finally:
+            thread.join()
+        return bool(seen[0])
+
+    try:
+        read(0.3)  # no wait known yet: this one is not expected
+        assert read(0.3), "an alarm set 10 ms early, 40 ms late: asleep when the reply comes"
+        assert [read(0.3) for _ in range(3)] == [False] * 3, "the alarm set as much earlier as it overslept"
+    finally:
+        words.release()
         a.close()
         b.close()
 
