@@ -1,9 +1,10 @@
 """The data plane, side by side in one run: the same calls in process, over the fast lane (a unix
 SOCK_SEQPACKET socket per calling thread, frames through shared slots; with `fast_lane_slots=false` every frame
 on the socket; Computes and copies repeated as kept calls, and with `kept_calls=false` every call sent whole)
-and over gRPC (`fast_lane=false`), each in hot loops, the loops interleaved in blocks (in, lane, gRPC, in,
-lane, gRPC, ...) so that the machine's noise falls on all alike without alternating call
-by call (which inflates the in-process figure several times over).
+and over gRPC (`fast_lane=false`), each in hot loops, the loops interleaved in blocks (in, lane, gRPC, then
+lane, gRPC, in, ...: the order turns every round, and each block's first calls are not counted) so that the
+machine's noise falls on all alike without alternating call by call (which inflates the in-process figure
+several times over).
 
 - first, what the machine gives two processes right now: a bare round trip on such a socket, each end asleep
   in the kernel or polling, and through shared memory polling (the floor under what follows; it moves with the

@@ -47,19 +47,29 @@ def side_by_side(fns: dict, runs: int) -> dict[str, float]:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: int) -> dict[str, float]:
-    """Median seconds per call of each fn, run in hot blocks of `per_block` calls, the blocks interleaved."""
+    """Median seconds per call of each fn, run in hot blocks of `per_block` calls, the blocks interleaved.
+
+    Each block starts with a few calls that are not counted, and the order of the fns turns by one every
+    round: the first calls after another fn's block run on caches that block overran (for the CNNs, the first
+    run out of process after an in-process block was 10-20% slower), and a fixed order would charge that to
+    whichever fn came after the same one every time."""
     for fn in fns.values():
         for _ in range(max(3, per_block // 4)):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     clock = time.perf_counter
+    order = list(fns)
+    warm = max(1, per_block // 10)
     for _ in range(blocks):
-        for name, fn in fns.items():
-            block = times[name]
+        for name in order:
+            fn, block = fns[name], times[name]
+            for _ in range(warm):
+                fn()
             for _ in range(per_block):
                 start = clock()
                 fn()
                 block.append(clock() - start)
+        order = order[1:] + order[:1]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
