@@ -51,7 +51,7 @@ def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: in
 
     Each block starts with a few calls that are not counted, and the order of the fns turns by one every
     round: the first calls after another fn's block run on caches that block overran (for the CNNs, the first
-    run out of process after an in-process block was 10-20% slower), and a fixed order would charge that to
+    runs out of process after an in-process block were up to 19% slower), and a fixed order would charge that to
     whichever fn came after the same one every time."""
     for fn in fns.values():
         for _ in range(max(3, per_block // 4)):
