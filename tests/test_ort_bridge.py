@@ -5,6 +5,7 @@ bridged devices with ORT's `add_provider_for_devices` and compares against ORT a
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -182,8 +183,8 @@ def test_a_group_that_would_make_a_cycle_is_split_not_lost():
 
 def test_a_running_worker_by_address_and_a_plugin_library_by_path():
     """The other two kinds of target: a worker an operator started (by its address), and a vendor's ORT plugin EP
-    library by path (OpenVINO's: it loads in the worker and, without Intel hardware, offers no device, so ORT
-    lists none under the name, as it would in process)."""
+    library by path (OpenVINO's: it loads in the worker, and ORT lists under the name the devices OpenVINO offers
+    in process: none without Intel hardware; on an Intel CPU one, which runs the model)."""
     from helpers import Worker
     worker = Worker("--ep", "onnxruntime")
     try:
@@ -198,11 +199,20 @@ def test_a_running_worker_by_address_and_a_plugin_library_by_path():
             ephost.ort.unregister("remote_npu")
     finally:
         worker.stop()
-    import onnxruntime_ep_openvino
-    ephost.ort.register("ov", onnxruntime_ep_openvino.get_library_path())
+    import onnxruntime_ep_openvino as openvino
+    with contextlib.suppress(Exception):  # already registered in this process by an earlier test
+        ort.register_execution_provider_library("ephost-test-ov", openvino.get_library_path())
+    in_process = [d.device.type for d in ort.get_ep_devices() if d.ep_name == openvino.get_ep_name()]
+    ephost.ort.register("ov", openvino.get_library_path())
     try:
-        assert "ov" not in {d.ep_name for d in ort.get_ep_devices()}
-        assert ephost.ort.environment("ov").registration("ov").devices == []
+        assert [d.device.type for d in ort.get_ep_devices() if d.ep_name == "ov"] == in_process
+        assert len(ephost.ort.environment("ov").registration("ov").devices) == len(in_process)
+        if in_process:
+            session = session_on("ov", models.diamond())
+            x = np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32)
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-5)
+            assert "ov" in owners(session).values()
+            del session
     finally:
         ephost.ort.unregister("ov")
 
