@@ -25,8 +25,8 @@ import numpy as np
 from ephost import lane_slots
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
                            error_for_status)
-from ephost.fastlane import (KEPT, KEPT_ID, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK, FrameError,
-                             FrameReader, Method, configure, decode_error, send_parts)
+from ephost.fastlane import (KEPT, KEPT_ID, KEPT_WRITING, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK,
+                             FrameError, FrameReader, Method, configure, decode_error, put_parts, send_parts)
 from ephost.lane_slots import Slots
 from ephost.types import checked_desc
 from ephost.wire import SPIN_S
@@ -193,13 +193,16 @@ class FastLane:
         return method.reply.FromString(frame.payload)
 
     def call_kept(self, method: Method, key: Hashable, parts: list, nbytes: int, request_of: Callable[[], Any],
-                  timeout: float):
+                  timeout: float, write: Callable[[], None] | None = None):
         """A Compute or CopyTensors this thread repeats (ephost/fastlane.py, kept calls). `key` says what makes
         it the same call (a Compute's partition, allocator, input types and shapes), `parts` are what a repeat
         carries (the handles of the buffers it names, the inputs' bytes: `nbytes` in all) and `request_of()` the
         whole request. The first call on a connection sends the request, asking the worker to keep it; the next
-        send only the parts. Returns what comes back (_Kept.arrays: a Compute's outputs as arrays over the reply,
-        no copy, and a Placed for each left in the worker) where the reply is a kept call's, else the reply."""
+        send only the parts. `write()` writes large inputs into the buffers the call names (once, however often
+        it is called; `request_of()` calls it too): a repeat through the slots goes first (KEPT_WRITING), so that
+        the worker reads the call while they are written. Returns what comes back (_Kept.arrays: a Compute's
+        outputs as arrays over the reply, no copy, and a Placed for each left in the worker) where the reply is a
+        kept call's, else the reply."""
         conn = self._connection()
         key = (method.id, key)
         kept = conn.kept.get(key, _UNKEPT)
@@ -208,7 +211,7 @@ class FastLane:
         if kept is not _UNKEPT:
             try:
                 frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
-                                       timeout, key)
+                                       timeout, key, write)
             except EpUnknownKeptCall:  # the worker let it go: the whole request again, asking to keep it
                 del conn.kept[key]
             else:
@@ -224,9 +227,10 @@ class FastLane:
         return reply
 
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float,
-                  key: Hashable):
+                  key: Hashable, write: Callable[[], None] | None = None):
         """Send a frame and read its reply frame; the typed error where the reply is one. `key` names the call
-        (its reader expects the reply as soon or as late as the last replies to that call came)."""
+        (its reader expects the reply as soon or as late as the last replies to that call came); `write()`, a
+        kept call's inputs written after its frame went through the slots, or before it is sent."""
         if conn.busy:
             # A call made by this thread while its call on the connection waits for a reply: a finalizer that
             # the garbage collector ran here (a dropped session's, which releases its partitions). On the lane
@@ -239,7 +243,13 @@ class FastLane:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
                 conn.timeout = timeout
-            send_parts(sock, method, timeout, parts, nbytes, conn.slots)
+            if write is None:
+                send_parts(sock, method, timeout, parts, nbytes, conn.slots)
+            elif conn.slots is not None and put_parts(conn.slots, KEPT_WRITING, timeout, parts, nbytes):
+                self._write_after(conn, write)
+            else:
+                write()
+                send_parts(sock, method, timeout, parts, nbytes, conn.slots)
             frame = conn.reader.read(key)
         except TimeoutError:
             self._drop(conn)
@@ -259,6 +269,16 @@ class FastLane:
                 self._drop(conn)
             raise error
         return frame
+
+    def _write_after(self, conn: _Connection, write: Callable[[], None]) -> None:
+        """The inputs of the KEPT_WRITING frame just put, written; the worker told. Where they cannot be, the
+        connection goes (the worker, waiting for them, sees its end)."""
+        try:
+            write()
+        except BaseException:
+            self._drop(conn)
+            raise
+        conn.slots.inputs_written()
 
     def _drop(self, conn: _Connection) -> None:
         if getattr(self._local, "conn", None) is conn:

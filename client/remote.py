@@ -124,11 +124,15 @@ class RemoteComputeInfo(RemoteHandle):
         conn = self.link.conn  # first: it waits for a worker being replaced, whose buffers the staging needs
         targets = self._owned(targets)  # the worker may be new
         placed = tuple(i for i in keep if i not in targets) if keep else ()
-        staged = {}
+        staged, write = {}, None
         if large:
             staged = dict(zip(large, self._staging.buffers(layout, [inputs[i].nbytes for i in large])))
-            for i, buffer in staged.items():
-                self._stager.write(buffer, inputs[i].local_bytes())
+            pending = [(buffer, inputs[i]) for i, buffer in staged.items()]
+
+            def write():  # written once, whichever path asks first (the lane overlaps it with the worker's reading)
+                while pending:
+                    buffer, tensor = pending.pop()
+                    self._stager.write(buffer, tensor.local_bytes())
         # The buffers it names go by handle in every frame: a loop whose input is the last step's output (a new
         # buffer each step) repeats one kept call.
         handles = [staged[i].handle if i in staged else inputs[i].buffer.handle for i in named]
@@ -139,9 +143,14 @@ class RemoteComputeInfo(RemoteHandle):
             nbytes += 8 * len(handles)
         key = (self.handle, allocator.handle if allocator is not None else 0, layout,
                tuple((i, t.shape, t.dtype) for i, t in sorted(targets.items())) if targets else (), placed)
-        result = self.link.run(lambda c: c.call_kept(
-            c.ep.Compute, key, parts, nbytes, lambda: self._request(inputs, allocator, placed, targets, [], staged),
-            timeout), conn=conn)
+
+        def request_of() -> ep_pb2.ComputeRequest:
+            if write is not None:
+                write()
+            return self._request(inputs, allocator, placed, targets, [], staged)
+
+        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, parts, nbytes, request_of, timeout, write),
+                               conn=conn)
         if isinstance(result, list):  # the outputs that came back, in order: all but the targets
             if not targets and not placed:
                 outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]

@@ -24,6 +24,13 @@ reply), where every output has the type and shape the kept call's first reply ga
 whole ComputeResponse (method Ep/Compute). Errors are error frames, as for any method. A steady stream of small
 runs thus builds, parses and checks no message on either side: the types and shapes were checked once, when the
 call was kept, and every handle is looked up again on every run.
+
+A repeat whose large inputs the caller still has to write into the buffers it names may go first, as a
+KEPT_WRITING frame (the same payload), through the connection's slots only: the caller then writes those inputs
+and sets its request slot's READY word to the frame's count (ephost/lane_slots.py), so that its copy overlaps the
+worker's reading and checking of the call (a CNN's 600 KB input: a copy as long as that reading). The worker
+reads no buffer the call names before READY says so: it waits just before the EP runs, until then, the call's
+deadline (DEADLINE_EXCEEDED) or the connection's end. A caller that cannot write them closes its connection.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from google.protobuf import message_factory
 
@@ -58,6 +65,7 @@ REGION = struct.Struct("<QQ")
 DOORBELL = b"\0"
 FIRST_SLEEP_S = 0.001  # a reader about to sleep looks at its slot again after this long (ephost/lane_slots.py)
 KEPT = 0xFF00                  # a kept call repeated (see above)
+KEPT_WRITING = 0xFF01          # the same, sent before the caller wrote the large inputs it names (see above)
 KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
 # In a KEPT reply, after the inline outputs' bytes, each output left in the worker: its buffer's handle, and
 # where it lies in shared memory (region, offset, nbytes; region 0: not mapped)
@@ -155,13 +163,19 @@ def send_frame(sock: socket.socket, method: int, status: int, timeout_s: float, 
         sock.sendall(view[start:start + PACKET])
 
 
+def put_parts(slots, method: int, timeout_s: float, parts: list, nbytes: int) -> bool:
+    """A frame whose payload is `parts` (`nbytes` in all) put into `slots`; False (nothing written) where it
+    does not go there (longer than a packet, or following descriptors on the socket)."""
+    return nbytes <= PACKET - HEADER.size and \
+        slots.put(b"".join((HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes), *parts)))
+
+
 def send_parts(sock: socket.socket, method: int, timeout_s: float, parts: list, nbytes: int, slots=None) -> None:
     """A frame whose payload is `parts` (bytes-like, `nbytes` in all) one after another: sent without joining
     them where they fit one packet (joined once, into the slot, where there are slots)."""
     if nbytes <= PACKET - HEADER.size:
-        header = HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes)
-        if slots is None or not slots.put(b"".join((header, *parts))):
-            sock.sendmsg([header, *parts])
+        if slots is None or not put_parts(slots, method, timeout_s, parts, nbytes):
+            sock.sendmsg([HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes), *parts])
     else:
         # As bytes: an array's len() and slices count its rows, not its bytes.
         send_frame(sock, method, STATUS_OK, timeout_s, memoryview(parts[0]).cast("B") if len(parts) == 1
@@ -185,6 +199,7 @@ class Frame:
     status: int
     timeout_s: float
     payload: Any  # bytes-like
+    slot: bool = False  # it came through the connection's slot (its count is the slot's `taken`), not the socket
 
 
 _FD_SETSIZE = 1024
@@ -319,7 +334,7 @@ class FrameReader:
         if got > length:
             raise FrameError(f"a frame carrying {got} bytes after announcing {length}")
         if got == length:
-            return Frame(method, status, timeout_s, self._packet[HEADER.size:n])  # a copy, writable
+            return Frame(method, status, timeout_s, self._packet[HEADER.size:n], whole)  # a copy, writable
         if whole:
             raise FrameError(f"a slot frame carrying {got} bytes after announcing {length}")
         payload = bytearray(length)
@@ -361,27 +376,28 @@ class FrameReader:
             if left <= 0 or not self._readable(left):
                 raise TimeoutError("timed out")
 
-    def _doze(self, timeout: float, bounded: bool = True) -> bool:
+    def _doze(self, timeout: float, bounded: bool = True, until: Callable[[], bool] | None = None) -> bool:
         """Sleep until the socket is readable or a frame came through the slot (True), or `timeout` (False).
         With slots, the writer is told to ring (ephost/lane_slots.py); the first FIRST_SLEEP_S of a `bounded`
         sleep end with one more look at the slot, as a writer may have missed the flag just as it rose; and a
         doorbell is taken here, so that one rung for an earlier frame (taken from the slot before the bell came)
-        does not end the next sleep at once."""
+        does not end the next sleep at once. `until`: what the slot is looked at for, if not a frame."""
         slots = self._slots
         if slots is None:
             return self._readable(timeout)
+        until = until or slots.arrived
         clock = time.perf_counter
         end, first = clock() + timeout, bounded
         slots.asleep(True)
         try:
-            while not slots.arrived():
+            while not until():
                 left = end - clock()
                 wait = min(left, FIRST_SLEEP_S) if first else left
                 if not self._readable(wait):
                     if first and left > wait:
                         first = False
                         continue
-                    return slots.arrived()
+                    return until()
                 if not self._take_doorbell():
                     return True  # a frame on the socket, or end of file
             return True
@@ -424,6 +440,39 @@ class FrameReader:
                 if poll(0):
                     return
                 yield_()
+
+    def await_written(self, count: int, deadline: float | None) -> bool:
+        """Wait until the peer says the inputs of its slot frame number `count` are written (a KEPT_WRITING
+        frame's; Slots.written): polling for up to `spin_s`, then asleep (the peer rings, as for a frame). False
+        at `deadline` (time.monotonic(); None: none). Raises FrameError where the socket shows, meanwhile, the
+        peer's end or a frame out of turn."""
+        slots, clock = self._slots, time.monotonic
+
+        def written() -> bool:
+            return slots.written(count)
+
+        spin_until = clock() + self._spin_s
+        turn = 0
+        while not written():
+            turn += 1
+            if turn & 7:  # the word costs a fraction of what the clock and the socket do
+                continue
+            now = clock()
+            if deadline is not None and now >= deadline:
+                return False
+            if now < spin_until:
+                if self._poll.poll(0):
+                    self._in_turn()
+                os.sched_yield()
+            elif self._doze(math.inf if deadline is None else deadline - now, until=written) and not written():
+                self._in_turn()
+        return True
+
+    def _in_turn(self) -> None:
+        """What waits on the socket while the peer owes this end something else: a doorbell (taken), or else
+        its end or a frame out of turn (FrameError)."""
+        if not self._take_doorbell():
+            raise FrameError("the peer ended, or sent a frame, before it wrote the inputs its call named")
 
     def _take_regions(self, n: int, ancillary) -> None:
         fds: list[int] = []

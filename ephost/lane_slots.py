@@ -6,8 +6,9 @@ machine; measured here, a polling round trip of small packets 7 µs, through sha
 socket stays: for the ticket, for descriptors, for frames longer than a packet, for end of file when a peer
 dies, and to wake a reader that sleeps in the kernel (a one-byte doorbell packet).
 
-A slot (SLOT bytes): at 0 the number of frames written so far, at 8 the last frame's length, both written by
-the writer; at 64, on its own cache line, the reader's `asleep` flag, written by the reader (each a native u64,
+A slot (SLOT bytes): at 0 the number of frames written so far, at 8 the last frame's length, at 16 the count of
+the last KEPT_WRITING frame whose inputs the writer has written since (READY, set and rung for as a frame's
+count is; ephost/fastlane.py), all written by the writer; at 64, on its own cache line, the reader's `asleep` flag, written by the reader (each a native u64,
 written through a memoryview: one aligned store, never seen torn; struct.pack_into zero-fills its bytes before
 it writes them, which a reader polling the word would see); from DATA the frame, header and payload, as on the
 socket.
@@ -34,7 +35,7 @@ import platform
 from ephost.fastlane import DOORBELL, HEADER, PACKET, FrameError
 
 # Where a slot's words are, counted in u64s
-COUNT, LENGTH, ASLEEP = 0, 1, 8
+COUNT, LENGTH, READY, ASLEEP = 0, 1, 2, 8
 DATA = 128
 SLOT = DATA + PACKET         # a slot: its words, then room for one packet
 SIZE = 2 * SLOT              # requests (the client writes), then replies (the worker writes)
@@ -99,6 +100,23 @@ class Slots:
 
     def arrived(self) -> bool:
         return self._words[self._count_in] != self._taken
+
+    @property
+    def taken(self) -> int:
+        """The count of the last frame taken from the peer's slot."""
+        return self._taken
+
+    def inputs_written(self) -> None:
+        """Say that the inputs of the last frame put (a KEPT_WRITING frame) are written: READY is its count (the
+        inputs' stores come before this one: x86 keeps stores in order), and the peer is rung for as for a frame."""
+        words = self._words
+        words[self._out // 8 + READY] = self._sent
+        if words[self._asleep_out]:
+            self._sock.send(DOORBELL)
+
+    def written(self, count: int) -> bool:
+        """Whether the peer says the inputs of its frame number `count` are written."""
+        return self._words[self._in // 8 + READY] >= count
 
     def take(self, into: bytearray) -> int:
         """Copy the frame that arrived into `into`; its length."""

@@ -2,13 +2,11 @@
 Compute over graph values that stay in this worker's memory between partitions."""
 from __future__ import annotations
 
-from typing import Any
-
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.eps.base import FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
-from ephost.server.kept_calls import KeptCall, KeptReply
+from ephost.server.kept_calls import KeptReply, KeptRequest
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
@@ -85,10 +83,10 @@ class EpService(Servicer):
         return self._reply(client, outputs, allocator, keep, request.inline_limit, into, request.output_buffers,
                            counts)
 
-    def compute_kept(self, request: tuple[KeptCall, Any], call):
-        """A kept call repeated (server/kept_calls.py): (kept call, KEPT frame payload) -> a KeptReply, or a
-        whole ComputeResponse where an output is not of its kept type and shape."""
-        kept, payload = request
+    def compute_kept(self, request: KeptRequest, call):
+        """A kept call repeated (server/kept_calls.py) -> a KeptReply, or a whole ComputeResponse where an output
+        is not of its kept type and shape."""
+        kept, payload, written = request
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
@@ -96,6 +94,8 @@ class EpService(Servicer):
         handles = kept.handles(payload)
         inputs = kept.input_tensors(payload, handles, client, counts)
         keep = kept.keep
+        if written is not None:
+            written()
         if kept.into:
             into = kept.into_tensors(handles, client)
             outputs = info.compute(inputs, allocator, keep, into=into)

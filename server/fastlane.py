@@ -13,6 +13,7 @@ the connection serves on. Either way the worker keeps serving every other connec
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -25,11 +26,12 @@ from typing import Callable
 import grpc
 
 from ephost import lane_slots
-from ephost.errors import EpError, EpInvalidArgument
-from ephost.fastlane import (BY_ID, KEPT, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO, TICKET_OK,
-                             FrameError, FrameReader, configure, encode_error, send_frame, send_parts, send_regions)
+from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument
+from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO,
+                             TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame, send_parts,
+                             send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
-from ephost.server.kept_calls import KeptCalls, KeptReply
+from ephost.server.kept_calls import KeptCalls, KeptReply, KeptRequest
 from ephost.server.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -148,8 +150,8 @@ class LaneServer:
             frame = reader.read()
             if frame is None:
                 return
-            if frame.method == KEPT and self._kept:
-                self._serve_kept(peer, frame, kept)
+            if (frame.method == KEPT or frame.method == KEPT_WRITING) and self._kept:
+                self._serve_kept(peer, frame, kept, reader)
                 continue
             method = BY_ID.get(frame.method)
             if method is None:
@@ -174,8 +176,9 @@ class LaneServer:
             except EpError as e:
                 self._error(peer, frame.method, e.code, str(e), getattr(e, "reason", ""))
 
-    def _serve_kept(self, peer: "_Peer", frame, kept: KeptCalls) -> None:
-        """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed."""
+    def _serve_kept(self, peer: "_Peer", frame, kept: KeptCalls, reader: FrameReader) -> None:
+        """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed. Of a
+        KEPT_WRITING frame, no buffer is read before the caller says its inputs are written."""
         def respond(reply):
             if isinstance(reply, KeptReply):
                 new = [r for r in reply.regions if r not in peer.sent]
@@ -188,8 +191,16 @@ class LaneServer:
         try:
             deadline = _deadline(frame, "kept call")
             call = kept.get(frame.payload)
-            self._dispatch(call.method, (call, frame.payload), peer.client_id, deadline, lane=True,
-                           handler=self._kept[call.method], respond=respond)
+            written = None
+            if frame.method == KEPT_WRITING:
+                if not frame.slot:
+                    raise EpInvalidArgument("a KEPT_WRITING frame goes through the connection's slots, not its "
+                                            "socket")
+                written = functools.partial(_inputs_written, reader, peer.slots.taken, deadline)
+            self._dispatch(call.method, KeptRequest(call, frame.payload, written), peer.client_id, deadline,
+                           lane=True, handler=self._kept[call.method], respond=respond)
+        except FrameError:
+            raise  # what the connection carries next cannot be trusted: it is closed (_serve)
         except EpError as e:
             self._error(peer, KEPT, e.code, str(e), getattr(e, "reason", ""))
 
@@ -234,6 +245,12 @@ class LaneServer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _inputs_written(reader: FrameReader, count: int, deadline: float | None) -> None:
+    """Wait for the inputs of the KEPT_WRITING frame `count` (ephost/fastlane.py)."""
+    if not reader.await_written(count, deadline):
+        raise EpDeadlineExceeded("the caller did not write the inputs its call named within the call's deadline")
 
 
 def _grant_slots(conn: socket.socket) -> "lane_slots.Slots | None":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import struct
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -296,6 +296,15 @@ class KeptCopy:
                 tensors.append(tensor)
                 entries.append(entry)
         return out
+
+
+class KeptRequest(NamedTuple):
+    """A kept call repeated, as its handler gets it: what was kept, the KEPT frame's payload, and what to call
+    before any buffer it names is read (the caller may still be writing its inputs: a KEPT_WRITING frame; raises
+    EpDeadlineExceeded or FrameError), or None."""
+    call: "KeptCall | KeptCopy"
+    payload: Any
+    written: Callable[[], None] | None = None
 
 
 # What a call of each method keeps, from its request and reply (None: it does not qualify).

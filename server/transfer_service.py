@@ -2,13 +2,13 @@
 also repeated as a kept call: server/kept_calls.py)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from ephost.errors import EpUnimplemented
 from ephost.tensor import Tensor
 from ephost.types import MemoryInfo
 from ephost.server.clients import BufferEntry
-from ephost.server.kept_calls import KeptCopy, KeptReply
+from ephost.server.kept_calls import KeptReply, KeptRequest
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import resolve
 from ephost.v1 import data_transfer_pb2
@@ -40,13 +40,15 @@ class DataTransferService(Servicer):
                        "bytes_inline_out": sum(map(len, replies))}
         return data_transfer_pb2.CopyTensorsResponse(replies=replies)
 
-    def copy_kept(self, request: tuple[KeptCopy, Any], call) -> KeptReply:
-        """A kept CopyTensors repeated (server/kept_calls.py): (kept call, KEPT frame payload) -> an empty reply."""
-        kept, payload = request
+    def copy_kept(self, request: KeptRequest, call) -> KeptReply:
+        """A kept CopyTensors repeated (server/kept_calls.py) -> an empty reply."""
+        kept, payload, written = request
         client = call.client
         transfer = client.get("data_transfer", kept.data_transfer)
         stream = client.get("stream", kept.stream) if kept.stream else None
         src, dst, made, entries = kept.tensors(payload, client)
+        if written is not None:
+            written()
         call.counts = {"kept_calls": 1, "copies": len(src),
                        "bytes_copied": _copy(transfer, stream, src, dst, made, entries)}
         return _NOTHING

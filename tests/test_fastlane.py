@@ -18,8 +18,8 @@ import pytest
 
 import ephost
 from ephost import InferenceSession, RunOptions, lane_slots
-from ephost.fastlane import (HEADER, KEPT, KEPT_ID, MAGIC, PLACED, MAX_LENGTH, METHODS, FrameReader, decode_error,
-                             send_frame)
+from ephost.fastlane import (DOORBELL, HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGIC, PLACED, MAX_LENGTH, METHODS,
+                             FrameReader, decode_error, put_parts, send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 import models
 from helpers import RawClient, options_for, worker_stats
@@ -996,6 +996,129 @@ def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
     finally:
         raw.close()
+
+
+def compute_errors(raw: RawClient) -> int:
+    return raw(raw.worker.GetStats, common_pb2.Empty()).methods["Ep/Compute"].errors
+
+
+def await_compute_errors(raw: RawClient, count: int, timeout: float = 10.0) -> bool:
+    """Whether the worker counts `count` failed Computes (kept calls among them) within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while compute_errors(raw) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wire(lane_worker):
+    """KEPT_WRITING: a kept call through a buffer, its frame put in the slot before the caller writes the buffer.
+    The worker reads none of it before the caller's READY word says so (the result is of what was written after
+    the frame; a stray doorbell meanwhile changes nothing); its wait ends at the call's deadline
+    (DEADLINE_EXCEEDED, and the connection serves on), at a frame out of turn and at the connection's end (the
+    call fails, that connection goes, the worker serves others). An unknown kept call is answered without a
+    wait, and the frame on the socket is refused."""
+    raw = RawClient(lane_worker.address)
+    try:
+        ep, partition, request = kept_partition(raw)
+        allocator = host_allocator(raw)
+        buffer = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+
+        def write(values):
+            raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
+                allocator=allocator, buffer=buffer, data=np.array(values, np.float32).tobytes())]))
+
+        write([-1, 2, -3, 4])
+        request.inputs[0].tensor.buffer = buffer
+
+        def connect():
+            """A connection with slots, its reader, and the payload of a KEPT frame of the call kept there."""
+            sock, slots, _ = open_slots(raw)
+            reader = FrameReader(sock, adopt=lambda region, size, fd: os.close(fd), slots=slots)
+            send_frame(sock, METHODS["Ep/Compute"].id, 0, 10.0, request.SerializeToString(), slots)
+            frame = reader.read()
+            assert frame.status == 0, fastlane_error(frame)
+            kid = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
+            return sock, slots, reader, KEPT_ID.pack(kid) + struct.pack("<Q", buffer)
+
+        def writing(timeout: float = 10.0, data: bytes | None = None) -> None:
+            data = payload if data is None else data
+            assert put_parts(slots, KEPT_WRITING, timeout, [data], len(data))
+
+        sock, slots, reader, payload = connect()
+        writing()
+        time.sleep(0.3)
+        assert not slots.arrived(), "the worker answered before the inputs were written"
+        sock.send(DOORBELL)
+        write([5, -6, 7, -8])
+        time.sleep(0.05)
+        assert not slots.arrived()
+        slots.inputs_written()
+        frame = reader.read()
+        assert (frame.method, frame.status, frame.slot) == (KEPT, 0, True), fastlane_error(frame)
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
+
+        errors = compute_errors(raw)
+        writing(timeout=0.2)
+        frame = reader.read()
+        assert frame.status == 4 and "did not write the inputs" in fastlane_error(frame)
+        write([1, 1, -1, -1])
+        writing()
+        slots.inputs_written()
+        np.testing.assert_array_equal(np.frombuffer(reader.read().payload, np.float32), [1, 1, 0, 0])
+
+        writing(data=KEPT_ID.pack(999) + struct.pack("<Q", buffer))  # never written: nothing to wait for
+        assert reader.read().status == 5
+        send_frame(sock, KEPT_WRITING, 0, 10.0, payload)  # on the socket
+        frame = reader.read()
+        assert frame.status == 3 and "through the connection's slots" in fastlane_error(frame)
+
+        writing()
+        send_frame(sock, METHODS["Allocator/Alloc"].id, 0, 10.0,
+                   allocator_pb2.AllocRequest(allocator=allocator, nbytes=8).SerializeToString())
+        assert await_compute_errors(raw, errors + 2), "the wait goes on past a frame out of turn"
+        frames = []
+        while (frame := reader.read()) is not None:
+            frames.append(frame)
+        assert [f.status for f in frames] == [3] and "before it wrote" in fastlane_error(frames[0])
+        sock.close()
+
+        sock, slots, reader, payload = connect()
+        writing()
+        sock.close()
+        assert await_compute_errors(raw, errors + 3), "the wait goes on past the caller's end"
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
+    finally:
+        raw.close()
+
+
+def test_large_inputs_are_written_while_the_worker_reads_the_call(ort_env, monkeypatch):
+    """A repeated run writes its large input into the buffer kept for it after the call went (KEPT_WRITING):
+    the worker waits for it, so that a write made slow is time spent inside the worker's Compute, and every
+    result is of its own run's input. Over gRPC the input is written before the call."""
+    from ephost.client.transfer import Stager
+    rng = np.random.default_rng(9)
+    write = Stager.write
+
+    def slow_write(self, buffer, data):
+        time.sleep(0.05)
+        write(self, buffer, data)
+
+    for registration, inside in (("ort", True), ("ort_grpc", False)):
+        with InferenceSession(staged_model(), options_for(ort_env, registration), env=ort_env) as s:
+            for _ in range(2):
+                staged_run(s, rng)
+            before = worker_stats(ort_env, registration).methods["Ep/Compute"]
+            with monkeypatch.context() as patch:
+                patch.setattr(Stager, "write", slow_write)
+                for _ in range(3):
+                    staged_run(s, rng)
+            after = worker_stats(ort_env, registration).methods["Ep/Compute"]
+        assert after.calls - before.calls == 3
+        assert (after.total_s - before.total_s >= 3 * 0.05) == inside, registration
 
 
 def test_kept_calls_writing_into_a_buffer_on_the_wire(lane_worker):

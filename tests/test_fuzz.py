@@ -19,6 +19,7 @@ import os
 import random
 import socket
 import struct
+import time
 
 import grpc
 import numpy as np
@@ -447,7 +448,8 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
 def test_kept_call_frames_survive_hostile_payloads(fuzzed):
     """KEPT frames (a kept Compute repeated with only its inputs' bytes, a kept CopyTensors with only its buffers'
     handles) with ids kept or not, payloads of every length, handles of buffers and not, and timeouts of every
-    kind: one reply each, a result or a typed error, and the worker serves on."""
+    kind, sent as KEPT or as KEPT_WRITING (inputs said written at once, a little later, or, under a short
+    deadline, never): one reply each, a result or a typed error, and the worker serves on."""
     w, _ = fuzzed
     owner = RawClient(w.address, "owner")
     handles = _populate(owner)
@@ -480,11 +482,22 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
     @given(kid=st.sampled_from([kept, kept, kept_copy, kept_copy, 0, kept_copy + 1, 2 ** 32 - 1]),
            length=st.sampled_from([16, 16, 0, 3, 15, 17, 64]), prefix=st.sampled_from([4, 4, 0, 2]),
            handles_=st.lists(st.sampled_from([*buffers, 0, 2 ** 64 - 1]), min_size=2, max_size=2),
-           named=st.booleans(), timeout_s=st.sampled_from(TIMEOUTS), rng=st.randoms(use_true_random=False))
-    def fuzz(kid, length, prefix, handles_, named, timeout_s, rng):
+           named=st.booleans(), timeout_s=st.sampled_from(TIMEOUTS),
+           written=st.sampled_from([None, None, "at once", "later", "never"]), rng=st.randoms(use_true_random=False))
+    def fuzz(kid, length, prefix, handles_, named, timeout_s, written, rng):
         body = struct.pack("<2Q", *handles_) if named and length == 16 else rng.randbytes(length)
         payload = fastlane.KEPT_ID.pack(kid)[:prefix] + body
-        fastlane.send_frame(lane.open(), fastlane.KEPT, 0, timeout_s, payload, lane.slots)
+        if written == "never" and (timeout_s == 0 or timeout_s >= 1):
+            written = "later"  # the worker would wait as long as the deadline, or the caller, takes
+        sock = lane.open()
+        if written is None:
+            fastlane.send_frame(sock, fastlane.KEPT, 0, timeout_s, payload, lane.slots)
+        else:
+            assert fastlane.put_parts(lane.slots, fastlane.KEPT_WRITING, timeout_s, [payload], len(payload))
+            if written == "later":
+                time.sleep(0.005)
+            if written != "never":
+                lane.slots.inputs_written()
         frames = lane.replies()
         assert frames, "the worker closed a connection after a well-formed KEPT frame"
         code = {c.value[0]: c for c in grpc.StatusCode}.get(frames[0].status)
@@ -507,7 +520,6 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
 def test_nothing_is_left_after_the_clients_leave(fuzzed):
     """Runs after the fuzz above (same module worker): descriptors, memfd mappings and RSS are back near the
     baseline taken after a warm-up client came and went."""
-    import time
     w, (fds, maps, rss) = fuzzed
     pid = w.proc.pid
     deadline = time.monotonic() + 10
