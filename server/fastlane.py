@@ -31,7 +31,7 @@ from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, METHODS, PACKET, REPLY_R
                              TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame, send_parts,
                              send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
-from ephost.server.kept_calls import KeptCalls, KeptReply, KeptRequest
+from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,8 @@ class LaneServer:
                     raise EpInvalidArgument("a KEPT_WRITING frame goes through the connection's slots, not its "
                                             "socket")
                 written = functools.partial(_inputs_written, reader, peer.slots.taken, deadline)
-            self._dispatch(call.method, KeptRequest(call, frame.payload, written), peer.client_id, deadline,
-                           lane=True, handler=self._kept[call.method], respond=respond)
+            self._dispatch(call.method, (call, frame.payload, written), peer.client_id, deadline, lane=True,
+                           handler=self._kept[call.method], respond=respond)
         except FrameError:
             raise  # what the connection carries next cannot be trusted: it is closed (_serve)
         except EpError as e:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -298,13 +298,10 @@ class KeptCopy:
         return out
 
 
-class KeptRequest(NamedTuple):
-    """A kept call repeated, as its handler gets it: what was kept, the KEPT frame's payload, and what to call
-    before any buffer it names is read (the caller may still be writing its inputs: a KEPT_WRITING frame; raises
-    EpDeadlineExceeded or FrameError), or None."""
-    call: "KeptCall | KeptCopy"
-    payload: Any
-    written: Callable[[], None] | None = None
+# A kept call repeated, as its handler gets it: (what was kept, the KEPT frame's payload, what to call before
+# any buffer it names is read, or None). That call waits until the caller has written its inputs (a KEPT_WRITING
+# frame), raising EpDeadlineExceeded or FrameError. A plain tuple: one is made on every run.
+KeptRequest = tuple["KeptCall | KeptCopy", Any, "Callable[[], None] | None"]
 
 
 # What a call of each method keeps, from its request and reply (None: it does not qualify).
