@@ -203,6 +203,9 @@ class Frame:
 
 
 _FD_SETSIZE = 1024
+# A wait longer than this is a wait without end (a deadline a peer set centuries away: select and poll take no
+# timeout past what their clocks count, and raise OverflowError).
+FOREVER_S = 1e9
 # How long before a long call's expected reply its reader wakes to poll (besides what its sleeps overslept): a
 # run's usual jitter; less polls longer beside the worker's threads (squeezenet, interleaved A/B: 500 µs
 # 1.046-1.068 out/in, 200 µs 1.039-1.055).
@@ -416,10 +419,10 @@ class FrameReader:
         return True
 
     def _readable(self, timeout: float) -> bool:
-        """Whether the socket is readable within `timeout` seconds (inf: however long it takes). select's
-        timeout has microseconds (poll's and the socket's, milliseconds), but it takes descriptors below
-        FD_SETSIZE only."""
-        forever = timeout == math.inf
+        """Whether the socket is readable within `timeout` seconds (inf, or past FOREVER_S: however long it
+        takes). select's timeout has microseconds (poll's and the socket's, milliseconds), but it takes
+        descriptors below FD_SETSIZE only."""
+        forever = timeout > FOREVER_S
         timeout = max(0.0, timeout)  # poll would take a negative one as "forever"
         if self._sock.fileno() < _FD_SETSIZE:
             return bool(select.select((self._sock,), (), (), None if forever else timeout)[0])

@@ -1015,7 +1015,8 @@ def await_compute_errors(raw: RawClient, count: int, timeout: float = 10.0) -> b
 def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wire(lane_worker):
     """KEPT_WRITING: a kept call through a buffer, its frame put in the slot before the caller writes the buffer.
     The worker reads none of it before the caller's READY word says so (the result is of what was written after
-    the frame; a stray doorbell meanwhile changes nothing); its wait ends at the call's deadline
+    the frame; a stray doorbell meanwhile changes nothing; a deadline centuries away is none); its wait ends at
+    the call's deadline
     (DEADLINE_EXCEEDED, and the connection serves on), at a frame out of turn and at the connection's end (the
     call fails, that connection goes, the worker serves others). An unknown kept call is answered without a
     wait, and the frame on the socket is refused."""
@@ -1059,6 +1060,12 @@ def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wi
         assert (frame.method, frame.status, frame.slot) == (KEPT, 0, True), fastlane_error(frame)
         np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
 
+        writing(timeout=1e308)  # a deadline centuries away: the worker sleeps as long as it takes
+        time.sleep(0.1)
+        slots.inputs_written()
+        frame = reader.read()
+        assert frame.status == 0, fastlane_error(frame)
+
         errors = compute_errors(raw)
         writing(timeout=0.2)
         frame = reader.read()
@@ -1096,9 +1103,10 @@ def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wi
 
 
 def test_large_inputs_are_written_while_the_worker_reads_the_call(ort_env, monkeypatch):
-    """A repeated run writes its large input into the buffer kept for it after the call went (KEPT_WRITING):
-    the worker waits for it, so that a write made slow is time spent inside the worker's Compute, and every
-    result is of its own run's input. Over gRPC the input is written before the call."""
+    """A repeated run writes its large input into the buffer kept for it after the call went through the slots
+    (KEPT_WRITING): the worker waits for it, so that a write made slow is time spent inside the worker's Compute,
+    and every result is of its own run's input. With the lane's frames on its socket, and over gRPC, the input is
+    written before the call."""
     from ephost.client.transfer import Stager
     rng = np.random.default_rng(9)
     write = Stager.write
@@ -1107,18 +1115,23 @@ def test_large_inputs_are_written_while_the_worker_reads_the_call(ort_env, monke
         time.sleep(0.05)
         write(self, buffer, data)
 
-    for registration, inside in (("ort", True), ("ort_grpc", False)):
-        with InferenceSession(staged_model(), options_for(ort_env, registration), env=ort_env) as s:
-            for _ in range(2):
-                staged_run(s, rng)
-            before = worker_stats(ort_env, registration).methods["Ep/Compute"]
-            with monkeypatch.context() as patch:
-                patch.setattr(Stager, "write", slow_write)
-                for _ in range(3):
+    ort_env.register_execution_provider_library("ort_socket", "onnxruntime", {"intra_op_num_threads": "1",
+                                                                              "fast_lane_slots": "false"})
+    try:
+        for registration, inside in (("ort", True), ("ort_socket", False), ("ort_grpc", False)):
+            with InferenceSession(staged_model(), options_for(ort_env, registration), env=ort_env) as s:
+                for _ in range(2):
                     staged_run(s, rng)
-            after = worker_stats(ort_env, registration).methods["Ep/Compute"]
-        assert after.calls - before.calls == 3
-        assert (after.total_s - before.total_s >= 3 * 0.05) == inside, registration
+                before = worker_stats(ort_env, registration).methods["Ep/Compute"]
+                with monkeypatch.context() as patch:
+                    patch.setattr(Stager, "write", slow_write)
+                    for _ in range(3):
+                        staged_run(s, rng)
+                after = worker_stats(ort_env, registration).methods["Ep/Compute"]
+            assert after.calls - before.calls == 3
+            assert (after.total_s - before.total_s >= 3 * 0.05) == inside, registration
+    finally:
+        ort_env.unregister_execution_provider_library("ort_socket")
 
 
 def test_kept_calls_writing_into_a_buffer_on_the_wire(lane_worker):
