@@ -951,23 +951,29 @@ def test_a_kept_call_through_buffers_survives_its_worker():
             assert worker_stats(env, "w").kept_calls == 2  # the successor's 2nd and 3rd runs
 
 
+def buffer_partition(raw: RawClient):
+    """kept_partition's, its input in a buffer of a host allocator (holding [-1, 2, -3, 4]) instead of inline:
+    (ep, partition, request, allocator, buffer, write(values) into the buffer)."""
+    ep, partition, request = kept_partition(raw)
+    allocator = host_allocator(raw)
+    buffer = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+
+    def write(values):
+        raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
+            allocator=allocator, buffer=buffer, data=np.array(values, np.float32).tobytes())]))
+
+    write([-1, 2, -3, 4])
+    request.inputs[0].tensor.buffer = buffer  # instead of inline bytes
+    return ep, partition, request, allocator, buffer, write
+
+
 def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
     """A kept call whose input is in a buffer of the caller's: the KEPT frame carries the id and the buffer's
     handle (a run may name another buffer), the worker reads the buffer as it is at each call, and looks the
     buffer up every time (freed or unknown: NOT_FOUND; too small: INVALID_ARGUMENT; the connection serves on)."""
     raw = RawClient(lane_worker.address)
     try:
-        ep, partition, request = kept_partition(raw)
-        allocator = host_allocator(raw)
-        buffer = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
-
-        def write(values):
-            raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
-                allocator=allocator, buffer=buffer, data=np.array(values, np.float32).tobytes())]))
-
-        write([-1, 2, -3, 4])
-        ref = request.inputs[0].tensor
-        ref.buffer = buffer  # instead of inline bytes
+        ep, partition, request, allocator, buffer, write = buffer_partition(raw)
         sock, _ = open_lane(raw)
         assert sock.recv(2) == b"OK"
         frame, reply = lane_call(sock, "Ep/Compute", request)
@@ -1022,16 +1028,7 @@ def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wi
     wait, and the frame on the socket is refused."""
     raw = RawClient(lane_worker.address)
     try:
-        ep, partition, request = kept_partition(raw)
-        allocator = host_allocator(raw)
-        buffer = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
-
-        def write(values):
-            raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
-                allocator=allocator, buffer=buffer, data=np.array(values, np.float32).tobytes())]))
-
-        write([-1, 2, -3, 4])
-        request.inputs[0].tensor.buffer = buffer
+        ep, partition, request, allocator, buffer, write = buffer_partition(raw)
 
         def connect():
             """A connection with slots, its reader, and the payload of a KEPT frame of the call kept there."""
