@@ -29,8 +29,9 @@ A repeat whose large inputs the caller still has to write into the buffers it na
 KEPT_WRITING frame (the same payload), through the connection's slots only: the caller then writes those inputs
 and sets its request slot's READY word to the frame's count (ephost/lane_slots.py), so that its copy overlaps the
 worker's reading and checking of the call (a CNN's 600 KB input: a copy as long as that reading). The worker
-reads no buffer the call names before READY says so: it waits just before the EP runs, until then, the call's
-deadline (DEADLINE_EXCEEDED) or the connection's end. A caller that cannot write them closes its connection.
+reads no buffer the call names before READY says so: just before the EP runs it waits for READY, or until the
+call's deadline (DEADLINE_EXCEEDED) or the connection's end. A caller that cannot write them closes its
+connection.
 """
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ dies, and to wake a reader that sleeps in the kernel (a one-byte doorbell packet
 
 A slot (SLOT bytes): at 0 the number of frames written so far, at 8 the last frame's length, at 16 the count of
 the last KEPT_WRITING frame whose inputs the writer has written since (READY, set and rung for as a frame's
-count is; ephost/fastlane.py), all written by the writer; at 64, on its own cache line, the reader's `asleep` flag, written by the reader (each a native u64,
-written through a memoryview: one aligned store, never seen torn; struct.pack_into zero-fills its bytes before
-it writes them, which a reader polling the word would see); from DATA the frame, header and payload, as on the
-socket.
+count is; ephost/fastlane.py), all written by the writer; at 64, on its own cache line, the reader's `asleep`
+flag, written by the reader (each a native u64, written through a memoryview: one aligned store, never seen
+torn; struct.pack_into zero-fills its bytes before it writes them, which a reader polling the word would see);
+from DATA the frame, header and payload, as on the socket.
 
 The writer puts the frame, then its length, then the count (x86 keeps stores in order, and loads), then reads
 `asleep` and rings the doorbell if it is raised. The reader polls the count; before it sleeps in the kernel it
@@ -94,9 +94,13 @@ class Slots:
         words[out // 8 + LENGTH] = n
         self._sent += 1
         words[out // 8 + COUNT] = self._sent
-        if words[self._asleep_out]:
-            self._sock.send(DOORBELL)
+        self._ring()
         return True
+
+    def _ring(self) -> None:
+        """Wake the peer if it says it sleeps (see above for the race a bounded first sleep covers)."""
+        if self._words[self._asleep_out]:
+            self._sock.send(DOORBELL)
 
     def arrived(self) -> bool:
         return self._words[self._count_in] != self._taken
@@ -109,10 +113,8 @@ class Slots:
     def inputs_written(self) -> None:
         """Say that the inputs of the last frame put (a KEPT_WRITING frame) are written: READY is its count (the
         inputs' stores come before this one: x86 keeps stores in order), and the peer is rung for as for a frame."""
-        words = self._words
-        words[self._out // 8 + READY] = self._sent
-        if words[self._asleep_out]:
-            self._sock.send(DOORBELL)
+        self._words[self._out // 8 + READY] = self._sent
+        self._ring()
 
     def written(self, count: int) -> bool:
         """Whether the peer says the inputs of its frame number `count` are written."""
