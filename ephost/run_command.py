@@ -115,7 +115,8 @@ def add_parser(sub) -> None:
                         "partition on the CPU fallback (default raise)")
     p.add_argument("--timeout", type=float, help="deadline of each Compute, in seconds")
     p.add_argument("--compare", action="store_true",
-                   help="also time the model in this process under ONNX Runtime's CPU EP")
+                   help="also time the model in this process: under OpenVINO's plugin EP where it ran by default, "
+                        "else under ONNX Runtime's CPU EP")
     p.set_defaults(func=main)
 
 
@@ -171,7 +172,8 @@ def main(args) -> int:
         options = SessionOptions()
         options.ep_failure_policy = args.on_failure
         options.compute_timeout_s = args.timeout
-        add_eps(env, options, args.ep or default_eps(env))
+        eps = args.ep or default_eps(env)
+        add_eps(env, options, eps)
         with _progress(path):
             session = InferenceSession(path, options, env=env)
         with session:
@@ -217,9 +219,12 @@ def main(args) -> int:
             median = statistics.median(times) if times else first
             print(f"time per run: {_ms(median)} median of {len(times)} runs (first run {_ms(first)})")
             if not args.model or args.compare:
-                baseline = in_process_ort(path, feeds, max(args.runs, 1))
+                # The same EP in process where the run took OpenVINO by default: the ratio is then ephost's.
+                plugin = _openvino() if not args.ep and eps == [EpArg("openvino")] else None
+                baseline = in_process_ort(path, feeds, max(args.runs, 1), plugin)
                 if baseline is not None:
-                    print(f"in process, ONNX Runtime's CPU EP: {_ms(baseline)} median; "
+                    label = "OpenVINO's plugin EP" if plugin else "ONNX Runtime's CPU EP"
+                    print(f"in process, {label}: {_ms(baseline)} median; "
                           f"out of process / in process: {median / baseline:.2f}")
     return 0 if ok else 1
 
@@ -291,15 +296,22 @@ def add_eps(env, options, eps: list[EpArg]) -> None:
         options.add_provider_for_devices(devices)
 
 
-def default_eps(env) -> list[EpArg]:
-    """OpenVINO's plugin EP in a worker where it runs on this machine; ONNX Runtime's CPU EP where not."""
+def _openvino() -> tuple[str, str] | None:
+    """(library path, EP name) of OpenVINO's plugin EP, where it is installed."""
     try:
         import onnxruntime_ep_openvino
-        library = onnxruntime_ep_openvino.get_library_path()
     except ImportError:
+        return None
+    return onnxruntime_ep_openvino.get_library_path(), onnxruntime_ep_openvino.get_ep_name()
+
+
+def default_eps(env) -> list[EpArg]:
+    """OpenVINO's plugin EP in a worker where it runs on this machine; ONNX Runtime's CPU EP where not."""
+    openvino = _openvino()
+    if openvino is None:
         print("OpenVINO EP: not installed (pip install 'ephost[openvino]'); using ONNX Runtime's CPU EP")
         return [EpArg("onnxruntime")]
-    env.register_execution_provider_library("openvino", library)
+    env.register_execution_provider_library("openvino", openvino[0])
     if any(d.registration_name == "openvino" for d in env.get_ep_devices()):
         return [EpArg("openvino")]
     env.unregister_execution_provider_library("openvino")
@@ -310,8 +322,9 @@ def default_eps(env) -> list[EpArg]:
     return [EpArg("onnxruntime")]
 
 
-def in_process_ort(path: str, feeds: dict, runs: int) -> float | None:
-    """Median seconds per run of the same model in this process under ONNX Runtime's CPU EP."""
+def in_process_ort(path: str, feeds: dict, runs: int, plugin: tuple[str, str] | None = None) -> float | None:
+    """Median seconds per run of the same model in this process under ONNX Runtime's CPU EP, or under a plugin
+    EP (`plugin`: its library's path and its EP's name; OpenVINO's) with ORT's CPU EP for what it does not take."""
     try:
         import onnxruntime as ort
         from ephost.eps.onnxruntime import readable_model
@@ -321,8 +334,15 @@ def in_process_ort(path: str, feeds: dict, runs: int) -> float | None:
     # ORT's own warnings (unused initializers...) would land in the middle of the table: errors only, unless
     # the user asked for detail (--verbose).
     options.log_severity_level = 2 if logging.getLogger().isEnabledFor(logging.INFO) else 3
+    providers = ["CPUExecutionProvider"]
+    if plugin is not None:
+        library, ep_name = plugin
+        with contextlib.suppress(Exception):  # this process registered it already
+            ort.register_execution_provider_library("ephost-run-baseline", library)
+        options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == ep_name], {})
+        providers = None
     session = ort.InferenceSession(readable_model(onnx.load(path)).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+                                   providers=providers)
     session.run(None, feeds)
     times = []
     for _ in range(runs):

@@ -57,10 +57,15 @@ def test_run_shows_who_ran_what(tmp_path):
 
 
 def test_run_without_a_model_checks_the_bundled_resnet50():
+    """On OpenVINO where it has a device here (an Intel CPU), else on ORT's CPU EP; timed against the same EP in
+    process, so that the ratio is ephost's."""
     result = ephost("run", "--runs", "1", timeout=300)
     assert result.returncode == 0, result.stderr
     assert "matches the expected output" in result.stdout
     assert "float32[1, 1000]" in result.stdout
+    on_openvino = "OpenVINOExecutionProvider" in result.stdout.split("outputs:")[0]
+    label = "OpenVINO's plugin EP" if on_openvino else "ONNX Runtime's CPU EP"
+    assert f"in process, {label}: " in result.stdout, result.stdout
 
 
 def test_run_shows_a_crash_and_the_fallback(tmp_path):
