@@ -98,7 +98,8 @@ def in_process_session(model: onnx.ModelProto, label: str):
         options.add_session_config_entry(key, value)
     if label == "OpenVINO":
         import onnxruntime_ep_openvino as ov
-        ort.register_execution_provider_library("bench-openvino", ov.get_library_path())
+        if not any(d.ep_name == ov.get_ep_name() for d in ort.get_ep_devices()):  # once per process (ORT refuses more)
+            ort.register_execution_provider_library("bench-openvino", ov.get_library_path())
         options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == ov.get_ep_name()], {})
         return ort.InferenceSession(data, options)
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
