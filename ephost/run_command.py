@@ -337,7 +337,7 @@ def in_process_ort(path: str, feeds: dict, runs: int, plugin: tuple[str, str] | 
     providers = ["CPUExecutionProvider"]
     if plugin is not None:
         library, ep_name = plugin
-        with contextlib.suppress(Exception):  # this process registered it already
+        if not any(d.ep_name == ep_name for d in ort.get_ep_devices()):  # once per process (ORT refuses more)
             ort.register_execution_provider_library("ephost-run-baseline", library)
         options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == ep_name], {})
         providers = None
