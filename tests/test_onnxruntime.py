@@ -7,6 +7,7 @@ from onnx import helper, numpy_helper
 
 import ephost
 from ephost import InferenceSession
+from ephost.errors import EpError
 from ephost.eps.onnxruntime import max_ir_version, readable_model
 from ephost.run_command import bundled_input, bundled_model
 import models
@@ -269,6 +270,51 @@ def test_a_kept_binding_follows_an_input_array_reshaped_in_place():
             (out,) = info.compute([ephost.Tensor.from_numpy(array)])
             assert out.shape == shape
             np.testing.assert_array_equal(out.numpy(), np.maximum(array, 0))
+        ep.release_node_compute_infos([info])
+    finally:
+        factory.release_ep(ep)
+        factory.close()
+
+
+def test_runs_on_a_steady_binding_see_each_runs_inputs_and_keep_each_runs_outputs():
+    """Small inputs and small outputs of known shape go through memory kept with the IOBinding; once a run has
+    bound them all there, the next like it only copies in and out. Every run must still read its own inputs
+    (not the last run's), hand back outputs no later run overwrites, and give way to the general path where a
+    run differs (an output written into the caller's tensor, an input of another shape)."""
+    from ephost.eps.onnxruntime import OrtEpFactory
+    from ephost.graph import GraphIndex, prepare_model
+    from ephost.eps.base import FusedGraph
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])
+    z = helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2, 3])
+    model = helper.make_model(helper.make_graph([helper.make_node("Sub", ["x", "y"], ["z"], name="sub")], "g",
+                                                [x, y], [z]), opset_imports=[helper.make_opsetid("", 18)])
+    index = GraphIndex.of(prepare_model(model))
+    factory = OrtEpFactory()
+    ep = factory.create_ep([0], {})
+    rng = np.random.default_rng(3)
+    try:
+        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("x", "y"), ("z",))])
+        fed, got = [], []
+        for i in range(6):
+            a, b = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((2, 3)).astype(np.float32)
+            ta, tb = ephost.Tensor.from_numpy(a), ephost.Tensor.from_numpy(b)
+            if i == 3:  # the output written into the caller's tensor: the general path, then steady again
+                target = ephost.Tensor.from_numpy(np.zeros((2, 3), np.float32))
+                (out,) = info.compute([ta, tb], into={0: target})
+                assert out is target
+            else:
+                (out,) = info.compute([ta, tb])
+            fed.append((a.copy(), b.copy()))
+            got.append(out)
+            a += 100  # the caller's memory written after the run: the output is its own
+        for (a, b), out in zip(fed, got):
+            np.testing.assert_array_equal(out.numpy(), a - b)
+        with pytest.raises(EpError, match="invalid dimensions"):  # ORT's own check, on the general path
+            info.compute([ephost.Tensor.from_numpy(np.ones((3, 2), np.float32))] * 2)
+        (out,) = info.compute([ephost.Tensor.from_numpy(np.full((2, 3), 5, np.float32)),
+                               ephost.Tensor.from_numpy(np.ones((2, 3), np.float32))])
+        np.testing.assert_array_equal(out.numpy(), np.full((2, 3), 4, np.float32))
         ep.release_node_compute_infos([info])
     finally:
         factory.release_ep(ep)
