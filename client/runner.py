@@ -28,6 +28,7 @@ class PartitionRunner:
         self._constants, self._external = constants, external
         self._partitions: list[Partition] = []
         self._read: frozenset[str] = frozenset()
+        self._made_by: dict[str, str] = {}
 
     @property
     def partitions(self) -> list[Partition]:
@@ -37,6 +38,7 @@ class PartitionRunner:
     def partitions(self, partitions: list[Partition]) -> None:
         self._partitions = partitions
         self._read = frozenset(v for p in partitions for v in p.graph.inputs)  # values some partition reads
+        self._made_by = {v: p.registration for p in partitions for v in p.graph.outputs}  # value -> its maker
 
     def run(self, run: int, values: dict[str, Any], names: Sequence[str], timeout: float | None,
             placed: Mapping[str, MemoryInfo | None], targets: Mapping[str, Tensor]) -> list[Any]:
@@ -45,18 +47,20 @@ class PartitionRunner:
         keeps it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
         that makes them can (a worker, into its own memory)."""
         keep = set(names)
-        owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()}
-        made_by: dict[str, str] = {}
+        owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()} if placed else {}
         if self.profiler.enabled:
             with self.profiler.span("Session", "model_run", run=run):
-                self._run_partitions(run, values, keep, owners, made_by, timeout, targets)
+                self._run_partitions(run, values, keep, owners, timeout, targets)
         else:
-            self._run_partitions(run, values, keep, owners, made_by, timeout, targets)
+            self._run_partitions(run, values, keep, owners, timeout, targets)
         for n in names:
             if n not in values and n in self._constants:
                 t = self._constants[n]
                 values[n] = as_value(self._external.array(t).copy() if external_ref(t) is not None
                                      else numpy_helper.to_array(t))
+        made_by = self._made_by
+        if len(names) == 1:
+            return [self._labelled(values[names[0]], made_by.get(names[0]))]
         labelled: dict[int, Any] = {}  # one relabelled tensor per value, whatever the names it goes by
         for n in names:
             value = values[n]
@@ -65,7 +69,7 @@ class PartitionRunner:
         return [labelled[id(values[n])] for n in names]
 
     def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
-                        made_by: dict[str, str], timeout: float | None, targets: Mapping[str, Tensor]) -> None:
+                        timeout: float | None, targets: Mapping[str, Tensor]) -> None:
         profiling = self.profiler.enabled
         for p in self._partitions:
             inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
@@ -79,7 +83,6 @@ class PartitionRunner:
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values.update(zip(p.graph.outputs, outputs))
-            made_by.update(dict.fromkeys(p.graph.outputs, p.registration))
             for v in p.last_reads:  # let go of values no later partition reads
                 if v not in keep:
                     values.pop(v, None)
@@ -88,6 +91,11 @@ class PartitionRunner:
                  targets: Mapping[str, Tensor], timeout: float | None) -> list[Any]:
         """Partition `p`'s outputs, under the failure policy."""
         kept = self._kept(p, owners)
+        if not targets and kept is p.keep:  # the common case: nothing but the plan's own
+            try:
+                return p.compute_info.compute(inputs, p.allocator, kept, timeout)
+            except EpError as error:
+                return self._recover(run, p, inputs, error, timeout)
         extras = {}  # only EPs asked to use `into` / `leave` get them, so that EPs without them keep working
         if targets:
             into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
@@ -101,9 +109,13 @@ class PartitionRunner:
         try:
             return p.compute_info.compute(inputs, p.allocator, kept, timeout, **extras)
         except EpError as error:
-            with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
-                                    policy=self._failures.policy):
-                return self._failures.recover(run, p, self._partitions, inputs, error, timeout)
+            return self._recover(run, p, inputs, error, timeout)
+
+    def _recover(self, run: int, p: Partition, inputs: list, error: EpError, timeout: float | None) -> list[Any]:
+        """Partition `p`'s outputs after its Compute failed with `error`, as the failure policy says."""
+        with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
+                                policy=self._failures.policy):
+            return self._failures.recover(run, p, self._partitions, inputs, error, timeout)
 
     def _kept(self, p: Partition, owners: Mapping[str, Any]) -> tuple[int, ...]:
         """Outputs of `p` to leave in its EP's memory: those a later partition there reads, and graph outputs
@@ -129,7 +141,8 @@ class PartitionRunner:
 
     def _labelled(self, value: Any, registration: str | None) -> Any:
         """A tensor an EP made, labelled with the MemoryInfo users know its memory by (the Environment's)."""
-        if not isinstance(value, Tensor) or registration is None or value.memory_info == HOST_MEMORY \
+        if not isinstance(value, Tensor) or registration is None or value.memory_info is HOST_MEMORY \
+                or value.memory_info == HOST_MEMORY \
                 or not self._env.is_registered(registration):
             return value
         return value.relabeled(self._env.registration(registration).qualified(value.memory_info))

@@ -478,7 +478,9 @@ class InferenceSession:
 
     def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
         known = self._output_names_known
-        names = list(output_names) if output_names else list(known)
+        if not output_names:
+            return list(known)
+        names = list(output_names)
         unknown = [n for n in names if n not in known]
         if unknown:
             raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")
@@ -507,7 +509,8 @@ class InferenceSession:
         checks = self._feed_checks
         if self._empty_optionals:
             input_feed = {**self._empty_optionals, **input_feed}
-        check_feed_names(checks, self._constants, input_feed)
+        if input_feed.keys() != checks.keys():  # the common case, every input fed and nothing else, is known
+            check_feed_names(checks, self._constants, input_feed)
         values = {}
         for name, value in input_feed.items():
             check = checks.get(name)
