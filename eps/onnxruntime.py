@@ -237,37 +237,39 @@ class OrtComputeInfo:
                 out.append(placed[i] if i in placed else written[i])
             else:
                 out.append(as_value(produced[i].numpy().copy()))
-        # Every input copied into the binding's memory and every output written into it: the next run like this
-        # one only copies its inputs in and the outputs out (_steady_run).
-        steady = len(scratch) == len(self._outputs) and all(
-            binding.inputs[name][0] is binding.copies.get(name, _UNBOUND)[0] for name in self._inputs)
-        binding.steady = [binding.copies[name][0] for name in self._inputs] if steady else None
-        binding.steady_outputs = [(static, scratch[i]) for i, (_, static) in enumerate(self._outputs)] \
-            if steady else None
+        # Every output written into the binding's memory: the next run like this one (its small inputs copied
+        # in, its large ones the arrays bound now) only copies in, runs and copies out (_steady_run).
+        binding.steady = binding.steady_outputs = None
+        if len(scratch) == len(self._outputs):
+            binding.steady = []
+            for name in self._inputs:
+                array, where = binding.inputs[name]
+                copied = array is binding.copies.get(name, _UNBOUND)[0]
+                binding.steady.append((array if copied else None, array, where))
+            binding.steady_outputs = [(static, scratch[i]) for i, (_, static) in enumerate(self._outputs)]
         self._idle.append(binding)
         return out
 
     def _steady_run(self, inputs: Sequence[Any]) -> list[Tensor] | None:
-        """A run on a steady binding (small inputs of the types and shapes it holds copies of, every output
-        small and of known shape): nothing is bound, looked up or allocated but the outputs' copies. None where
-        the inputs are not those of the binding's last run (the general path binds them)."""
+        """A run on a steady binding (every output small and of known shape, written into its memory; small
+        inputs of the types and shapes it holds copies of; large ones the very arrays it has bound, a kept
+        call's buffers): nothing is bound, looked up or allocated but the outputs' copies. None where the inputs
+        are not like those of the binding's last run (the general path binds them)."""
         try:
             binding = self._idle.pop()
         except IndexError:
             return None
-        copies = binding.steady
-        if copies is None or len(inputs) != len(copies):
+        steady = binding.steady
+        if steady is None or len(inputs) != len(steady):
             self._idle.append(binding)
             return None
-        for value, copy in zip(inputs, copies):
-            if type(value) is not Tensor or value.shape != copy.shape or value.dtype != copy.dtype:
+        for value, (copy, bound, where) in zip(inputs, steady):
+            array = value.local_array() if type(value) is Tensor else None
+            if array is None or (array.shape, array.dtype) != where[1:] or (copy is None and array is not bound):
                 self._idle.append(binding)
                 return None
-            array = value.local_array()
-            if array is None:
-                self._idle.append(binding)
-                return None
-            np.copyto(copy, array)
+            if copy is not None:
+                np.copyto(copy, array)
         try:
             self._session.run_with_iobinding(binding.io)
         except Exception as e:  # the binding goes, as on the general path
@@ -324,9 +326,10 @@ class _Binding:
         self.outputs: list[int | None] = [-1] * len(outputs)  # address bound; None: ORT allocates; -1: unbound
         self._scratch: dict[int, tuple[np.ndarray, int]] = {}
         self.ort_allocated = any(static is None for _, static in outputs)
-        # Set after a run that bound every input to a copy here and every output to scratch memory: the copies
-        # in input order, and each output's (shape, dtype, nbytes) and scratch array (see _steady_run).
-        self.steady: list[np.ndarray] | None = None
+        # Set after a run that bound every output to scratch memory (see _steady_run): per input in order, its
+        # copy here (None: bound where it lies), the array bound and where ((address, shape, dtype)); and each
+        # output's (shape, dtype, nbytes) and scratch array.
+        self.steady: list[tuple] | None = None
         self.steady_outputs: list[tuple] | None = None
 
     def scratch(self, i: int, static) -> tuple[np.ndarray, int]:

@@ -319,3 +319,38 @@ def test_runs_on_a_steady_binding_see_each_runs_inputs_and_keep_each_runs_output
     finally:
         factory.release_ep(ep)
         factory.close()
+
+
+def test_a_steady_binding_reads_a_bound_array_as_it_is_now_and_binds_another_shape_anew():
+    """A large input is bound where it lies (a kept call's buffer, the same array every run) and a steady
+    binding does not bind it again: each run must read what the array holds now, and an input of another shape
+    over the same memory must be bound anew (the output, of fixed shape, would not show a stale binding)."""
+    from ephost.eps.onnxruntime import OrtEpFactory
+    from ephost.graph import GraphIndex, prepare_model
+    from ephost.eps.base import FusedGraph
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", "m"])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    nodes = [helper.make_node("Gather", ["x", "zero"], ["row"], axis=0, name="first_row"),
+             helper.make_node("ReduceSum", ["row"], ["y"], keepdims=1, name="sum")]
+    zero = helper.make_tensor("zero", onnx.TensorProto.INT64, [], [0])
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], [zero]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    index = GraphIndex.of(prepare_model(model))
+    factory = OrtEpFactory()
+    ep = factory.create_ep([0], {})
+    try:
+        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("x",), ("y",))])
+        tensor = ephost.Tensor.from_numpy(np.arange(64 * 256, dtype=np.float32).reshape(64, 256))  # 64 KiB
+        array = tensor.numpy()  # the tensor's own array, which the EP binds where it lies
+        for step in range(6):
+            if step == 2:
+                array += 1  # written in place, as a caller writes a kept call's buffer
+            if step == 4:
+                tensor = ephost.Tensor.from_numpy(array.reshape(256, 64))
+                array = tensor.numpy()
+            (out,) = info.compute([tensor])
+            np.testing.assert_array_equal(out.numpy(), [array[0].sum()])
+        ep.release_node_compute_infos([info])
+    finally:
+        factory.release_ep(ep)
+        factory.close()
