@@ -122,7 +122,8 @@ class RemoteComputeInfo(RemoteHandle):
         inputs the worker has, and those the `targets` outputs are written into), and gets the other outputs'
         bytes back (those in `keep` as handles to new buffers of the worker's), nothing else."""
         conn = self.link.conn  # first: it waits for a worker being replaced, whose buffers the staging needs
-        targets = self._owned(targets)  # the worker may be new
+        if targets:
+            targets = self._owned(targets)  # the worker may be new
         placed = tuple(i for i in keep if i not in targets) if keep else ()
         staged, write = {}, None
         if large:
