@@ -11,6 +11,7 @@ the evaluator.
 """
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any, Callable, Mapping
 
 from numpy import ndarray
@@ -51,12 +52,15 @@ WRAPPERS: dict[Callable, tuple[Before, After]] = {
 class Step:
     """One node: its kernel, where its inputs come from and where its outputs go."""
 
-    __slots__ = ("node", "inputs", "outputs", "attributes", "direct", "before", "after")
+    __slots__ = ("node", "inputs", "outputs", "attributes", "direct", "before", "after", "args")
 
     def __init__(self, node: OpRun):
         self.node = node
         self.inputs = tuple(node.input)
         self.outputs = tuple(node.output)
+        # The inputs' values, as a tuple, out of the values made so far (a generator into tuple() costs more).
+        self.args = itemgetter(*self.inputs) if len(self.inputs) > 1 else \
+            (lambda values, name=self.inputs[0]: (values[name],)) if self.inputs else (lambda values: ())
         checks = WRAPPERS.get(type(node).run)
         self.direct = checks is not None
         self.before, self.after = checks or (None, None)
@@ -76,11 +80,18 @@ class Step:
         except (TypeError, AttributeError) as e:
             raise TypeError(f"Issues with types {[type(a) for a in args]} (operator {type(node).__name__!r}).") \
                 from e
-        if type(res) is not tuple or not res or not all(type(r) is ndarray for r in res):  # arrays pass as they are
+        if type(res) is not tuple or not res or not _arrays(res):  # arrays pass as they are
             res = node._check_and_fix_outputs(res)
         if self.after is not None:
             self.after(node, args, res)
         return res
+
+
+def _arrays(res: tuple) -> bool:
+    for r in res:  # a loop: all() over a generator costs more than the check on one result
+        if type(r) is not ndarray:
+            return False
+    return True
 
 
 def _callable(node: OpRun) -> bool:
@@ -107,6 +118,5 @@ class Plan:
     def run(self, feeds: Mapping[str, Any]) -> list[Any]:
         values = {"": None, **self._initializers, **feeds}  # "": an optional input left out
         for step in self._steps:
-            for name, value in zip(step.outputs, step.run(tuple(values[i] for i in step.inputs))):
-                values[name] = value
+            values.update(zip(step.outputs, step.run(step.args(values))))
         return [values[name] for name in self._outputs]
