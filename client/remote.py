@@ -136,7 +136,7 @@ class RemoteComputeInfo(RemoteHandle):
                     self._stager.write(buffer, tensor.local_bytes())
         # The buffers it names go by handle in every frame: a loop whose input is the last step's output (a new
         # buffer each step) repeats one kept call.
-        handles = [staged[i].handle if i in staged else inputs[i].buffer.handle for i in named]
+        handles = [staged[i].handle if i in staged else inputs[i].buffer.handle for i in named] if named else []
         if targets:
             handles += [targets[i].buffer.handle for i in sorted(targets)]
         if handles:

@@ -146,6 +146,11 @@ def checked_enum(cls: type[enum.IntEnum], value: int, what: str) -> enum.IntEnum
 
 def is_plain_dtype(dtype) -> bool:
     """Whether tensors of this dtype can live in tensor memory (numpy has the type natively)."""
+    try:
+        if dtype in _ELEM_BY_NP:  # a numpy dtype, as every array has: one lookup (np.dtype() costs three)
+            return True
+    except TypeError:  # unhashable
+        pass
     return np.dtype(dtype) in _ELEM_BY_NP
 
 
