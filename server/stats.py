@@ -2,14 +2,33 @@
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from collections import defaultdict
 
 from ephost.v1 import worker_pb2
 
 
+# How long a GetStats waits for calls answered before it to be counted (each is counted right after its reply is
+# sent; this bounds a wait on a thread the scheduler keeps off its CPU).
+SETTLE_S = 1.0
+
+
+class _Answered:
+    """One thread's calls answered before they were counted, and of those, counted: written by that thread
+    only, read by whoever settles."""
+
+    __slots__ = ("answered", "counted", "__weakref__")
+
+    def __init__(self):
+        self.answered = self.counted = 0
+
+
 class WorkerStats:
     def __init__(self):
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self._answering: "weakref.WeakSet[_Answered]" = weakref.WeakSet()  # a thread's goes when the thread ends
         self._methods: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self.counters = dict.fromkeys(("bytes_copied", "bytes_inline_in", "bytes_inline_out", "copies",
                                        "compute_inputs_resident", "compute_inputs_transferred",
@@ -36,6 +55,26 @@ class WorkerStats:
             m[1] += 0 if ok else 1
             m[2] += seconds
             m[3] = max(m[3], seconds)
+
+    def answering(self) -> _Answered:
+        """The calling thread's tally of calls it answers before it counts them (the fast lane's: a count made
+        first would delay every reply): raise `answered` before the reply goes, `counted` once recorded."""
+        mine = getattr(self._local, "answered", None)
+        if mine is None:
+            mine = self._local.answered = _Answered()
+            with self._lock:
+                self._answering.add(mine)
+        return mine
+
+    def settle(self, timeout: float = SETTLE_S) -> None:
+        """Wait until every call answered before now is counted, so that what a caller has an answer to is in
+        the figures it asks for next."""
+        with self._lock:
+            marks = [(tally, tally.answered) for tally in self._answering]
+        deadline = time.monotonic() + timeout
+        for tally, answered in marks:
+            while tally.counted < answered and time.monotonic() < deadline:
+                time.sleep(50e-6)
 
     def add(self, amounts: dict[str, int] | None = None, /, **more: int) -> None:
         """Add to the counters: `amounts` (a call's counters, gathered as it ran) and `more`, under one lock."""

@@ -56,6 +56,7 @@ class WorkerService(Servicer):
 
     @rpc(client=False)
     def GetStats(self, request, call):
+        self.state.stats.settle()  # the calls the caller has answers to (the lane counts each after its reply)
         clients = self.state.clients.all()
         return self.state.stats.to_proto(buffers_live=sum(c.count("buffer") for c in clients), clients=len(clients))
 

@@ -48,6 +48,44 @@ def ort_env():
         yield env
 
 
+def test_stats_asked_for_after_a_reply_count_the_call_the_lane_answered_before_counting_it():
+    """A lane call is answered first and counted right after (counting first held every reply back). What a
+    caller has an answer to must still be in the figures it asks for next: GetStats settles first, waiting for
+    every call answered before it, and only for those (a thread that never counts is waited for at most the
+    bound, and one answering later is not waited for)."""
+    from ephost.server.stats import WorkerStats
+    stats = WorkerStats()
+    answered, counting = threading.Event(), threading.Event()
+
+    def lane_thread():  # as Dispatcher.dispatch does on the lane: answer, then count
+        tally = stats.answering()
+        tally.answered += 1
+        answered.set()
+        counting.wait()
+        time.sleep(0.05)
+        stats.record_call("Ep/Compute", 1e-5, True, lane=True, counts={"kept_calls": 1})
+        tally.counted += 1
+
+    thread = threading.Thread(target=lane_thread)
+    thread.start()
+    answered.wait()
+    counting.set()
+    stats.settle()
+    figures = stats.to_proto()
+    assert figures.methods["Ep/Compute"].calls == 1 and figures.fast_lane_calls == 1 and figures.kept_calls == 1
+    thread.join()
+
+    stuck = stats.answering()  # answered, never counted: settle gives up after its bound
+    stuck.answered += 1
+    started = time.monotonic()
+    stats.settle(timeout=0.2)
+    assert 0.2 <= time.monotonic() - started < 2
+    stuck.counted += 1
+    started = time.monotonic()
+    stats.settle(timeout=5)
+    assert time.monotonic() - started < 0.5
+
+
 def test_compute_goes_over_the_fast_lane_and_gives_what_grpc_gives(ort_env):
     assert lane_of(ort_env, "ort") is not None
     assert lane_of(ort_env, "ort_grpc") is None, "fast_lane=false keeps every call on gRPC"
