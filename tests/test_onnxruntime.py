@@ -1,4 +1,6 @@
 """The onnxruntime EP: ONNX Runtime and its plugin EP libraries (OpenVINO's) inside a worker."""
+import contextlib
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -8,7 +10,9 @@ from onnx import helper, numpy_helper
 import ephost
 from ephost import InferenceSession
 from ephost.errors import EpError
-from ephost.eps.onnxruntime import max_ir_version, readable_model
+from ephost.eps.base import FusedGraph
+from ephost.eps.onnxruntime import OrtEpFactory, max_ir_version, readable_model
+from ephost.graph import GraphIndex, prepare_model
 from ephost.run_command import bundled_input, bundled_model
 import models
 from helpers import options_for, worker_stats
@@ -25,6 +29,21 @@ def ort_env():
     with ephost.Environment() as env:
         env.register_execution_provider_library("ort", "onnxruntime")
         yield env
+
+
+@contextlib.contextmanager
+def compiled(model: onnx.ModelProto, inputs: tuple[str, ...], outputs: tuple[str, ...]):
+    """The whole model compiled as one partition by the onnxruntime EP in this process, released after."""
+    index = GraphIndex.of(prepare_model(model))
+    factory = OrtEpFactory()
+    ep = factory.create_ep([0], {})
+    try:
+        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), inputs, outputs)])
+        yield info
+        ep.release_node_compute_infos([info])
+    finally:
+        factory.release_ep(ep)
+        factory.close()
 
 
 def test_devices_are_what_onnx_runtime_reports(ort_env):
@@ -252,28 +271,17 @@ def test_a_kept_binding_follows_an_input_array_reshaped_in_place():
     """The ORT compute info keeps its IOBinding between runs and skips rebinding an input when the same array
     comes again (a kept call's buffer); an array whose shape was changed in place must be bound anew, or ORT
     would run on the old shape."""
-    from ephost.eps.onnxruntime import OrtEpFactory
-    from ephost.graph import GraphIndex, prepare_model
-    from ephost.eps.base import FusedGraph
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", "m"])
     y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", "m"])
     model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 18)])
-    index = GraphIndex.of(prepare_model(model))
-    factory = OrtEpFactory()
-    ep = factory.create_ep([0], {})
-    try:
-        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("x",), ("y",))])
+    with compiled(model, ("x",), ("y",)) as info:
         array = np.arange(-8192, 8192, dtype=np.float32).reshape(64, 256)  # 64 KiB: bound where it lies
         for shape in [(64, 256), (64, 256), (256, 64), (16384, 1)]:
             array.shape = shape
             (out,) = info.compute([ephost.Tensor.from_numpy(array)])
             assert out.shape == shape
             np.testing.assert_array_equal(out.numpy(), np.maximum(array, 0))
-        ep.release_node_compute_infos([info])
-    finally:
-        factory.release_ep(ep)
-        factory.close()
 
 
 def test_runs_on_a_steady_binding_see_each_runs_inputs_and_keep_each_runs_outputs():
@@ -281,20 +289,13 @@ def test_runs_on_a_steady_binding_see_each_runs_inputs_and_keep_each_runs_output
     bound them all there, the next like it only copies in and out. Every run must still read its own inputs
     (not the last run's), hand back outputs no later run overwrites, and give way to the general path where a
     run differs (an output written into the caller's tensor, an input of another shape)."""
-    from ephost.eps.onnxruntime import OrtEpFactory
-    from ephost.graph import GraphIndex, prepare_model
-    from ephost.eps.base import FusedGraph
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])
     y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])
     z = helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2, 3])
     model = helper.make_model(helper.make_graph([helper.make_node("Sub", ["x", "y"], ["z"], name="sub")], "g",
                                                 [x, y], [z]), opset_imports=[helper.make_opsetid("", 18)])
-    index = GraphIndex.of(prepare_model(model))
-    factory = OrtEpFactory()
-    ep = factory.create_ep([0], {})
     rng = np.random.default_rng(3)
-    try:
-        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("x", "y"), ("z",))])
+    with compiled(model, ("x", "y"), ("z",)) as info:
         fed, got = [], []
         for i in range(6):
             a, b = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((2, 3)).astype(np.float32)
@@ -315,19 +316,12 @@ def test_runs_on_a_steady_binding_see_each_runs_inputs_and_keep_each_runs_output
         (out,) = info.compute([ephost.Tensor.from_numpy(np.full((2, 3), 5, np.float32)),
                                ephost.Tensor.from_numpy(np.ones((2, 3), np.float32))])
         np.testing.assert_array_equal(out.numpy(), np.full((2, 3), 4, np.float32))
-        ep.release_node_compute_infos([info])
-    finally:
-        factory.release_ep(ep)
-        factory.close()
 
 
 def test_a_steady_binding_reads_a_bound_array_as_it_is_now_and_binds_another_shape_anew():
     """A large input is bound where it lies (a kept call's buffer, the same array every run) and a steady
     binding does not bind it again: each run must read what the array holds now, and an input of another shape
     over the same memory must be bound anew (the output, of fixed shape, would not show a stale binding)."""
-    from ephost.eps.onnxruntime import OrtEpFactory
-    from ephost.graph import GraphIndex, prepare_model
-    from ephost.eps.base import FusedGraph
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", "m"])
     y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
     nodes = [helper.make_node("Gather", ["x", "zero"], ["row"], axis=0, name="first_row"),
@@ -335,11 +329,7 @@ def test_a_steady_binding_reads_a_bound_array_as_it_is_now_and_binds_another_sha
     zero = helper.make_tensor("zero", onnx.TensorProto.INT64, [], [0])
     model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], [zero]),
                               opset_imports=[helper.make_opsetid("", 18)])
-    index = GraphIndex.of(prepare_model(model))
-    factory = OrtEpFactory()
-    ep = factory.create_ep([0], {})
-    try:
-        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("x",), ("y",))])
+    with compiled(model, ("x",), ("y",)) as info:
         tensor = ephost.Tensor.from_numpy(np.arange(64 * 256, dtype=np.float32).reshape(64, 256))  # 64 KiB
         array = tensor.numpy()  # the tensor's own array, which the EP binds where it lies
         for step in range(6):
@@ -350,7 +340,3 @@ def test_a_steady_binding_reads_a_bound_array_as_it_is_now_and_binds_another_sha
                 array = tensor.numpy()
             (out,) = info.compute([tensor])
             np.testing.assert_array_equal(out.numpy(), [array[0].sum()])
-        ep.release_node_compute_infos([info])
-    finally:
-        factory.release_ep(ep)
-        factory.close()
