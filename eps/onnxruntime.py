@@ -155,6 +155,9 @@ class OrtComputeInfo:
         self._bindable = not any(self._exotic) and all(o.type.startswith("tensor(") and o.type != "tensor(string)"
                                                        for o in session.get_outputs())
         self._idle: list[_Binding] = []  # list.pop and append are atomic: no lock on the way in or out
+        # Every output of known shape and under PLACE_BYTES: a run without `keep` or `into` writes them all into
+        # the binding's memory, with an allocator or without (a binding can be steady: _steady_run).
+        self._small = all(static is not None and static[2] < PLACE_BYTES for _, static in self._outputs)
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None, into=None, leave=()) -> list[Any]:
@@ -237,10 +240,11 @@ class OrtComputeInfo:
                 out.append(placed[i] if i in placed else written[i])
             else:
                 out.append(as_value(produced[i].numpy().copy()))
-        # Every output written into the binding's memory: the next run like this one (its small inputs copied
-        # in, its large ones the arrays bound now) only copies in, runs and copies out (_steady_run).
+        # Every output written into the binding's memory, as it is on every run without `keep` or `into`: the next
+        # such run with inputs like these (small ones copied in, large ones the arrays bound now) only copies in,
+        # runs and copies out (_steady_run).
         binding.steady = binding.steady_outputs = None
-        if len(scratch) == len(self._outputs):
+        if self._small and len(scratch) == len(self._outputs):
             binding.steady = []
             for name in self._inputs:
                 array, where = binding.inputs[name]

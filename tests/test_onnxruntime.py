@@ -14,6 +14,7 @@ from ephost.eps.base import FusedGraph
 from ephost.eps.onnxruntime import OrtEpFactory, max_ir_version, readable_model
 from ephost.graph import GraphIndex, prepare_model
 from ephost.run_command import bundled_input, bundled_model
+from ephost.types import DeviceMemoryType
 import models
 from helpers import options_for, worker_stats
 
@@ -340,3 +341,28 @@ def test_a_steady_binding_reads_a_bound_array_as_it_is_now_and_binds_another_sha
                 array = tensor.numpy()
             (out,) = info.compute([tensor])
             np.testing.assert_array_equal(out.numpy(), [array[0].sum()])
+
+
+def test_a_large_output_goes_into_the_allocator_whenever_one_is_given():
+    """A large output of known shape is written by ORT into a buffer of the call's allocator (shared memory a
+    client maps: it leaves by handle, without a copy), and without an allocator into memory kept with the
+    binding. A run without an allocator must not make the binding steady for a later run with one."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [128, 256])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [128, 256])  # 128 KiB
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    factory = OrtEpFactory()
+    shared = next(m for m in factory.memory_infos if m.device_mem_type == DeviceMemoryType.HOST_ACCESSIBLE)
+    allocator = factory.create_allocator(shared, {})
+    tensor = ephost.Tensor.from_numpy(np.arange(-16384, 16384, dtype=np.float32).reshape(128, 256))
+    try:
+        with compiled(model, ("x",), ("y",)) as info:
+            for given in (None, None, allocator, None, allocator):
+                (out,) = info.compute([tensor], given)
+                assert (out.buffer is not None) == (given is not None)
+                np.testing.assert_array_equal(out.numpy(), np.maximum(tensor.numpy(), 0))
+                if out.buffer is not None:
+                    out.release()
+    finally:
+        factory.release_allocator(allocator)
+        factory.close()
