@@ -1,5 +1,6 @@
 """`make bench` runs `python -m bench` with no argument: every bench; a name picks some, an unknown one is an
 error that says what there is."""
+import os
 import subprocess
 import sys
 
@@ -24,3 +25,19 @@ def test_an_unknown_bench_is_an_error_naming_the_known_ones(capsys):
 def test_the_command_line_parses_as_make_bench_calls_it():
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "dataplane" in out.stdout
+
+
+def test_the_ab_bench_runs_a_revisions_stack_beside_the_working_trees():
+    """bench/ab.py: two whole stacks taking turns, one importing ephost from the revision's checkout, the other
+    from the working tree; it prints where each came from, both medians and the paired difference."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "bench/ab.py", "HEAD", "tiny", "--blocks", "2", "--per", "20"], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    where, result = out.stdout.strip().splitlines()[-2:]
+    base, new = where.split("; working tree: ")
+    assert "ephost-ab-" in base and base.rstrip().endswith(os.path.join("package", "ephost"))
+    assert new == os.path.join(root, "ephost")
+    assert result.startswith("tiny, 2 blocks of 20: HEAD ") and "of 2 blocks" in result
+    missing = subprocess.run([sys.executable, "bench/ab.py"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "name a git revision" in missing.stderr

@@ -1,0 +1,140 @@
+"""Paired A/B of two whole stacks: ephost as a git revision has it against the working tree, each stack its own
+application process with its own workers, the two taking turns block by block on one workload.
+
+    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet] [--blocks N] [--per N]
+
+A change worth 1% of a run does not show in `bench dataplane` on a shared 2-core machine (its ratios swing by
+0.1-0.2 from run to run); the median of the per-block differences of two stacks running side by side, and in
+how many blocks the working tree won, does. The spread of one such comparison is worth knowing first: the
+working tree against HEAD with no change (an A/A) reads its noise (on a 2-core VM: about 1 µs on the tiny
+model; ±10 µs per partition call on the chain, where the scheduler's placement of a stack's three processes
+lasts the whole run, so run that one several times).
+
+Run as a script, not with -m: the revision's stack imports `ephost` from its own checkout (PYTHONPATH), which
+the repository root on sys.path (as -m puts it there) would hide.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# pyproject.toml's package-dir: the repository's top-level folders are the subpackages of `ephost`.
+SUBPACKAGES = ("client", "server", "eps")
+WORKLOADS = ("tiny", "chain", "squeezenet", "shufflenet")
+
+
+def checkout(rev: str, into: str) -> str:
+    """The revision's `ephost` laid out as it is installed, under `into`: the folder to put on PYTHONPATH."""
+    source = os.path.join(into, "source")
+    os.makedirs(source)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", source], input=archive, check=True)
+    package = os.path.join(into, "package")
+    shutil.copytree(os.path.join(source, "ephost"), os.path.join(package, "ephost"))
+    for name in SUBPACKAGES:
+        shutil.copytree(os.path.join(source, name), os.path.join(package, "ephost", name))
+    return package
+
+
+def child(workload: str, per: int) -> None:
+    """One stack: set up, then a block of `per` timed runs for every line read, its median printed."""
+    import numpy as np
+    import ephost
+    from ephost import InferenceSession
+    sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
+    from bench.data_plane import chain_model
+    from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
+    from ephost.run_command import bundled_input, bundled_model
+
+    config = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
+    env = ephost.Environment()
+    if workload == "chain":
+        for op in ("Relu", "Neg"):
+            env.register_execution_provider_library(op, "reference", {"ops": op})
+        session = InferenceSession(chain_model(60), options_for(env, "Relu", "Neg"), env=env)
+        feeds = {"x": np.random.default_rng(1).standard_normal(16).astype(np.float32)}
+    else:
+        env.register_execution_provider_library("ort", "onnxruntime", {"session_config": config})
+        model = tiny_model() if workload == "tiny" else bundled_model(workload)[0]
+        session = InferenceSession(model, options_for(env, "ort"), env=env)
+        (arg,) = session.get_inputs()
+        feeds = {arg.name: np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+                 if workload == "tiny" else bundled_input(arg)}
+    for _ in range(per):
+        session.run(None, feeds)
+    print(os.path.dirname(ephost.__file__), flush=True)
+    for _ in sys.stdin:
+        for _ in range(max(2, per // 5)):  # the other stack's block overran the caches: not counted
+            session.run(None, feeds)
+        times = []
+        for _ in range(per):
+            start = time.perf_counter()
+            session.run(None, feeds)
+            times.append(time.perf_counter() - start)
+        print(statistics.median(times), flush=True)
+    session.close()
+    env.close()
+
+
+def compare(rev: str, workload: str, blocks: int, per: int) -> dict:
+    """Both stacks' medians per block, and where each imported ephost from."""
+    with tempfile.TemporaryDirectory(prefix="ephost-ab-") as scratch:
+        package = checkout(rev, scratch)
+        stacks = {}
+        for side, path in (("base", package), ("new", None)):
+            env = dict(os.environ)
+            env.pop("PYTHONPATH", None)
+            if path is not None:
+                env["PYTHONPATH"] = path
+            stacks[side] = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--child", workload, "--per", str(per)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=scratch, env=env)
+        try:
+            where = {side: p.stdout.readline().strip() for side, p in stacks.items()}
+            medians: dict[str, list[float]] = {side: [] for side in stacks}
+            for block in range(blocks):
+                for side in ("base", "new") if block % 2 else ("new", "base"):  # who goes first turns
+                    stacks[side].stdin.write("go\n")
+                    stacks[side].stdin.flush()
+                    medians[side].append(float(stacks[side].stdout.readline()))
+        finally:
+            for p in stacks.values():
+                p.stdin.close()
+                p.wait(timeout=60)
+    return {"where": where, "medians": medians}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python bench/ab.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("rev", nargs="?", help="the git revision to compare the working tree with")
+    parser.add_argument("workload", nargs="?", default="tiny", choices=WORKLOADS)
+    parser.add_argument("--blocks", type=int, default=20)
+    parser.add_argument("--per", type=int, default=0, help="timed runs per block (default: by workload)")
+    parser.add_argument("--child", metavar="WORKLOAD", choices=WORKLOADS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    per = args.per or (300 if (args.child or args.workload) == "tiny" else 20)
+    if args.child:
+        child(args.child, per)
+        return
+    if not args.rev:
+        parser.error("name a git revision to compare the working tree with (HEAD: an A/A, the noise)")
+    result = compare(args.rev, args.workload, args.blocks, per)
+    base, new = result["medians"]["base"], result["medians"]["new"]
+    scale, unit = (1 / 60, "µs per partition call") if args.workload == "chain" else (1, "µs per run")
+    diffs = [(n - b) * 1e6 * scale for n, b in zip(new, base)]
+    print(f"{args.rev}: ephost from {result['where']['base']}; working tree: {result['where']['new']}")
+    print(f"{args.workload}, {args.blocks} blocks of {per}: {args.rev} {statistics.median(base) * 1e6 * scale:.1f}, "
+          f"working tree {statistics.median(new) * 1e6 * scale:.1f} {unit}; paired difference (working tree - "
+          f"{args.rev}) median {statistics.median(diffs):+.1f}, the working tree faster in "
+          f"{sum(d < 0 for d in diffs)} of {len(diffs)} blocks")
+
+
+if __name__ == "__main__":
+    main()
