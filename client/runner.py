@@ -91,12 +91,19 @@ class PartitionRunner:
                  targets: Mapping[str, Tensor], timeout: float | None) -> list[Any]:
         """Partition `p`'s outputs, under the failure policy."""
         kept = self._kept(p, owners)
-        if not targets and kept is p.keep:  # the common case: nothing but the plan's own
-            try:
-                return p.compute_info.compute(inputs, p.allocator, kept, timeout)
-            except EpError as error:
-                return self._recover(run, p, inputs, error, timeout)
-        extras = {}  # only EPs asked to use `into` / `leave` get them, so that EPs without them keep working
+        # The common case, nothing but the plan's own `keep`, builds no extras.
+        extras = self._extras(p, kept, targets) if targets or kept is not p.keep else None
+        try:
+            if extras:
+                return p.compute_info.compute(inputs, p.allocator, kept, timeout, **extras)
+            return p.compute_info.compute(inputs, p.allocator, kept, timeout)
+        except EpError as error:
+            return self._recover(run, p, inputs, error, timeout)
+
+    def _extras(self, p: Partition, kept: tuple[int, ...], targets: Mapping[str, Tensor]) -> dict[str, Any]:
+        """The `into` and `leave` arguments of p's Compute, where there are any: only EPs asked to use them get
+        them, so that EPs without them keep working."""
+        extras = {}
         if targets:
             into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
             if into:
@@ -106,10 +113,7 @@ class PartitionRunner:
             leave = tuple(i for i in kept if i not in p.keep and p.graph.outputs[i] not in self._read)
             if leave:
                 extras["leave"] = leave
-        try:
-            return p.compute_info.compute(inputs, p.allocator, kept, timeout, **extras)
-        except EpError as error:
-            return self._recover(run, p, inputs, error, timeout)
+        return extras
 
     def _recover(self, run: int, p: Partition, inputs: list, error: EpError, timeout: float | None) -> list[Any]:
         """Partition `p`'s outputs after its Compute failed with `error`, as the failure policy says."""

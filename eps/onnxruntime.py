@@ -17,7 +17,7 @@ import os
 import tempfile
 import threading
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import onnx
@@ -243,14 +243,14 @@ class OrtComputeInfo:
         # Every output written into the binding's memory, as it is on every run without `keep` or `into`: the next
         # such run with inputs like these (small ones copied in, large ones the arrays bound now) only copies in,
         # runs and copies out (_steady_run).
-        binding.steady = binding.steady_outputs = None
+        binding.steady = None
         if self._small and len(scratch) == len(self._outputs):
-            binding.steady = []
+            steady = []
             for name in self._inputs:
                 array, where = binding.inputs[name]
                 copied = array is binding.copies.get(name, _UNBOUND)[0]
-                binding.steady.append((array if copied else None, array, where))
-            binding.steady_outputs = [(static, scratch[i]) for i, (_, static) in enumerate(self._outputs)]
+                steady.append((array if copied else None, array, where))
+            binding.steady = _Steady(steady, [(static, scratch[i]) for i, (_, static) in enumerate(self._outputs)])
         self._idle.append(binding)
         return out
 
@@ -264,10 +264,10 @@ class OrtComputeInfo:
         except IndexError:
             return None
         steady = binding.steady
-        if steady is None or len(inputs) != len(steady):
+        if steady is None or len(inputs) != len(steady.inputs):
             self._idle.append(binding)
             return None
-        for value, (copy, bound, where) in zip(inputs, steady):
+        for value, (copy, bound, where) in zip(inputs, steady.inputs):
             array = value.local_array() if type(value) is Tensor else None
             if array is None or (array.shape, array.dtype) != where[1:] or (copy is None and array is not bound):
                 self._idle.append(binding)
@@ -279,7 +279,7 @@ class OrtComputeInfo:
         except Exception as e:  # the binding goes, as on the general path
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
         out = [Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
-               for static, array in binding.steady_outputs]
+               for static, array in steady.outputs]
         self._idle.append(binding)
         return out
 
@@ -317,11 +317,18 @@ def _writable_target(into, i: int, static, inputs) -> Tensor | None:
 _UNBOUND = (None, None)
 
 
+class _Steady(NamedTuple):
+    """What a run on a steady binding needs (OrtComputeInfo._steady_run)."""
+    inputs: list[tuple]   # per input, in order: its copy kept with the binding (None: bound where it lies), the
+                          # array bound, and where ((address, shape, dtype))
+    outputs: list[tuple]  # per output: its (shape, dtype, nbytes), and the scratch array ORT writes it into
+
+
 class _Binding:
     """An IOBinding kept between runs: where each input and output is bound, and the memory kept with it
     (small inputs are copied into it; small outputs of known shape are written into it)."""
 
-    __slots__ = ("io", "inputs", "copies", "outputs", "_scratch", "ort_allocated", "steady", "steady_outputs")
+    __slots__ = ("io", "inputs", "copies", "outputs", "_scratch", "ort_allocated", "steady")
 
     def __init__(self, io, outputs: list):
         self.io = io
@@ -330,11 +337,7 @@ class _Binding:
         self.outputs: list[int | None] = [-1] * len(outputs)  # address bound; None: ORT allocates; -1: unbound
         self._scratch: dict[int, tuple[np.ndarray, int]] = {}
         self.ort_allocated = any(static is None for _, static in outputs)
-        # Set after a run that bound every output to scratch memory (see _steady_run): per input in order, its
-        # copy here (None: bound where it lies), the array bound and where ((address, shape, dtype)); and each
-        # output's (shape, dtype, nbytes) and scratch array.
-        self.steady: list[tuple] | None = None
-        self.steady_outputs: list[tuple] | None = None
+        self.steady: _Steady | None = None  # set after a run that bound every output to scratch memory
 
     def scratch(self, i: int, static) -> tuple[np.ndarray, int]:
         """Output i's memory kept with the binding, and its address (asking numpy for it costs microseconds)."""
