@@ -7,8 +7,11 @@ A change worth 1% of a run does not show in `bench dataplane` on a shared 2-core
 0.1-0.2 from run to run); the median of the per-block differences of two stacks running side by side, and in
 how many blocks the working tree won, does. The spread of one such comparison is worth knowing first: the
 working tree against HEAD with no change (an A/A) reads its noise (on a 2-core VM: about 1 µs on the tiny
-model, 1-3 µs per partition call on the chain). Half the blocks run on stacks started the other way round:
-started once, base first, the chain's A/A read -10 to +12 µs (the stack started second was faster).
+model, 1-3 µs per partition call on the chain; this afternoon's repeats of one change on the chain read -5.2,
+-4.4, -5.2, -0.1, -4.2 and -1.3: repeat a comparison before believing it). The middle half of the per-block
+differences and a sign test on the blocks won say how far one comparison stands from a coin. Half the blocks
+run on stacks started the other way round: started once, base first, the chain's A/A read -10 to +12 µs (the
+stack started second was faster).
 
 Run as a script, not with -m: the revision's stack imports `ephost` from its own checkout (PYTHONPATH), which
 the repository root on sys.path (as -m puts it there) would hide.
@@ -16,6 +19,7 @@ the repository root on sys.path (as -m puts it there) would hide.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -121,6 +125,13 @@ def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, o
     return {"where": where, "medians": medians}
 
 
+def sign_test(wins: int, blocks: int) -> float:
+    """Two-sided sign test: how often `blocks` blocks split at least as unevenly as `wins` against the rest where
+    neither stack is faster (a coin per block)."""
+    fewer = min(wins, blocks - wins)
+    return min(1.0, 2 * sum(math.comb(blocks, i) for i in range(fewer + 1)) / 2 ** blocks)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python bench/ab.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", nargs="?", help="the git revision to compare the working tree with")
@@ -139,11 +150,13 @@ def main(argv=None) -> None:
     base, new = result["medians"]["base"], result["medians"]["new"]
     scale, unit = (1 / 60, "µs per partition call") if args.workload == "chain" else (1, "µs per run")
     diffs = [(n - b) * 1e6 * scale for n, b in zip(new, base)]
+    wins = sum(d < 0 for d in diffs)
+    quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
     print(f"{args.rev}: ephost from {result['where']['base']}; working tree: {result['where']['new']}")
     print(f"{args.workload}, {args.blocks} blocks of {per}: {args.rev} {statistics.median(base) * 1e6 * scale:.1f}, "
           f"working tree {statistics.median(new) * 1e6 * scale:.1f} {unit}; paired difference (working tree - "
-          f"{args.rev}) median {statistics.median(diffs):+.1f}, the working tree faster in "
-          f"{sum(d < 0 for d in diffs)} of {len(diffs)} blocks")
+          f"{args.rev}) median {statistics.median(diffs):+.1f} (middle half {quartiles[0]:+.1f} to {quartiles[2]:+.1f}), "
+          f"the working tree faster in {wins} of {len(diffs)} blocks (sign test p = {sign_test(wins, len(diffs)):.2g})")
 
 
 if __name__ == "__main__":

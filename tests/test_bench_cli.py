@@ -41,3 +41,12 @@ def test_the_ab_bench_runs_a_revisions_stack_beside_the_working_trees():
     assert result.startswith("tiny, 2 blocks of 20: HEAD ") and "of 2 blocks" in result
     missing = subprocess.run([sys.executable, "bench/ab.py"], cwd=root, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "name a git revision" in missing.stderr
+
+
+def test_the_ab_benchs_sign_test_says_how_likely_a_split_of_blocks_is_by_chance():
+    from bench.ab import sign_test
+    assert sign_test(10, 20) == 1.0  # an even split: what a coin gives
+    assert sign_test(15, 20) == sign_test(5, 20)  # two-sided
+    assert abs(sign_test(15, 20) - 0.0414) < 1e-3  # 2 * P(X <= 5), X ~ Binomial(20, 1/2)
+    assert sign_test(20, 20) == 2 / 2 ** 20
+    assert sign_test(0, 1) == 1.0
