@@ -35,7 +35,6 @@ connection.
 """
 from __future__ import annotations
 
-import collections
 import math
 import os
 import select
@@ -207,13 +206,6 @@ _FD_SETSIZE = 1024
 # A wait longer than this is a wait without end (a deadline a peer set centuries away: select and poll take no
 # timeout past what their clocks count, and raise OverflowError).
 FOREVER_S = 1e9
-# How long before a long call's expected reply its reader wakes to poll (besides what its sleeps overslept): a
-# run's usual jitter; less polls longer beside the worker's threads (squeezenet, interleaved A/B: 500 µs
-# 1.046-1.068 out/in, 200 µs 1.039-1.055).
-EXPECT_MARGIN_S = 200e-6
-# How many of the last long waits the expected one is read from (their shortest quarter): one run that is
-# a few hundred microseconds shorter than the last (this machine's jitter) still finds its reader polling.
-EXPECT_RUNS = 8
 MAX_WAIT_KEYS = 256  # kinds of call whose waits a reader keeps (a connection keeps at most MAX_KEPT kept calls)
 
 
@@ -226,14 +218,13 @@ class FrameReader:
     pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine waking an
     idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins only while frames
     keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is short again; for each
-    kind of call apart, where the caller names them in `read`), so that idle connections burn no CPU. With `expect`
-    (a caller reading replies), after a long wait it expects the next to be as long (a partition run again): it
-    sleeps through all but the last 200 µs of it (EXPECT_MARGIN_S; woken at once if the frame comes sooner) and
-    polls from there, so that the reply that ends a long call finds its reader awake (measured on the small CNNs:
-    3-5% of a 4 ms run). It sets its alarm earlier by as much as its timed sleeps have overslept (the median of
-    the last few): a virtual machine's timer may wake a sleeper 100-200 µs late, which ate the whole margin. A
-    worker reading requests does not expect: how long a caller takes between calls says little about the next,
-    and polling through its end would take a CPU from whatever the caller does meanwhile.
+    kind of call apart, where the caller names them in `read`), so that idle connections burn no CPU. After a long
+    wait it sleeps until the frame comes: a caller does not poll for the end of a long call (a CNN's run), as
+    that took a CPU from the worker's threads (ORT's run 1.5-3.5% longer on the small CNNs than with its caller
+    asleep, measured in one process); nor does a worker for a caller's next request after a pause (polling
+    through it would take a CPU from whatever the caller does meanwhile). With `expect` (a caller reading the
+    replies to its own calls), a long call's reply is expected about as late as the last one: the first sleep
+    is bounded at twice that rather than at FIRST_SLEEP_S (see read).
 
     With `slots` (ephost/lane_slots.py), a frame comes through the slot or on the socket: polling looks at the
     slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to
@@ -247,12 +238,10 @@ class FrameReader:
         self._ancillary = socket.CMSG_SPACE(MAX_FDS * 4) if adopt is not None else 0
         self._flags = socket.MSG_CMSG_CLOEXEC if adopt is not None else 0  # received descriptors: close-on-exec
         self._spin_s = spin_s if spin_s > 0 else 0.0
-        self._expect_long = expect
-        # How long the last reads of each kind waited (a caller's reads are told what call they answer), the
-        # last one last: whether to poll for the next, or to expect it late.
-        self._waits: dict[Hashable, collections.deque[float]] = {}
-        # How much later than asked the last timed sleeps before an expected frame ended.
-        self._overslept: collections.deque[float] = collections.deque([0.0], maxlen=EXPECT_RUNS)
+        self._expect = expect
+        # How long the last read of each kind waited (a caller's reads are told what call they answer): whether to
+        # poll for the next, or to sleep until it comes.
+        self._waits: dict[Hashable, float] = {}
         self._slots = slots
         self._poll = None
         if self._spin_s or slots is not None:
@@ -262,19 +251,17 @@ class FrameReader:
     def read(self, key: Hashable = None) -> Frame | None:
         """The next frame, or None at end of file (the peer closed or died). `key` names what the frame answers
         (a caller's connection carries every partition of every session on its worker, and the calls between
-        them): how long the last reads with that key waited says whether to poll for it or expect it late."""
+        them): how long the last read with that key waited says whether to poll for it or sleep until it comes."""
         slots, spin_s = self._slots, self._spin_s
-        waits = (self._waits.get(key) or self._new_waits(key)) if spin_s else None
         if slots is not None and slots.arrived():  # there already: no clock, no system call
             if spin_s:
-                waits.append(0.0)
+                self._waited(key, 0.0)
             return self._frame(slots.take(self._packet), whole=True)
         started = time.perf_counter() if spin_s or slots is not None else 0.0
-        spinning = bool(spin_s) and (not waits or waits[-1] <= spin_s)
+        last = self._waits.get(key, 0.0) if spin_s else 0.0
+        spinning = bool(spin_s) and last <= spin_s
         if spinning:
             self._spin(started + spin_s)
-        elif spin_s and self._expect_long and waits[-1] > 2 * spin_s:
-            self._expect(started, waits)
         while True:
             if slots is not None:
                 if slots.arrived():
@@ -288,7 +275,13 @@ class FrameReader:
                         continue
                     timeout = self._sock.gettimeout()
                     left = math.inf if timeout is None else started + timeout - time.perf_counter()
-                    if not self._doze(left):
+                    # A caller expects a long call's reply as late as the last (a partition run again): its first
+                    # sleep is bounded at twice that, so that a CNN's run does not wake it halfway through on a CPU
+                    # ORT's threads use. The race the bound covers (a writer reading the flag as it rises) needs a
+                    # frame written as the reader falls asleep: a request can be (a worker's bound stays), a reply
+                    # microseconds after the call was sent cannot.
+                    first = max(FIRST_SLEEP_S, 2 * last) if self._expect else FIRST_SLEEP_S
+                    if not self._doze(left, first):
                         raise TimeoutError("timed out")
                     continue
                 if self._take_doorbell():  # the frame is in the slot (or the bell was for an earlier one)
@@ -296,14 +289,14 @@ class FrameReader:
             n, whole = self._receive(), False
             break
         if spin_s:
-            waits.append(time.perf_counter() - started)
+            self._waited(key, time.perf_counter() - started)
         return self._frame(n, whole)
 
-    def _new_waits(self, key: Hashable) -> collections.deque[float]:
-        if len(self._waits) >= MAX_WAIT_KEYS:  # a caller naming ever new calls: start again
-            self._waits.clear()
-        waits = self._waits[key] = collections.deque(maxlen=EXPECT_RUNS)
-        return waits
+    def _waited(self, key: Hashable, seconds: float) -> None:
+        waits = self._waits
+        waits[key] = seconds
+        if len(waits) > MAX_WAIT_KEYS:  # a caller naming ever new calls: start again
+            waits.clear()
 
     def _receive(self) -> int:
         """The next packet from the socket into the buffer, REGIONS frames before it taken: its length."""
@@ -353,37 +346,10 @@ class FrameReader:
             got += k
         return Frame(method, status, timeout_s, payload)
 
-    def _expect(self, started: float, waits: collections.deque[float]) -> None:
-        """Wait for a frame expected about as long after `started` as the last long `waits` took: asleep until
-        EXPECT_MARGIN_S (or `spin_s`, if shorter) before, and as much earlier as the last sleeps overslept, then
-        polling until as long after. The socket's timeout (a call's deadline) counts from `started` still."""
-        timeout = self._sock.gettimeout()
-        deadline = math.inf if timeout is None else started + timeout
-        margin = min(self._spin_s, EXPECT_MARGIN_S)
-        # Not the last wait: a run a few hundred microseconds shorter than the one before (this machine's
-        # jitter) would find its reader asleep and pay a wake-up. The shortest quarter of the last few.
-        longs = sorted(w for w in waits if w > self._spin_s)
-        due = started + longs[len(longs) // 4]
-        overslept = sorted(self._overslept)[len(self._overslept) // 2]
-        wake = min(due - margin - overslept, deadline)
-        # Woken by a frame, or at `wake` to poll (so a doorbell lost to a race costs nothing here).
-        asleep_for = wake - time.perf_counter()
-        came = self._doze(asleep_for, bounded=False)
-        woke = time.perf_counter()
-        if asleep_for > 0 and woke > wake:  # the alarm was this late at least (a frame may have woken it first)
-            self._overslept.append(woke - wake)
-        if came:
-            return
-        self._spin(min(due + margin, deadline))
-        if self._slots is None and timeout is not None and not self._poll.poll(0):
-            left = deadline - time.perf_counter()
-            if left <= 0 or not self._readable(left):
-                raise TimeoutError("timed out")
-
-    def _doze(self, timeout: float, bounded: bool = True, until: Callable[[], bool] | None = None) -> bool:
+    def _doze(self, timeout: float, first_s: float = FIRST_SLEEP_S, until: Callable[[], bool] | None = None) -> bool:
         """Sleep until the socket is readable or a frame came through the slot (True), or `timeout` (False).
-        With slots, the writer is told to ring (ephost/lane_slots.py); the first FIRST_SLEEP_S of a `bounded`
-        sleep end with one more look at the slot, as a writer may have missed the flag just as it rose; and a
+        With slots, the writer is told to ring (ephost/lane_slots.py); the first `first_s` of the sleep end with
+        one more look at the slot, as a writer may have missed the flag just as it rose; and a
         doorbell is taken here, so that one rung for an earlier frame (taken from the slot before the bell came)
         does not end the next sleep at once. `until`: what the slot is looked at for, if not a frame."""
         slots = self._slots
@@ -391,12 +357,12 @@ class FrameReader:
             return self._readable(timeout)
         until = until or slots.arrived
         clock = time.perf_counter
-        end, first = clock() + timeout, bounded
+        end, first = clock() + timeout, True
         slots.asleep(True)
         try:
             while not until():
                 left = end - clock()
-                wait = min(left, FIRST_SLEEP_S) if first else left
+                wait = min(left, first_s) if first else left
                 if not self._readable(wait):
                     if first and left > wait:
                         first = False
