@@ -229,7 +229,8 @@ class FastLane:
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float,
                   key: Hashable, write: Callable[[], None] | None = None):
         """Send a frame and read its reply frame; the typed error where the reply is one. `key` names the call
-        (its reader polls for the reply or sleeps until it comes as the last reply to that call came); `write()`, a
+        (its reader polls for the reply, or sleeps until it comes, as the last reply to that call was quick or
+        slow); `write()`, a
         kept call's inputs written after its frame went through the slots, or before it is sent."""
         if conn.busy:
             # A call made by this thread while its call on the connection waits for a reply: a finalizer that

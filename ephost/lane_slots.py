@@ -17,8 +17,9 @@ The writer puts the frame, then its length, then the count (x86 keeps stores in 
 `asleep` and rings the doorbell if it is raised. The reader polls the count; before it sleeps in the kernel it
 raises `asleep` and looks at the count once more. A writer and a reader can each read the other's word before
 the other's store is seen (x86 reorders a load before an earlier store, and Python has no fence): so the first
-sleep is bounded (fastlane.FIRST_SLEEP_S), after which both stores are long visible; a doorbell rung when no
-one slept is a packet the reader drops the next time it wakes. Only on x86 (SUPPORTED): where the order is
+sleep is bounded (fastlane.FIRST_SLEEP_S; a caller's after a long call at twice its last wait, as a reply cannot
+race the flag it raised microseconds after its call went), after which both stores are long visible; a doorbell
+rung when no one slept is a packet the reader drops the next time it wakes. Only on x86 (SUPPORTED): where the order is
 weaker (ARM) a reader could see the count before the frame, and without a fence Python cannot prevent it; the
 socket carries every frame there.
 
