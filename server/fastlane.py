@@ -169,7 +169,6 @@ class LaneServer:
                 if method.name in self._kept and request.keep_call:
                     reply.kept_call = kept.keep(method.name, request, reply)
                 self._send_reply(peer, frame.method, reply)
-                os.sched_yield()  # see _serve_kept
 
             try:
                 dispatch(method.name, request, peer.client_id, _deadline(frame, method.name), lane=True,
@@ -188,11 +187,6 @@ class LaneServer:
                 send_parts(peer.conn, KEPT, 0.0, reply.parts, call.reply_bytes, peer.slots)
             else:
                 self._send_reply(peer, METHODS[call.method].id, reply)
-            # The caller polls for this reply, and on a machine with fewer CPUs than busy threads it may be
-            # queued behind this one, which would keep the CPU until its own poll yields (the counting, the
-            # next read: tens of µs cold). Yielded now, it runs at once (shufflenet, the reply seen 42 -> 22 µs
-            # after it was sent, median, while the caller polled); where no one waits, a system call's cost.
-            os.sched_yield()
 
         try:
             deadline = _deadline(frame, "kept call")

@@ -11,6 +11,7 @@ worker keeps serving). `grpc_handlers()` serves the same table over gRPC without
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -199,6 +200,11 @@ class Dispatcher:
         answered.answered += 1
         try:
             respond(reply)
+            # The caller polls for this reply, and on a machine with fewer CPUs than busy threads it may be queued
+            # behind this thread, which would keep the CPU through the counting and its next read (tens of µs
+            # cold). Yielded now, it runs at once (shufflenet: the reply seen 42 -> 22 µs after it was sent,
+            # median, while the caller polled); where no one waits, a system call's cost.
+            os.sched_yield()
         finally:
             self._record(method, call, seconds, True, lane)
             answered.counted += 1
