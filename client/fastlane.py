@@ -159,7 +159,7 @@ class FastLane:
             sock.connect(path)
             configure(sock)
             sock.send(ticket + lane_slots.ASK if self._slots else ticket)
-            answer, fds, _, _ = socket.recv_fds(sock, len(TICKET_OK), 1)
+            answer, fds, _, _ = socket.recv_fds(sock, len(TICKET_OK), 2)  # the slots, and their early wake
         except OSError as e:
             sock.close()
             raise LaneUnavailable(f"cannot reach the worker's data-plane socket: {e.strerror or e}") from e
@@ -169,7 +169,8 @@ class FastLane:
                 raise LaneUnavailable("the worker refused the data-plane connection") from \
                     EpPermissionDenied("the worker refused the data-plane connection (ticket unknown or expired)")
             if self._slots and fds:  # none: the worker could not make them, and its frames go on the socket
-                slots = Slots(lane_slots.adopt(fds.pop(0)), sock, worker=False)
+                mapping = lane_slots.adopt(fds.pop(0))
+                slots = Slots(mapping, sock, worker=False, wake=fds.pop(0) if fds else None)
         except (LaneUnavailable, FrameError, OSError) as e:
             for fd in fds:
                 os.close(fd)

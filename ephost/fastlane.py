@@ -224,7 +224,8 @@ class FrameReader:
     asleep, measured in one process); nor does a worker for a caller's next request after a pause (polling
     through it would take a CPU from whatever the caller does meanwhile). With `expect` (a caller reading the
     replies to its own calls), a long call's reply is expected about as late as the last one: the first sleep
-    is bounded at twice that rather than at FIRST_SLEEP_S (see read).
+    is bounded at twice that rather than at FIRST_SLEEP_S (see read); and where the slots have an early wake
+    (ephost/lane_slots.py), the worker wakes it as its EP finishes, and it polls for the reply from there.
 
     With `slots` (ephost/lane_slots.py), a frame comes through the slot or on the socket: polling looks at the
     slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to
@@ -239,6 +240,8 @@ class FrameReader:
         self._flags = socket.MSG_CMSG_CLOEXEC if adopt is not None else 0  # received descriptors: close-on-exec
         self._spin_s = spin_s if spin_s > 0 else 0.0
         self._expect = expect
+        self._wake = slots.wake if slots is not None and expect else None  # the early wake, where there is one
+        self._woken_early = False  # the last sleep ended on the early wake, not on a frame
         # How long the last read of each kind waited (a caller's reads are told what call they answer): whether to
         # poll for the next, or to sleep until it comes.
         self._waits: dict[Hashable, float] = {}
@@ -247,6 +250,11 @@ class FrameReader:
         if self._spin_s or slots is not None:
             self._poll = select.poll()
             self._poll.register(sock, select.POLLIN)
+        self._waking = None  # the socket and the early wake, for a sleep on descriptors select cannot take
+        if self._wake is not None:
+            self._waking = select.poll()
+            self._waking.register(sock, select.POLLIN)
+            self._waking.register(self._wake, select.POLLIN)
 
     def read(self, key: Hashable = None) -> Frame | None:
         """The next frame, or None at end of file (the peer closed or died). `key` names what the frame answers
@@ -283,6 +291,10 @@ class FrameReader:
                     first = max(FIRST_SLEEP_S, 2 * last) if self._expect else FIRST_SLEEP_S
                     if not self._doze(left, first):
                         raise TimeoutError("timed out")
+                    if self._woken_early:  # the worker's EP has run: the reply is being made
+                        self._woken_early = False
+                        if spin_s:
+                            self._spin(min(time.perf_counter() + spin_s, started + (timeout or FOREVER_S)))
                     continue
                 if self._take_doorbell():  # the frame is in the slot (or the bell was for an earlier one)
                     continue
@@ -368,6 +380,8 @@ class FrameReader:
                         first = False
                         continue
                     return until()
+                if self._woken_early:
+                    return True
                 if not self._take_doorbell():
                     return True  # a frame on the socket, or end of file
             return True
@@ -391,9 +405,28 @@ class FrameReader:
         descriptors below FD_SETSIZE only."""
         forever = timeout > FOREVER_S
         timeout = max(0.0, timeout)  # poll would take a negative one as "forever"
+        if self._wake is not None:
+            return self._readable_or_woken(None if forever else timeout)
         if self._sock.fileno() < _FD_SETSIZE:
             return bool(select.select((self._sock,), (), (), None if forever else timeout)[0])
         return bool(self._poll.poll(None if forever else timeout * 1e3))
+
+    def _readable_or_woken(self, timeout: float | None) -> bool:
+        """_readable, also ended by the early wake (then `_woken_early`, where the socket is not readable too)."""
+        sock, wake = self._sock, self._wake
+        if sock.fileno() < _FD_SETSIZE and wake < _FD_SETSIZE:
+            ready = select.select((sock, wake), (), (), timeout)[0]
+            woken, readable = wake in ready, sock in ready
+        else:
+            events = dict(self._waking.poll(None if timeout is None else timeout * 1e3))
+            woken, readable = wake in events, sock.fileno() in events
+        if woken:
+            try:
+                os.eventfd_read(wake)
+            except BlockingIOError:
+                pass
+            self._woken_early = not readable
+        return woken or readable
 
     def _spin(self, until: float) -> None:
         """Poll without sleeping until a frame is there (on the socket or in the slot; the socket also at end

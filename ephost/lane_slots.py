@@ -24,8 +24,15 @@ weaker (ARM) a reader could see the count before the frame, and without a fence 
 socket carries every frame there.
 
 The worker makes the memfd and hands it over with the ticket's answer, to a client that asked for slots; each
-side maps it. What a peer writes into a slot is read once (its length checked against the slot, the frame
-copied out before it is parsed): a client scribbling in its own slots can only spoil its own calls.
+side maps it. With it goes an eventfd, the *early wake*: a worker whose EP has run a kept call while its caller
+sleeps (a long call: the caller does not poll for its end) writes it, so that the caller's waking, tens of
+microseconds on a virtual machine, overlaps the making of the reply, which the caller then polls for. An eventfd,
+not the doorbell: a unix socket's wake-up is a "sync" one, which puts the woken thread on the waker's CPU, where
+it competed with the framing (tried: shufflenet +73 µs per run); an eventfd's is not (paired against waking on
+the reply: squeezenet -56 µs per run, 33 of 40 blocks; shufflenet -57, 29 of 40). An old client, which takes
+one descriptor, has the kernel drop the second. What a peer writes into a slot is read once (its length checked
+against the slot, the frame copied out before it is parsed): a client scribbling in its own slots can only spoil
+its own calls.
 """
 from __future__ import annotations
 
@@ -70,9 +77,9 @@ class Slots:
     Used by the connection's one thread."""
 
     __slots__ = ("_map", "_bytes", "_words", "_out", "_in", "_count_in", "_asleep_out", "_sent", "_taken",
-                 "_sock", "socket_next")
+                 "_sock", "socket_next", "wake")
 
-    def __init__(self, mapping: mmap.mmap, sock, worker: bool):
+    def __init__(self, mapping: mmap.mmap, sock, worker: bool, wake: int | None = None):
         self._map = mapping
         self._bytes = memoryview(mapping)  # slices of it copy nothing (an mmap's slices are new bytes)
         self._words = self._bytes.cast("Q")
@@ -82,6 +89,14 @@ class Slots:
         self._sock = sock
         self._sent = self._taken = 0  # the slots are new: neither side has written yet
         self.socket_next = False  # the next frame goes on the socket (it follows descriptors sent there)
+        self.wake = wake  # the early wake's eventfd (see above; None: none), owned by these slots
+
+    def wake_early(self) -> bool:
+        """The worker's EP has run for the call being answered: wake the caller now if it sleeps (True)."""
+        if self.wake is not None and self._words[self._asleep_out]:
+            os.eventfd_write(self.wake, 1)
+            return True
+        return False
 
     def put(self, data) -> bool:
         """Write a frame (header and payload, bytes-like) for the peer; False where it goes on the socket
@@ -141,3 +156,6 @@ class Slots:
         self._words.release()
         self._bytes.release()
         self._map.close()
+        if self.wake is not None:
+            os.close(self.wake)
+            self.wake = None

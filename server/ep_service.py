@@ -86,7 +86,7 @@ class EpService(Servicer):
     def compute_kept(self, request: KeptRequest, call):
         """A kept call repeated (server/kept_calls.py) -> a KeptReply, or a whole ComputeResponse where an output
         is not of its kept type and shape."""
-        kept, payload, written = request
+        kept, payload, written, ran = request
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
@@ -101,6 +101,8 @@ class EpService(Servicer):
             outputs = info.compute(inputs, allocator, keep, into=into)
         else:
             into, outputs = None, info.compute(inputs, allocator, keep)
+        if ran is not None and ran():
+            counts["early_wakes"] = 1
         arrays = kept.output_arrays(outputs)
         if arrays is None:
             return self._reply(client, outputs, allocator, keep, kept.inline_limit, into,

@@ -197,7 +197,8 @@ class LaneServer:
                     raise EpInvalidArgument("a KEPT_WRITING frame goes through the connection's slots, not its "
                                             "socket")
                 written = functools.partial(_inputs_written, reader, peer.slots.taken, deadline)
-            self._dispatch(call.method, (call, frame.payload, written), peer.client_id, deadline, lane=True,
+            ran = peer.slots.wake_early if peer.slots is not None else None
+            self._dispatch(call.method, (call, frame.payload, written, ran), peer.client_id, deadline, lane=True,
                            handler=self._kept[call.method], respond=respond)
         except FrameError:
             raise  # what the connection carries next cannot be trusted: it is closed (_serve)
@@ -254,21 +255,28 @@ def _inputs_written(reader: FrameReader, count: int, deadline: float | None) -> 
 
 
 def _grant_slots(conn: socket.socket) -> "lane_slots.Slots | None":
-    """Make a connection's slots and answer its ticket with them; None (nothing sent) where they cannot be
-    made: the lane still works, its frames on the socket."""
+    """Make a connection's slots and its early wake, and answer its ticket with them; None (nothing sent) where
+    they cannot be made: the lane still works, its frames on the socket."""
     try:
         fd, mapping = lane_slots.create()
     except OSError as e:
         log.warning("fast lane: no shared slots for a connection (%s); its frames go on the socket", e.strerror or e)
         return None
     try:
-        socket.send_fds(conn, [TICKET_OK], [fd])
+        wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    except OSError:
+        os.close(fd)
+        mapping.close()
+        raise
+    try:
+        socket.send_fds(conn, [TICKET_OK], [fd, wake])
     except OSError:
         mapping.close()
+        os.close(wake)
         raise
     finally:
         os.close(fd)
-    return lane_slots.Slots(mapping, conn, worker=True)
+    return lane_slots.Slots(mapping, conn, worker=True, wake=wake)
 
 
 def _drain(conn: socket.socket, packets: int = 64) -> None:

@@ -628,6 +628,53 @@ def test_a_reader_keeps_how_long_each_call_waits_apart():
         b.close()
 
 
+def test_a_caller_asleep_through_a_long_call_is_woken_early_and_polls_for_the_reply():
+    """The early wake (ephost/lane_slots.py): a caller asleep through a long call is woken by the worker as its
+    EP finishes, and is awake (polling: its `asleep` word down) when the reply is written a little later;
+    without the wake it is still asleep then."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd, mapping = lane_slots.create()
+    wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    writer = lane_slots.Slots(mapping, a, worker=True, wake=wake)
+    mine = lane_slots.Slots(lane_slots.adopt(fd), b, worker=False, wake=os.dup(wake))
+    reader = FrameReader(b, spin_s=0.1, expect=True, slots=mine)
+    words = memoryview(mapping).cast("Q")  # the test's look at the reply slot's `asleep` word
+    asleep = lane_slots.SLOT // 8 + lane_slots.ASLEEP
+    compute = METHODS["Ep/Compute"].id
+
+    def read(early: bool) -> bool:
+        """Whether the reader slept when a reply written 0.3 s into its read was (0.28 s in: the early wake)."""
+        at_the_end = []
+
+        def send():
+            time.sleep(0.28)
+            if early:
+                writer.wake_early()
+            time.sleep(0.02)  # the reply is being made
+            at_the_end.append(words[asleep])
+            send_frame(a, compute, 0, 0.0, b"reply", writer)
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        try:
+            assert bytes(reader.read("long").payload) == b"reply"
+        finally:
+            thread.join()
+        return bool(at_the_end[0])
+
+    try:
+        read(early=False)  # a long wait: the next reads sleep through
+        assert read(early=False), "without the early wake, asleep when the reply is written"
+        assert not read(early=True), "woken as the EP finished: polling when the reply is written"
+        assert read(early=False), "the wake was taken: the next read sleeps again"
+    finally:
+        words.release()
+        writer.close()
+        mine.close()
+        a.close()
+        b.close()
+
+
 def test_how_long_each_end_spins_is_a_registration_option():
     def worker_command(env, name):
         with open(f"/proc/{env.registration(name).process.pid}/cmdline", "rb") as f:
@@ -679,6 +726,43 @@ def test_a_steady_stream_of_small_runs_travels_as_kept_calls(ort_env):
                 y += 1  # outputs are the caller's, writable, as ORT's are
     finally:
         ort_env.unregister_execution_provider_library("ort_unkept")
+
+
+def _slow_model(steps: int = 8, n: int = 512):
+    """A model whose run takes milliseconds (a chain of 64x512 by 512x512 MatMuls), far past a caller's spin."""
+    from onnx import TensorProto, helper, numpy_helper
+    weights = numpy_helper.from_array(np.full((n, n), 1.0 / n, np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", "w"], [f"h{i + 1}" if i + 1 < steps else "y"],
+                              name=f"mm{i}") for i in range(steps)]
+    graph = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, n])], [weights])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_a_caller_asleep_through_a_long_kept_call_is_woken_as_the_ep_finishes(ort_env):
+    """The early wake (ephost/lane_slots.py), end to end: a caller sleeps through a kept call that runs for
+    milliseconds, and the worker wakes it as its EP finishes (`early_wakes`, among `kept_calls`); the results
+    are those of gRPC, which has no such wake. Frames on the socket only (no slots) have none either."""
+    ort_env.register_execution_provider_library("ort_socket", "onnxruntime", {"intra_op_num_threads": "1",
+                                                                              "fast_lane_slots": "false"})
+    x = np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32)
+    try:
+        results = {}
+        for registration in ("ort", "ort_grpc", "ort_socket"):
+            before = worker_stats(ort_env, registration)
+            with InferenceSession(_slow_model(), options_for(ort_env, registration), env=ort_env) as s:
+                results[registration] = [s.run(None, {"x": x * k})[0] for k in range(12)]
+            after = worker_stats(ort_env, registration)
+            kept, woken = after.kept_calls - before.kept_calls, after.early_wakes - before.early_wakes
+            if registration == "ort":
+                assert kept == 11 and woken >= 8, (kept, woken)  # the caller spins through its first long call
+            else:
+                assert woken == 0, registration
+        for k in range(12):
+            np.testing.assert_allclose(results["ort"][k], results["ort_grpc"][k], rtol=1e-5)
+            np.testing.assert_allclose(results["ort"][k], results["ort_socket"][k], rtol=1e-5)
+    finally:
+        ort_env.unregister_execution_provider_library("ort_socket")
 
 
 def test_a_kept_call_whose_outputs_change_shape_gets_the_whole_reply(ort_env):
