@@ -36,7 +36,8 @@ from onnx import TensorProto, helper
 import ephost
 from ephost import DeviceMemoryType, InferenceSession, Tensor
 from ephost.run_command import bundled_input, bundled_model
-from bench.session_overhead import SESSION_CONFIG, in_process_session, interleaved, options_for, tiny_model
+from bench.session_overhead import (SESSION_CONFIG, in_process_session, interleaved, interleaved_blocks, medians,
+                                    options_for, paired_ratio, tiny_model)
 
 CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
 # The fast lane as it is (frames through shared slots, small Computes repeated as kept calls), the fast lane
@@ -131,7 +132,8 @@ def chain(blocks: int, per_block: int, nodes: int = 60) -> None:
 
 
 def cnns(env, blocks: int, per_block: int) -> None:
-    print("\nCNNs from the onnx package, ORT CPU EP: median per run, out of process / in process\n")
+    print("\nCNNs from the onnx package, ORT CPU EP: median per run, and out of process / in process (the median of "
+          "the ratios of each round's two blocks)\n")
     ways = ("lane", "socket", "grpc")
     print("| model | in process | " + " | ".join(LABELS[k] for k in ways) + " | " +
           " | ".join(f"{LABELS[k]} / in" for k in ways) + " |")
@@ -145,10 +147,12 @@ def cnns(env, blocks: int, per_block: int) -> None:
                         for k in ways}
             (arg,) = sessions["lane"].get_inputs()
             feeds = {arg.name: bundled_input(arg)}
-            t = interleaved({"in": lambda: inproc.run(None, feeds),
-                             **{k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()}}, blocks, per_block)
+            rounds = interleaved_blocks({"in": lambda: inproc.run(None, feeds),
+                                         **{k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()}},
+                                        blocks, per_block)
+        t = medians(rounds)
         print(f"| {name} | {t['in'] * 1e3:.2f} ms | " + " | ".join(f"{t[k] * 1e3:.2f} ms" for k in ways) + " | " +
-              " | ".join(f"{t[k] / t['in']:.3f}" for k in ways) + " |")
+              " | ".join(f"{paired_ratio(rounds, k, 'in'):.3f}" for k in ways) + " |")
 
 
 def copies(env, blocks: int, per_block: int) -> None:
@@ -304,5 +308,5 @@ def main(quick: bool = False) -> None:
                                                     {"session_config": CONFIG, **extra})
         tiny(env, blocks, per_block)
         chain(blocks, per_block)
-        cnns(env, blocks, 5 if quick else 20)
+        cnns(env, blocks if quick else 2 * blocks, 5 if quick else 20)  # rounds: the ratio's noise
         copies(env, blocks, per_block)

@@ -1,7 +1,7 @@
 """Time per run of the same model in process (ONNX Runtime) and out of process (ephost, the same EP in a
-worker), measured side by side in one run. The tiny model in hot loops, interleaved in blocks (its overhead per
-call in microseconds, against a hot in-process run); the CNNs alternate run by run, so that the machine's noise
-falls on both alike. Medians and ratios.
+worker), measured side by side in one run: hot loops, interleaved in blocks, so that the machine's noise falls
+on both alike. The tiny model's overhead per call in microseconds, against a hot in-process run; the CNNs' ratio
+of out of process to in process, round by round (paired_ratio). Medians and ratios.
 
 Both sides run ONNX Runtime with the same settings, thread spinning off: with it on, the threads of one side
 spin after each run and take the cores the other side's next run needs, which measures the spinning.
@@ -47,7 +47,14 @@ def side_by_side(fns: dict, runs: int) -> dict[str, float]:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: int) -> dict[str, float]:
-    """Median seconds per call of each fn, run in hot blocks of `per_block` calls, the blocks interleaved.
+    """Median seconds per call of each fn over all its blocks (interleaved_blocks)."""
+    return medians(interleaved_blocks(fns, blocks, per_block))
+
+
+def interleaved_blocks(fns: dict[str, Callable[[], object]], blocks: int,
+                       per_block: int) -> dict[str, list[list[float]]]:
+    """Seconds per call of each fn, block by block, run in hot blocks of `per_block` calls, the blocks
+    interleaved: block i of every fn ran in round i, side by side.
 
     Each block starts with a few calls that are not counted, and the order of the fns turns by one every
     round: the first calls after another fn's block run on caches that block overran (for the CNNs, the first
@@ -56,21 +63,34 @@ def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: in
     for fn in fns.values():
         for _ in range(max(3, per_block // 4)):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[list[float]]] = {name: [] for name in fns}
     clock = time.perf_counter
     order = list(fns)
     warm = max(1, per_block // 10)
     for _ in range(blocks):
         for name in order:
-            fn, block = fns[name], times[name]
+            fn, block = fns[name], []
             for _ in range(warm):
                 fn()
             for _ in range(per_block):
                 start = clock()
                 fn()
                 block.append(clock() - start)
+            times[name].append(block)
         order = order[1:] + order[:1]
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def medians(blocks: dict[str, list[list[float]]]) -> dict[str, float]:
+    """The median of all of each fn's times (interleaved_blocks)."""
+    return {name: statistics.median(t for block in b for t in block) for name, b in blocks.items()}
+
+
+def paired_ratio(blocks: dict[str, list[list[float]]], new: str, base: str) -> float:
+    """The median over rounds of `new`'s block median over `base`'s in the same round (interleaved_blocks): the
+    machine's mood, which moves by several percent from one second to the next on a shared host, falls on both
+    blocks of a round alike, where a ratio of the two overall medians takes in how it moved between them."""
+    return statistics.median(statistics.median(n) / statistics.median(b) for n, b in zip(blocks[new], blocks[base]))
 
 
 def ep_targets(env) -> list[tuple[str, str]]:
@@ -137,8 +157,8 @@ def main(quick: bool = False) -> None:
         print(f"| {t['in process'] * 1e6:.0f} µs | {t['out of process'] * 1e6:.0f} µs | "
               f"{(t['out of process'] - t['in process']) * 1e6:.0f} µs | {t['empty gRPC call'] * 1e6:.0f} µs |")
 
-        print("\nCNNs from the onnx package, median per run (interleaved blocks), out of process / in process with the "
-              "same EP\n")
+        print("\nCNNs from the onnx package, median per run (interleaved blocks), and out of process / in process with "
+              "the same EP (the median of the ratios of each round's two blocks)\n")
         print("| model | EP | in process | out of process | ratio |")
         print("|---|---|---|---|---|")
         for name in CNNS[:2] if quick else CNNS:
@@ -151,9 +171,10 @@ def main(quick: bool = False) -> None:
                     inproc = in_process_session(model, label)
                     # Hot blocks, interleaved, as bench/data_plane.py measures them: run by run, each side would
                     # find its weights evicted by the other's ORT threads, not the hot baseline.
-                    t = interleaved({"in": lambda: inproc.run(None, feeds),
-                                     "out": lambda: session.run(None, feeds)}, 4 if quick else 6, cnn_runs)
+                    rounds = interleaved_blocks({"in": lambda: inproc.run(None, feeds),
+                                                 "out": lambda: session.run(None, feeds)}, 4 if quick else 8, cnn_runs)
+                t = medians(rounds)
                 print(f"| {name} | {label} | {t['in'] * 1e3:.1f} ms | {t['out'] * 1e3:.1f} ms | "
-                      f"{t['out'] / t['in']:.3f} |")
+                      f"{paired_ratio(rounds, 'out', 'in'):.3f} |")
         if len(targets) == 1:
             print("\nOpenVINO: its plugin library reports no device on this machine, so it is not in the table.")

@@ -50,3 +50,20 @@ def test_the_ab_benchs_sign_test_says_how_likely_a_split_of_blocks_is_by_chance(
     assert abs(sign_test(15, 20) - 0.0414) < 1e-3  # 2 * P(X <= 5), X ~ Binomial(20, 1/2)
     assert sign_test(20, 20) == 2 / 2 ** 20
     assert sign_test(0, 1) == 1.0
+
+
+def test_the_cnn_ratios_are_taken_round_by_round_so_the_machines_mood_falls_on_both_sides():
+    """bench's CNN ratios: each round runs every way's block side by side; the ratio is the median of the rounds'
+    ratios, which a host whose speed changes between (or once within) rounds does not move; a ratio of the overall
+    medians would."""
+    from bench.session_overhead import interleaved_blocks, medians, paired_ratio
+    # Out of process 1.04 of in process; the host twice as slow from round 3 on, from just after its in block.
+    rounds = {"in": [[1.0] * 3, [1.0] * 3, [1.0] * 3, [2.0] * 3, [2.0] * 3],
+              "out": [[1.04] * 3, [1.04] * 3, [2.08] * 3, [2.08] * 3, [2.08] * 3]}
+    assert abs(paired_ratio(rounds, "out", "in") - 1.04) < 1e-9
+    t = medians(rounds)
+    assert abs(t["out"] / t["in"] - 2.08) < 1e-9  # what the overall medians make of the same blocks
+    calls = []
+    blocks = interleaved_blocks({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, 10)
+    assert [len(b) for b in blocks["a"]] == [10, 10, 10] and [len(b) for b in blocks["b"]] == [10, 10, 10]
+    assert calls.count("a") == calls.count("b")
