@@ -94,7 +94,10 @@ class Slots:
     def wake_early(self) -> bool:
         """The worker's EP has run for the call being answered: wake the caller now if it sleeps (True)."""
         if self.wake is not None and self._words[self._asleep_out]:
-            os.eventfd_write(self.wake, 1)
+            try:
+                os.eventfd_write(self.wake, 1)
+            except BlockingIOError:  # its count is full (the caller can write it too): a wake is pending anyway
+                pass
             return True
         return False
 

@@ -675,6 +675,27 @@ def test_a_caller_asleep_through_a_long_call_is_woken_early_and_polls_for_the_re
         b.close()
 
 
+def test_an_early_wake_whose_count_the_caller_filled_fails_nothing():
+    """The caller holds the early wake's eventfd too, and can write its count to the full: the worker's wake
+    then finds it full (a wake pending anyway) and goes on, rather than failing the call it answers."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd, mapping = lane_slots.create()
+    wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    writer = lane_slots.Slots(mapping, a, worker=True, wake=wake)
+    mine = lane_slots.Slots(lane_slots.adopt(fd), b, worker=False, wake=os.dup(wake))
+    try:
+        os.eventfd_write(mine.wake, 2 ** 64 - 2)  # the most an eventfd holds
+        assert not writer.wake_early(), "a caller awake is not woken"
+        mine.asleep(True)
+        assert writer.wake_early(), "a caller asleep is (its count full: nothing more to add)"
+        assert os.eventfd_read(mine.wake) == 2 ** 64 - 2
+    finally:
+        writer.close()
+        mine.close()
+        a.close()
+        b.close()
+
+
 def test_how_long_each_end_spins_is_a_registration_option():
     def worker_command(env, name):
         with open(f"/proc/{env.registration(name).process.pid}/cmdline", "rb") as f:
