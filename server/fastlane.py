@@ -256,7 +256,8 @@ def _inputs_written(reader: FrameReader, count: int, deadline: float | None) -> 
 
 def _grant_slots(conn: socket.socket) -> "lane_slots.Slots | None":
     """Make a connection's slots and its early wake, and answer its ticket with them; None (nothing sent) where
-    they cannot be made: the lane still works, its frames on the socket."""
+    the slots cannot be made: the lane still works, its frames on the socket (and without the wake, its caller
+    woken by the reply)."""
     try:
         fd, mapping = lane_slots.create()
     except OSError as e:
@@ -264,15 +265,15 @@ def _grant_slots(conn: socket.socket) -> "lane_slots.Slots | None":
         return None
     try:
         wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    except OSError:
-        os.close(fd)
-        mapping.close()
-        raise
+    except OSError as e:
+        log.warning("fast lane: no early wake for a connection (%s); its caller wakes on the reply", e.strerror or e)
+        wake = None
     try:
-        socket.send_fds(conn, [TICKET_OK], [fd, wake])
+        socket.send_fds(conn, [TICKET_OK], [fd] if wake is None else [fd, wake])
     except OSError:
         mapping.close()
-        os.close(wake)
+        if wake is not None:
+            os.close(wake)
         raise
     finally:
         os.close(fd)
