@@ -1,7 +1,11 @@
 """Paired A/B of two whole stacks: ephost as a git revision has it against the working tree, each stack its own
 application process with its own workers, the two taking turns block by block on one workload.
 
-    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet] [--blocks N] [--per N]
+    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet] [--blocks N] [--per N] [--option KEY=VALUE ...]
+
+`--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
+Compute sent whole; squeezenet so, an A/A of 40 blocks read medians of +38.8 and -3.9 µs per run, the middle
+halves about ±100 µs wide: a CNN's whole calls need several repeats).
 
 A change worth 1% of a run does not show in `bench dataplane` on a shared 2-core machine (its ratios swing by
 0.1-0.2 from run to run); the median of the per-block differences of two stacks running side by side, and in
@@ -19,6 +23,7 @@ the repository root on sys.path (as -m puts it there) would hide.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -47,8 +52,9 @@ def checkout(rev: str, into: str) -> str:
     return package
 
 
-def child(workload: str, per: int) -> None:
-    """One stack: set up, then a block of `per` timed runs for every line read, its median printed."""
+def child(workload: str, per: int, options: dict[str, str]) -> None:
+    """One stack: set up (its EPs registered with `options` too), then a block of `per` timed runs for every line
+    read, its median printed."""
     import numpy as np
     import ephost
     from ephost import InferenceSession
@@ -61,11 +67,11 @@ def child(workload: str, per: int) -> None:
     env = ephost.Environment()
     if workload == "chain":
         for op in ("Relu", "Neg"):
-            env.register_execution_provider_library(op, "reference", {"ops": op})
+            env.register_execution_provider_library(op, "reference", {"ops": op, **options})
         session = InferenceSession(chain_model(60), options_for(env, "Relu", "Neg"), env=env)
         feeds = {"x": np.random.default_rng(1).standard_normal(16).astype(np.float32)}
     else:
-        env.register_execution_provider_library("ort", "onnxruntime", {"session_config": config})
+        env.register_execution_provider_library("ort", "onnxruntime", {"session_config": config, **options})
         model = tiny_model() if workload == "tiny" else bundled_model(workload)[0]
         session = InferenceSession(model, options_for(env, "ort"), env=env)
         (arg,) = session.get_inputs()
@@ -87,19 +93,20 @@ def child(workload: str, per: int) -> None:
     env.close()
 
 
-def compare(rev: str, workload: str, blocks: int, per: int) -> dict:
+def compare(rev: str, workload: str, blocks: int, per: int, options: list[str] = ()) -> dict:
     """Both stacks' medians per block, and where each imported ephost from. Half the blocks are run by stacks
     started base first, half by two new stacks started the other way round: on the chain the stack started
     second ran up to 11 µs per partition call faster than the same code started first (A/A, both pinned alike)."""
     with tempfile.TemporaryDirectory(prefix="ephost-ab-") as scratch:
         package = checkout(rev, scratch)
-        first = _compare(package, scratch, workload, (blocks + 1) // 2, per, ("base", "new"))
-        second = _compare(package, scratch, workload, blocks // 2, per, ("new", "base"))
+        first = _compare(package, scratch, workload, (blocks + 1) // 2, per, ("base", "new"), options)
+        second = _compare(package, scratch, workload, blocks // 2, per, ("new", "base"), options)
     return {"where": first["where"], "medians": {side: first["medians"][side] + second["medians"][side]
                                                  for side in first["medians"]}}
 
 
-def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, order: tuple[str, str]) -> dict:
+def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, order: tuple[str, str],
+             options: list[str]) -> dict:
     """Two stacks started in `order` (the revision's from `package`), taking turns for `blocks` blocks."""
     stacks = {}
     for side in order:
@@ -108,10 +115,16 @@ def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, o
         if side == "base":
             env["PYTHONPATH"] = package
         stacks[side] = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", workload, "--per", str(per)],
+            [sys.executable, os.path.abspath(__file__), "--child", workload, "--per", str(per),
+             *(f"--option={o}" for o in options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=scratch, env=env)
     try:
         where = {side: p.stdout.readline().strip() for side, p in stacks.items()}
+        failed = [side for side, w in where.items() if not w]
+        if failed:
+            for p in stacks.values():
+                p.kill()
+            raise SystemExit(f"bench/ab.py: the {' and the '.join(failed)} stack did not start (see the error above)")
         medians: dict[str, list[float]] = {side: [] for side in stacks}
         for block in range(blocks):
             for side in ("base", "new") if block % 2 else ("new", "base"):  # who goes first turns
@@ -120,9 +133,16 @@ def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, o
                 medians[side].append(float(stacks[side].stdout.readline()))
     finally:
         for p in stacks.values():
-            p.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                p.stdin.close()
             p.wait(timeout=60)
     return {"where": where, "medians": medians}
+
+
+def _option(text: str) -> str:
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return text
 
 
 def sign_test(wins: int, blocks: int) -> float:
@@ -138,22 +158,26 @@ def main(argv=None) -> None:
     parser.add_argument("workload", nargs="?", default="tiny", choices=WORKLOADS)
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--per", type=int, default=0, help="timed runs per block (default: by workload)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", type=_option,
+                        help="a registration option for the workload's EPs, in both stacks (repeatable)")
     parser.add_argument("--child", metavar="WORKLOAD", choices=WORKLOADS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     per = args.per or (300 if (args.child or args.workload) == "tiny" else 20)
     if args.child:
-        child(args.child, per)
+        child(args.child, per, dict(o.split("=", 1) for o in args.option))
         return
     if not args.rev:
         parser.error("name a git revision to compare the working tree with (HEAD: an A/A, the noise)")
-    result = compare(args.rev, args.workload, args.blocks, per)
+    result = compare(args.rev, args.workload, args.blocks, per, args.option)
     base, new = result["medians"]["base"], result["medians"]["new"]
     scale, unit = (1 / 60, "µs per partition call") if args.workload == "chain" else (1, "µs per run")
     diffs = [(n - b) * 1e6 * scale for n, b in zip(new, base)]
     wins = sum(d < 0 for d in diffs)
     quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
     print(f"{args.rev}: ephost from {result['where']['base']}; working tree: {result['where']['new']}")
-    print(f"{args.workload}, {args.blocks} blocks of {per}: {args.rev} {statistics.median(base) * 1e6 * scale:.1f}, "
+    with_options = f" ({', '.join(args.option)})" if args.option else ""
+    print(f"{args.workload}{with_options}, {args.blocks} blocks of {per}: {args.rev} "
+          f"{statistics.median(base) * 1e6 * scale:.1f}, "
           f"working tree {statistics.median(new) * 1e6 * scale:.1f} {unit}; paired difference (working tree - "
           f"{args.rev}) median {statistics.median(diffs):+.1f} (middle half {quartiles[0]:+.1f} to {quartiles[2]:+.1f}), "
           f"the working tree faster in {wins} of {len(diffs)} blocks (sign test p = {sign_test(wins, len(diffs)):.2g})")

@@ -43,6 +43,23 @@ def test_the_ab_bench_runs_a_revisions_stack_beside_the_working_trees():
     assert missing.returncode == 2 and "name a git revision" in missing.stderr
 
 
+def test_the_ab_bench_registers_both_stacks_eps_with_the_options_given():
+    """`--option KEY=VALUE` reaches the registrations of both stacks' EPs: one they refuse fails the run with
+    their error, one they take is named in the result."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ab = [sys.executable, "bench/ab.py", "HEAD", "tiny", "--blocks", "2", "--per", "10"]
+    out = subprocess.run(ab + ["--option", "kept_calls=false"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("tiny (kept_calls=false), 2 blocks of 10: HEAD ")
+    refused = subprocess.run(ab + ["--option", "fast_lane_spin_us=soon"], cwd=root, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 1 and "bad supervision option" in refused.stderr
+    assert refused.stderr.rstrip().endswith("stack did not start (see the error above)")
+    malformed = subprocess.run(ab + ["--option", "kept_calls"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert malformed.returncode == 2 and "is not KEY=VALUE" in malformed.stderr
+
+
 def test_the_ab_benchs_sign_test_says_how_likely_a_split_of_blocks_is_by_chance():
     from bench.ab import sign_test
     assert sign_test(10, 20) == 1.0  # an even split: what a coin gives
