@@ -4,8 +4,9 @@ application process with its own workers, the two taking turns block by block on
     python bench/ab.py REV [tiny|chain|squeezenet|shufflenet] [--blocks N] [--per N] [--option KEY=VALUE ...]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
-Compute sent whole; squeezenet so, an A/A of 40 blocks read medians of +38.8 and -3.9 µs per run, the middle
-halves about ±100 µs wide: a CNN's whole calls need several repeats).
+Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
+±65 µs wide). Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes
+what the lane does (README, "Background load").
 
 A change worth 1% of a run does not show in `bench dataplane` on a shared 2-core machine (its ratios swing by
 0.1-0.2 from run to run); the median of the per-block differences of two stacks running side by side, and in

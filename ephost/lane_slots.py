@@ -24,12 +24,13 @@ weaker (ARM) a reader could see the count before the frame, and without a fence 
 socket carries every frame there.
 
 The worker makes the memfd and hands it over with the ticket's answer, to a client that asked for slots; each
-side maps it. With it goes an eventfd, the *early wake*: a worker whose EP has run a kept call while its caller
-sleeps (a long call: the caller does not poll for its end) writes it, so that the caller's waking, tens of
-microseconds on a virtual machine, overlaps the making of the reply, which the caller then polls for. An eventfd,
-not the doorbell: a unix socket's wake-up is a "sync" one, which puts the woken thread on the waker's CPU, where
-it competed with the framing (tried: shufflenet +73 µs per run); an eventfd's is not (paired against waking on
-the reply: squeezenet -56 µs per run, 33 of 40 blocks; shufflenet -57, 29 of 40). An old client, which takes
+side maps it. With it goes an eventfd, the *early wake*: a worker whose EP has run a Compute (kept or whole)
+while its caller sleeps (a long call: the caller does not poll for its end) writes it, so that the caller's
+waking, tens of microseconds on a virtual machine, overlaps the making of the reply, which the caller then polls
+for (server/rpc.py, Call.ran). An eventfd, not the doorbell: a unix socket's wake-up is a "sync" one, which puts
+the woken thread on the waker's CPU, where it competed with the framing (tried: shufflenet +73 µs per run); an
+eventfd's is not (paired against waking on the reply: squeezenet -56 µs per run for kept calls, 33 of 40 blocks,
+and -101 for whole ones, 33 of 40; shufflenet -57, 29 of 40). An old client, which takes
 one descriptor, has the kernel drop the second. What a peer writes into a slot is read once (its length checked
 against the slot, the frame copied out before it is parsed): a client scribbling in its own slots can only spoil
 its own calls.

@@ -80,13 +80,14 @@ class EpService(Servicer):
                                 "compute_inputs_transferred": len(inputs) - resident,
                                 "compute_input_bytes_resident": bytes_here,
                                 "compute_input_bytes_transferred": bytes_moved, "bytes_inline_in": inline}
+        _ran(call, counts)
         return self._reply(client, outputs, allocator, keep, request.inline_limit, into, request.output_buffers,
                            counts)
 
     def compute_kept(self, request: KeptRequest, call):
         """A kept call repeated (server/kept_calls.py) -> a KeptReply, or a whole ComputeResponse where an output
         is not of its kept type and shape."""
-        kept, payload, written, ran = request
+        kept, payload, written = request
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
@@ -101,8 +102,7 @@ class EpService(Servicer):
             outputs = info.compute(inputs, allocator, keep, into=into)
         else:
             into, outputs = None, info.compute(inputs, allocator, keep)
-        if ran is not None and ran():
-            counts["early_wakes"] = 1
+        _ran(call, counts)
         arrays = kept.output_arrays(outputs)
         if arrays is None:
             return self._reply(client, outputs, allocator, keep, kept.inline_limit, into,
@@ -159,3 +159,10 @@ class EpService(Servicer):
     def OnRunEnd(self, request, call):
         call.client.get("ep", request.ep).on_run_end(request.sync_stream)
         return common_pb2.Empty()
+
+
+def _ran(call, counts: dict[str, int]) -> None:
+    """A Compute's EP has run: its caller woken now where it sleeps for the reply (Call.ran, the fast lane's early
+    wake), and that counted."""
+    if call.ran is not None and call.ran():
+        counts["early_wakes"] = 1

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 # (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True,
-#  respond=callable that sends the reply) -> reply;
+#  respond=callable that sends the reply, ran=the early wake or None) -> reply;
 # raises EpError
 Dispatch = Callable[..., object]
 
@@ -146,12 +146,14 @@ class LaneServer:
         reader = FrameReader(peer.conn, spin_s=self._spin_s, slots=peer.slots)
         dispatch = self._dispatch
         kept = KeptCalls()
+        # A Compute, whole or kept, wakes its caller as its EP finishes where the caller sleeps (lane_slots.py).
+        ran = peer.slots.wake_early if peer.slots is not None else None
         while True:
             frame = reader.read()
             if frame is None:
                 return
             if (frame.method == KEPT or frame.method == KEPT_WRITING) and self._kept:
-                self._serve_kept(peer, frame, kept, reader)
+                self._serve_kept(peer, frame, kept, reader, ran)
                 continue
             method = BY_ID.get(frame.method)
             if method is None:
@@ -172,11 +174,12 @@ class LaneServer:
 
             try:
                 dispatch(method.name, request, peer.client_id, _deadline(frame, method.name), lane=True,
-                         respond=respond)
+                         respond=respond, ran=ran)
             except EpError as e:
                 self._error(peer, frame.method, e.code, str(e), getattr(e, "reason", ""))
 
-    def _serve_kept(self, peer: "_Peer", frame, kept: KeptCalls, reader: FrameReader) -> None:
+    def _serve_kept(self, peer: "_Peer", frame, kept: KeptCalls, reader: FrameReader,
+                    ran: Callable[[], bool] | None) -> None:
         """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed. Of a
         KEPT_WRITING frame, no buffer is read before the caller says its inputs are written."""
         def respond(reply):
@@ -197,9 +200,8 @@ class LaneServer:
                     raise EpInvalidArgument("a KEPT_WRITING frame goes through the connection's slots, not its "
                                             "socket")
                 written = functools.partial(_inputs_written, reader, peer.slots.taken, deadline)
-            ran = peer.slots.wake_early if peer.slots is not None else None
-            self._dispatch(call.method, (call, frame.payload, written, ran), peer.client_id, deadline, lane=True,
-                           handler=self._kept[call.method], respond=respond)
+            self._dispatch(call.method, (call, frame.payload, written), peer.client_id, deadline, lane=True,
+                           handler=self._kept[call.method], respond=respond, ran=ran)
         except FrameError:
             raise  # what the connection carries next cannot be trusted: it is closed (_serve)
         except EpError as e:

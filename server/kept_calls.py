@@ -297,11 +297,10 @@ class KeptCopy:
 
 
 # A kept call repeated, as its handler gets it: (what was kept, the KEPT frame's payload, what to call before
-# any buffer it names is read, what to call as soon as the EP has run). The first (None: nothing to wait for)
-# waits until the caller has written its inputs (a KEPT_WRITING frame), raising EpDeadlineExceeded or
-# FrameError; the second (None: nothing to do) wakes a caller asleep for the reply (the early wake,
-# ephost/lane_slots.py), and says whether it did. A plain tuple: one is made on every run.
-KeptRequest = tuple["KeptCall | KeptCopy", Any, "Callable[[], None] | None", "Callable[[], bool] | None"]
+# any buffer it names is read). The last (None: nothing to wait for) waits until the caller has written its
+# inputs (a KEPT_WRITING frame), raising EpDeadlineExceeded or FrameError. A plain tuple: one is made on every
+# run.
+KeptRequest = tuple["KeptCall | KeptCopy", Any, "Callable[[], None] | None"]
 
 
 # What a call of each method keeps, from its request and reply (None: it does not qualify).

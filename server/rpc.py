@@ -57,6 +57,9 @@ class Call:
     deadline: float | None = None    # time.monotonic() by which the caller stops waiting
     counts: dict[str, int] | None = None  # the worker's counters this call adds to, recorded as it ends
     client_id: str = ""              # as the call named its client ("": none), which admission counts under
+    # What a handler calls as soon as its EP has run, before it makes the reply (None: nothing): a lane call's
+    # early wake (ephost/lane_slots.py), which wakes a caller asleep for the reply and says whether it did.
+    ran: Callable[[], bool] | None = None
 
     def time_remaining(self) -> float | None:
         """Seconds left, capped where threading's waits still take them (a deadline years away is no deadline
@@ -171,16 +174,18 @@ class Dispatcher:
     # --- the one path every call takes ------------------------------------------------------------
 
     def dispatch(self, key: str, request, client_id: str | None, deadline: float | None = None, *,
-                 lane: bool = False, handler: Callable | None = None, respond: Callable | None = None):
+                 lane: bool = False, handler: Callable | None = None, respond: Callable | None = None,
+                 ran: Callable[[], bool] | None = None):
         """Run one call (`lane`: it came on the fast lane; `handler`: another form of the method, admitted and
         counted as the method; `respond(reply)` sends the reply, after which the call is counted and leaves the
-        admission bounds). Returns the reply (an iterator of replies for server-streaming methods, which is
-        accounted while it is iterated); raises EpError, and what `respond` raises."""
+        admission bounds; `ran`: the call's Call.ran). Returns the reply (an iterator of replies for
+        server-streaming methods, which is accounted while it is iterated); raises EpError, and what `respond`
+        raises."""
         method = self.method(key)
         if method.server_streaming:
             return self._stream(method, request, client_id, deadline)
         start = time.perf_counter()
-        call = self._enter(method, client_id, deadline)
+        call = self._enter(method, client_id, deadline, ran)
         try:
             reply = (handler or method.handler)(request, call)
         except BaseException as e:
@@ -226,7 +231,8 @@ class Dispatcher:
             self._record(method, call, time.perf_counter() - start, ok, False)
             self.admission.leave(call.client_id)
 
-    def _enter(self, method: Method, client_id: str | None, deadline: float | None) -> Call:
+    def _enter(self, method: Method, client_id: str | None, deadline: float | None,
+               ran: Callable[[], bool] | None = None) -> Call:
         """Admit a call: refused while draining, bounded per client and for the whole worker; its client."""
         state = self.state
         if state.draining.is_set():  # calls under way finish; new ones are turned away
@@ -234,7 +240,7 @@ class Dispatcher:
         self.admission.enter(client_id or "")
         try:
             return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline,
-                        client_id=client_id or "")
+                        client_id=client_id or "", ran=ran)
         except EpError:
             self.admission.leave(client_id or "")
             raise

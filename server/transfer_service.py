@@ -42,7 +42,7 @@ class DataTransferService(Servicer):
 
     def copy_kept(self, request: KeptRequest, call) -> KeptReply:
         """A kept CopyTensors repeated (server/kept_calls.py) -> an empty reply."""
-        kept, payload, written, _ = request
+        kept, payload, written = request
         client = call.client
         transfer = client.get("data_transfer", kept.data_transfer)
         stream = client.get("stream", kept.stream) if kept.stream else None

@@ -760,16 +760,19 @@ def _slow_model(steps: int = 8, n: int = 512):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-def test_a_caller_asleep_through_a_long_kept_call_is_woken_as_the_ep_finishes(ort_env):
-    """The early wake (ephost/lane_slots.py), end to end: a caller sleeps through a kept call that runs for
-    milliseconds, and the worker wakes it as its EP finishes (`early_wakes`, among `kept_calls`); the results
-    are those of gRPC, which has no such wake. Frames on the socket only (no slots) have none either."""
+def test_a_caller_asleep_through_a_long_compute_is_woken_as_the_ep_finishes(ort_env):
+    """The early wake (ephost/lane_slots.py), end to end: a caller sleeps through a Compute that runs for
+    milliseconds, and the worker wakes it as its EP finishes (`early_wakes`), whether the call is kept or sent
+    whole every time (`kept_calls=false`, as a loop whose shapes change every step sends it); the results are
+    those of gRPC, which has no such wake. Frames on the socket only (no slots) have none either."""
     ort_env.register_execution_provider_library("ort_socket", "onnxruntime", {"intra_op_num_threads": "1",
                                                                               "fast_lane_slots": "false"})
+    ort_env.register_execution_provider_library("ort_whole", "onnxruntime", {"intra_op_num_threads": "1",
+                                                                             "kept_calls": "false"})
     x = np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32)
     try:
         results = {}
-        for registration in ("ort", "ort_grpc", "ort_socket"):
+        for registration in ("ort", "ort_whole", "ort_grpc", "ort_socket"):
             before = worker_stats(ort_env, registration)
             with InferenceSession(_slow_model(), options_for(ort_env, registration), env=ort_env) as s:
                 results[registration] = [s.run(None, {"x": x * k})[0] for k in range(12)]
@@ -777,13 +780,16 @@ def test_a_caller_asleep_through_a_long_kept_call_is_woken_as_the_ep_finishes(or
             kept, woken = after.kept_calls - before.kept_calls, after.early_wakes - before.early_wakes
             if registration == "ort":
                 assert kept == 11 and woken >= 8, (kept, woken)  # the caller spins through its first long call
+            elif registration == "ort_whole":
+                assert kept == 0 and woken >= 8, (kept, woken)
             else:
                 assert woken == 0, registration
         for k in range(12):
-            np.testing.assert_allclose(results["ort"][k], results["ort_grpc"][k], rtol=1e-5)
-            np.testing.assert_allclose(results["ort"][k], results["ort_socket"][k], rtol=1e-5)
+            for registration in ("ort", "ort_whole", "ort_socket"):
+                np.testing.assert_allclose(results[registration][k], results["ort_grpc"][k], rtol=1e-5)
     finally:
         ort_env.unregister_execution_provider_library("ort_socket")
+        ort_env.unregister_execution_provider_library("ort_whole")
 
 
 def test_a_kept_call_whose_outputs_change_shape_gets_the_whole_reply(ort_env):
