@@ -11,6 +11,7 @@ several times over).
   hypervisor and the load);
 - tiny model (one Add on 16 floats, ORT CPU EP): overhead per call over a hot in-process ORT run, and what
   placing both processes on one core, or on two, does to it;
+- the same Add on an input whose shape changes every run (no call repeats, as in a loop whose shapes grow);
 - a 60-node chain whose nodes alternate between two workers (60 partitions): cost per partition call;
 - squeezenet and shufflenet from the onnx package: out-of-process / in-process ratio;
 - CopyTensors of 4 KiB, 64 KiB and 1 MiB between two buffers of a worker: calls per second, and bytes per
@@ -106,6 +107,33 @@ def tiny(env, blocks: int, per_block: int) -> None:
                       f"{(p['lane'] - p['in']) * 1e6:.1f} µs |")
 
 
+def changing(env, blocks: int, per_block: int, sizes: int = 400) -> None:
+    """A loop whose input shape changes every run, as a decoding loop's grows: no call repeats, so none is worth
+    keeping (client/fastlane.py, _Keeping: the lane stops asking its worker to keep such calls)."""
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"], name="add")], "changing",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    xs = [np.ones((1, n), np.float32) for n in range(1, sizes + 1)]
+    inproc = in_process_session(model, "ORT CPU")
+    with contextlib.ExitStack() as stack:
+        sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, f"ort-{k}"), env=env))
+                    for k in ("lane", "unkept", "grpc")}
+        step = dict.fromkeys(("in", *sessions), 0)
+
+        def run(way: str, session) -> None:
+            i = step[way] = (step[way] + 1) % sizes
+            session.run(None, {"x": xs[i]})
+        t = interleaved({"in": lambda: run("in", inproc), **{k: (lambda k=k, s=s: run(k, s))
+                                                             for k, s in sessions.items()}}, blocks, per_block)
+    print(f"\nA loop whose input shape changes every run (one Add on 1 x n floats, n going round {sizes} sizes), "
+          "ORT CPU EP: median per run, and the overhead per call over the in-process run\n")
+    print("| " + " | ".join(LABELS[k] for k in t) + " |")
+    print("|" + "---|" * len(t))
+    print("| " + " | ".join(f"{t[k] * 1e6:.1f} µs" + ("" if k == "in" else f" (+{(t[k] - t['in']) * 1e6:.1f})")
+                            for k in t) + " |")
+
+
 def chain(blocks: int, per_block: int, nodes: int = 60) -> None:
     model = chain_model(nodes)
     x = np.random.default_rng(1).standard_normal(16).astype(np.float32)
@@ -134,7 +162,7 @@ def chain(blocks: int, per_block: int, nodes: int = 60) -> None:
 def cnns(env, blocks: int, per_block: int) -> None:
     print("\nCNNs from the onnx package, ORT CPU EP: median per run, and out of process / in process (the median of "
           "the ratios of each round's two blocks)\n")
-    ways = ("lane", "socket", "grpc")
+    ways = ("lane", "socket", "unkept", "grpc")
     print("| model | in process | " + " | ".join(LABELS[k] for k in ways) + " | " +
           " | ".join(f"{LABELS[k]} / in" for k in ways) + " |")
     print("|---|---|" + "---|---|" * len(ways))
@@ -307,6 +335,7 @@ def main(quick: bool = False) -> None:
             env.register_execution_provider_library(f"ort-{transport}", "onnxruntime",
                                                     {"session_config": CONFIG, **extra})
         tiny(env, blocks, per_block)
+        changing(env, blocks, per_block)
         chain(blocks, per_block)
         cnns(env, blocks if quick else 2 * blocks, 5 if quick else 20)  # rounds: the ratio's noise
         copies(env, blocks, per_block)

@@ -170,6 +170,8 @@ class LaneServer:
             def respond(reply):
                 if method.name in self._kept and request.keep_call:
                     reply.kept_call = kept.keep(method.name, request, reply)
+                    if reply.kept_call:
+                        self._stats.add(calls_kept=1)
                 self._send_reply(peer, frame.method, reply)
 
             try:

@@ -38,7 +38,7 @@ class WorkerStats:
                                        "compute_input_bytes_resident", "compute_input_bytes_transferred",
                                        "files_imported", "file_bytes_imported", "blob_chunks_received",
                                        "blob_bytes_received", "blob_hits", "capability_cache_hits", "kept_calls",
-                                       "early_wakes"), 0)
+                                       "early_wakes", "calls_kept"), 0)
 
     def record_call(self, method: str, seconds: float, ok: bool, lane: bool = False,
                     counts: dict[str, int] | None = None) -> None:

@@ -792,6 +792,65 @@ def test_a_caller_asleep_through_a_long_compute_is_woken_as_the_ep_finishes(ort_
         ort_env.unregister_execution_provider_library("ort_whole")
 
 
+def test_a_kind_of_call_whose_kept_calls_go_unrepeated_is_no_longer_kept_until_a_call_comes_again():
+    """The client's choice of new calls to ask its worker to keep (client/fastlane.py, _Keeping): every one, until
+    MISSES kept calls of one kind in a row went unrepeated; then only a call that comes again while remembered.
+    A kind whose kept calls repeat, and every other kind, are asked for as before."""
+    from ephost.client.fastlane import MISSES, RECENT, _Keeping, _Kept
+    keeping = _Keeping()
+
+    def new_call(kind, key, repeated=False) -> bool:
+        asked = keeping.ask(kind, key)
+        if asked:
+            kept = _Kept(1, [])
+            keeping.kept(kind, kept)
+            kept.used = repeated  # the caller marks a kept call used as it repeats it
+        return asked
+
+    assert all(new_call("steady", ("steady", n), repeated=True) for n in range(3 * MISSES))
+    assert [new_call("growing", ("growing", n)) for n in range(MISSES + 3)] == [True] * MISSES + [False] * 3
+    assert new_call("steady", ("steady", "again"), repeated=True), "another kind is judged apart"
+    assert not new_call("growing", ("growing", 100))
+    assert new_call("growing", ("growing", 100), repeated=True), "a call that came again is kept"
+    assert new_call("growing", ("growing", 101)), "its kept call was repeated: the kind is kept again"
+    for n in range(MISSES):
+        new_call("growing", ("growing", 200 + n))
+    assert not new_call("growing", ("growing", 300))
+    for n in range(RECENT):
+        assert not new_call("growing", ("growing", 400 + n))
+    assert not new_call("growing", ("growing", 300)), "remembered are the last RECENT only"
+
+
+def test_a_loop_whose_shapes_change_every_run_stops_asking_its_worker_to_keep_calls(ort_env):
+    """Keeping a call costs both ends tens of microseconds, repaid only by its repeats: a loop whose input shape
+    changes every run has its worker keep its first MISSES calls (`calls_kept`) and no more; when the loop settles
+    on one shape, that call is kept as it comes again and repeated from then on (`kept_calls`). The results are
+    those of gRPC, which keeps nothing."""
+    from onnx import TensorProto, helper
+    from ephost.client.fastlane import MISSES
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"], name="double")], "dyn",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    growing = [np.arange(n, dtype=np.float32).reshape(1, n) for n in range(1, 13)]
+    settled = [np.full((1, 20), k, np.float32) for k in range(10)]
+    for registration, lane in (("ort", True), ("ort_grpc", False)):
+        before = worker_stats(ort_env, registration)
+        with InferenceSession(model, options_for(ort_env, registration), env=ort_env) as s:
+            for x in growing:
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], 2 * x)
+            middle = worker_stats(ort_env, registration)
+            for x in settled:
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], 2 * x)
+        after = worker_stats(ort_env, registration)
+        if lane:
+            assert (middle.calls_kept - before.calls_kept, middle.kept_calls - before.kept_calls) == (MISSES, 0)
+            # the settled shape: seen once, kept as it came again, repeated in the 8 runs after
+            assert (after.calls_kept - middle.calls_kept, after.kept_calls - middle.kept_calls) == (1, 8)
+        else:
+            assert after.calls_kept == before.calls_kept and after.kept_calls == before.kept_calls
+
+
 def test_a_kept_call_whose_outputs_change_shape_gets_the_whole_reply(ort_env):
     """The same input shape can make outputs of another shape (NonZero): the worker answers such a kept call
     with the whole reply, and the call stays kept for the runs after it. (Over either transport: ORT kept the

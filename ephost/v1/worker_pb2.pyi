@@ -118,7 +118,7 @@ class MethodStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., errors: _Optional[int] = ..., total_s: _Optional[float] = ..., max_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "partitions_compiled", "partitions_restored", "compute_input_bytes_resident", "compute_input_bytes_transferred", "files_imported", "file_bytes_imported", "blob_chunks_received", "blob_bytes_received", "blob_hits", "capability_cache_hits", "partitions_shared", "kept_calls", "early_wakes")
+    __slots__ = ("methods", "bytes_copied", "bytes_inline_in", "bytes_inline_out", "buffers_live", "clients", "copies", "compute_inputs_resident", "compute_inputs_transferred", "compute_outputs_in_place", "compute_outputs_copied", "fast_lane_calls", "fast_lane_connections", "partitions_compiled", "partitions_restored", "compute_input_bytes_resident", "compute_input_bytes_transferred", "files_imported", "file_bytes_imported", "blob_chunks_received", "blob_bytes_received", "blob_hits", "capability_cache_hits", "partitions_shared", "kept_calls", "early_wakes", "calls_kept")
     class MethodsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class WorkerStats(_message.Message):
     PARTITIONS_SHARED_FIELD_NUMBER: _ClassVar[int]
     KEPT_CALLS_FIELD_NUMBER: _ClassVar[int]
     EARLY_WAKES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_KEPT_FIELD_NUMBER: _ClassVar[int]
     methods: _containers.MessageMap[str, MethodStats]
     bytes_copied: int
     bytes_inline_in: int
@@ -178,7 +179,8 @@ class WorkerStats(_message.Message):
     partitions_shared: int
     kept_calls: int
     early_wakes: int
-    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., partitions_compiled: _Optional[int] = ..., partitions_restored: _Optional[int] = ..., compute_input_bytes_resident: _Optional[int] = ..., compute_input_bytes_transferred: _Optional[int] = ..., files_imported: _Optional[int] = ..., file_bytes_imported: _Optional[int] = ..., blob_chunks_received: _Optional[int] = ..., blob_bytes_received: _Optional[int] = ..., blob_hits: _Optional[int] = ..., capability_cache_hits: _Optional[int] = ..., partitions_shared: _Optional[int] = ..., kept_calls: _Optional[int] = ..., early_wakes: _Optional[int] = ...) -> None: ...
+    calls_kept: int
+    def __init__(self, methods: _Optional[_Mapping[str, MethodStats]] = ..., bytes_copied: _Optional[int] = ..., bytes_inline_in: _Optional[int] = ..., bytes_inline_out: _Optional[int] = ..., buffers_live: _Optional[int] = ..., clients: _Optional[int] = ..., copies: _Optional[int] = ..., compute_inputs_resident: _Optional[int] = ..., compute_inputs_transferred: _Optional[int] = ..., compute_outputs_in_place: _Optional[int] = ..., compute_outputs_copied: _Optional[int] = ..., fast_lane_calls: _Optional[int] = ..., fast_lane_connections: _Optional[int] = ..., partitions_compiled: _Optional[int] = ..., partitions_restored: _Optional[int] = ..., compute_input_bytes_resident: _Optional[int] = ..., compute_input_bytes_transferred: _Optional[int] = ..., files_imported: _Optional[int] = ..., file_bytes_imported: _Optional[int] = ..., blob_chunks_received: _Optional[int] = ..., blob_bytes_received: _Optional[int] = ..., blob_hits: _Optional[int] = ..., capability_cache_hits: _Optional[int] = ..., partitions_shared: _Optional[int] = ..., kept_calls: _Optional[int] = ..., early_wakes: _Optional[int] = ..., calls_kept: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("grace_s",)
