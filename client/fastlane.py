@@ -250,9 +250,9 @@ class FastLane:
         input types and shapes; a copy's data transfer, ...: _Keeping judges kinds), `parts` are what a repeat
         carries (the handles of the buffers it names, the inputs' bytes: `nbytes` in all) and `request_of()` the
         whole request. The first call on a connection sends the request, asking the worker to keep it (unless
-        calls of its kind do not repeat: _Keeping); the next send only the parts. `write()` writes large inputs into the buffers the call names (once, however often
-        it is called; `request_of()` calls it too): a repeat through the slots goes first (KEPT_WRITING), so that
-        the worker reads the call while they are written. Returns what comes back (_Kept.arrays: a Compute's
+        calls of its kind do not repeat: _Keeping); the next send only the parts. `write()` writes large inputs
+        into the buffers the call names (once, however often it is called; `request_of()` calls it too): a repeat
+        through the slots goes first (KEPT_WRITING), so that the worker reads the call while they are written. Returns what comes back (_Kept.arrays: a Compute's
         outputs as arrays over the reply, no copy, and a Placed for each left in the worker) where the reply is a
         kept call's, else the reply."""
         conn = self._connection()
