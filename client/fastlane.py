@@ -256,7 +256,7 @@ class FastLane:
         outputs as arrays over the reply, no copy, and a Placed for each left in the worker) where the reply is a
         kept call's, else the reply."""
         conn = self._connection()
-        kind, key = (method.id, key[0]), (method.id, key)
+        key = (method.id, key)
         kept = conn.kept.get(key, _UNKEPT)
         if kept is None:  # the worker would not keep it
             return self.call(method, request_of(), timeout)
@@ -271,6 +271,7 @@ class FastLane:
                 if frame.method == KEPT:
                     return kept.arrays(frame.payload)
                 return method.reply.FromString(frame.payload)  # outputs of other types or shapes: the whole reply
+        kind = (method.id, key[1][0])  # the method and the caller's key's first element; a repeat needs none
         if not conn.keeping.ask(kind, key):  # this kind of call does not repeat
             return self.call(method, request_of(), timeout)
         request = request_of()
