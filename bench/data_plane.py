@@ -78,10 +78,7 @@ def tiny(env, blocks: int, per_block: int) -> None:
         t = interleaved(fns, blocks, per_block)
         print("Tiny model (one Add on 16 floats), ORT CPU EP: median per run, hot loops in interleaved blocks, "
               "and the overhead per call over the in-process run\n")
-        print("| " + " | ".join(LABELS[k] for k in t) + " |")
-        print("|" + "---|" * len(t))
-        print("| " + " | ".join(f"{t[k] * 1e6:.1f} µs" + ("" if k == "in" else f" (+{(t[k] - t['in']) * 1e6:.1f})")
-                                for k in t) + " |")
+        _overheads(t)
 
         # Placement: both processes on one core, or each on its own (this machine has os.cpu_count() CPUs).
         worker = env.registration("ort-lane").process.pid
@@ -110,10 +107,7 @@ def tiny(env, blocks: int, per_block: int) -> None:
 def changing(env, blocks: int, per_block: int, sizes: int = 400) -> None:
     """A loop whose input shape changes every run, as a decoding loop's grows: no call repeats, so none is worth
     keeping (client/fastlane.py, _Keeping: the lane stops asking its worker to keep such calls)."""
-    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"], name="add")], "changing",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "n"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = tiny_model("n")
     xs = [np.ones((1, n), np.float32) for n in range(1, sizes + 1)]
     inproc = in_process_session(model, "ORT CPU")
     with contextlib.ExitStack() as stack:
@@ -128,6 +122,11 @@ def changing(env, blocks: int, per_block: int, sizes: int = 400) -> None:
                                                              for k, s in sessions.items()}}, blocks, per_block)
     print(f"\nA loop whose input shape changes every run (one Add on 1 x n floats, n going round {sizes} sizes), "
           "ORT CPU EP: median per run, and the overhead per call over the in-process run\n")
+    _overheads(t)
+
+
+def _overheads(t: dict[str, float]) -> None:
+    """A table row of each way's median per run, and its overhead over the in-process run's."""
     print("| " + " | ".join(LABELS[k] for k in t) + " |")
     print("|" + "---|" * len(t))
     print("| " + " | ".join(f"{t[k] * 1e6:.1f} µs" + ("" if k == "in" else f" (+{(t[k] - t['in']) * 1e6:.1f})")

@@ -26,10 +26,11 @@ CNNS = ["resnet50", "squeezenet", "shufflenet", "inception_v1", "densenet121"]
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 
 
-def tiny_model() -> onnx.ModelProto:
+def tiny_model(width: int | str = 16) -> onnx.ModelProto:
+    """One Add on 1 x `width` floats (a name: a symbolic dimension, the input's shape free to change)."""
     from onnx import TensorProto, helper
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])
     graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"], name="add")], "tiny", [x], [y])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
