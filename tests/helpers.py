@@ -109,14 +109,32 @@ def make_env(transport: str = "fast_lane") -> ephost.Environment:
 # sample does not depend on the order onnx lists them) and asserts every property on it; `make conformance`
 # (EPHOST_NODE_CASES=all) runs all of them and also asserts the counts the README quotes.
 ALL_NODE_CASES = os.environ.get("EPHOST_NODE_CASES", "sample") == "all"
+# Ops that draw at random: without a seed, a case's expected output is one draw (onnx makes it anew from numpy's
+# unseeded generator each time it lists its cases), and a run passes only where its own draw is the same.
+RANDOM_OPS = frozenset({"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                        "RandomUniformLike"})
 
 
 def node_cases() -> list:
+    """The ONNX node cases (the sample, or all of them), but those whose expected output is a random draw: any
+    engine passes those by luck (test_bernoulli_double passed the reference evaluator in this process once, and
+    so was expected to pass through a worker too, where its draw differed: a red suite), and they tell nothing
+    of how ephost carries a model."""
     import warnings
     import zlib
 
     from onnx.backend.test.case.node import collect_testcases
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        every = collect_testcases(None)
+        every = [c for c in collect_testcases(None) if not _drawn_at_random(c.model.graph)]
     return every if ALL_NODE_CASES else [c for c in every if zlib.crc32(c.name.encode()) % 4 == 0]
+
+
+def _drawn_at_random(graph) -> bool:
+    """Whether a node of the graph (or of a graph it holds) draws at random without a seed."""
+    for node in graph.node:
+        if node.op_type in RANDOM_OPS and not any(a.name == "seed" for a in node.attribute):
+            return True
+        if any(_drawn_at_random(g) for a in node.attribute for g in (a.g, *a.graphs) if g.node):
+            return True
+    return False
