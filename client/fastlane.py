@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 import weakref
 from typing import Any, Callable, Hashable, NamedTuple
@@ -28,7 +29,7 @@ from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermission
 from ephost.fastlane import (KEPT, KEPT_ID, KEPT_WRITING, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK,
                              FrameError, FrameReader, Method, configure, decode_error, put_parts, send_parts)
 from ephost.lane_slots import Slots
-from ephost.types import checked_desc
+from ephost.types import checked_desc, nbytes_of
 from ephost.wire import SPIN_S
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,10 @@ class _Kept:
         if method is not COMPUTE:
             return cls(reply.kept_call, [])
         into, keep = request.output_buffers, frozenset(request.keep)
-        return cls(reply.kept_call, [(*checked_desc(v.tensor.desc), i in keep) for i, v in enumerate(reply.outputs)
-                                     if i not in into])
+        outputs = [(*checked_desc(v.tensor.desc), i in keep) for i, v in enumerate(reply.outputs) if i not in into]
+        if request.keep_shapes:
+            return _ShapedKept(reply.kept_call, [(len(shape), dtype, left) for shape, dtype, _, left in outputs])
+        return cls(reply.kept_call, outputs)
 
     def arrays(self, payload) -> list:
         """The outputs that come back, in order: arrays over a KEPT reply's payload, and a Placed for each
@@ -97,6 +100,49 @@ class _Kept:
         return arrays
 
 
+class _ShapedKept(_Kept):
+    """A call the worker kept with `keep_shapes`: the types and ranks of the outputs that come back, in order
+    (inline, or left in the worker: True); each reply says their dimensions first (ephost/fastlane.py)."""
+
+    __slots__ = ("_dims",)
+
+    def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
+        self.id_bytes = KEPT_ID.pack(kid)
+        self.outputs = outputs
+        self.placed = sum(1 for *_, left in outputs if left)
+        self.nbytes = None  # each reply's own
+        self.used = False
+        self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in outputs)}Q")
+
+    def arrays(self, payload) -> list:
+        dims = self._dims
+        size = len(payload)
+        if size < dims.size:
+            raise EpInternal(f"the worker answered a kept call with {size} bytes, fewer than its outputs' "
+                             "dimensions take")
+        values = dims.unpack_from(payload)
+        descs, at, inline = [], 0, 0
+        for rank, dtype, left in self.outputs:
+            shape = values[at:at + rank]
+            at += rank
+            nbytes = nbytes_of(shape, dtype)
+            descs.append((shape, nbytes))
+            inline += 0 if left else nbytes
+        records = dims.size + inline
+        if size != records + PLACED.size * self.placed:
+            raise EpInternal(f"the worker answered a kept call with {size} bytes, not the "
+                             f"{records + PLACED.size * self.placed} its outputs' dimensions make")
+        arrays, offset = [], dims.size
+        for (shape, nbytes), (_, dtype, left) in zip(descs, self.outputs):
+            if left:
+                arrays.append(Placed(shape, dtype, nbytes, *PLACED.unpack_from(payload, records)))
+                records += PLACED.size
+            else:
+                arrays.append(np.ndarray(shape, dtype, payload, offset))
+                offset += nbytes
+        return arrays
+
+
 _UNKEPT = object()
 
 MISSES = 4                # kept calls of a kind let go unrepeated in a row, after which its new calls are kept
@@ -110,9 +156,10 @@ class _Keeping:
     repaid only by the call's repeats (a loop whose input shape changes every run: 139 µs per run against 104 with
     `kept_calls=false`, the tiny model). Every new call is asked to keep until MISSES kept calls of one kind (a
     partition's Computes, a data transfer's copies) in a row were let go unrepeated, as every step of a loop whose
-    shapes grow makes them; from then on a new call of that kind is kept only when it comes again while still
-    remembered (the last RECENT of its kind), as the calls of a loop that settles into a few shapes do. Used by the
-    connection's one thread."""
+    shapes grow makes them; from then on a new call of that kind is kept with `keep_shapes` where it can be (a
+    Compute writing into no buffer of the caller's: FastLane.call_kept), so that the loop's later steps repeat it
+    whatever their shapes, and otherwise only when it comes again while still remembered (the last RECENT of its
+    kind), as the calls of a loop that settles into a few shapes do. Used by the connection's one thread."""
 
     __slots__ = ("_kinds",)
 
@@ -244,7 +291,8 @@ class FastLane:
         return method.reply.FromString(frame.payload)
 
     def call_kept(self, method: Method, key: Hashable, parts: list, nbytes: int, request_of: Callable[[], Any],
-                  timeout: float, write: Callable[[], None] | None = None):
+                  timeout: float, write: Callable[[], None] | None = None,
+                  shaped: Callable[[Hashable], tuple[Hashable, bytes]] | None = None):
         """A Compute or CopyTensors this thread repeats (ephost/fastlane.py, kept calls). `key` says what makes
         it the same call, its first element what kind of call it is (a Compute's partition, then its allocator,
         input types and shapes; a copy's data transfer, ...: _Keeping judges kinds), `parts` are what a repeat
@@ -252,35 +300,66 @@ class FastLane:
         whole request. The first call on a connection sends the request, asking the worker to keep it (unless
         calls of its kind do not repeat: _Keeping); the next send only the parts. `write()` writes large inputs
         into the buffers the call names (once, however often it is called; `request_of()` calls it too): a repeat
-        through the slots goes first (KEPT_WRITING), so that the worker reads the call while they are written. Returns what comes back (_Kept.arrays: a Compute's
-        outputs as arrays over the reply, no copy, and a Placed for each left in the worker) where the reply is a
-        kept call's, else the reply."""
+        through the slots goes first (KEPT_WRITING), so that the worker reads the call while they are written.
+        `shaped(key)`, where the call may be kept with `keep_shapes` (a Compute writing into no buffer of the
+        caller's): the key without the inputs' shapes, and the inputs' dimensions packed as a repeat carries them;
+        a kind of call whose kept calls go unrepeated (_Keeping) is kept so, and repeats whatever its shapes.
+        Returns what comes back (_Kept.arrays: a Compute's outputs as arrays over the reply, no copy, and a Placed
+        for each left in the worker) where the reply is a kept call's, else the reply."""
         conn = self._connection()
         key = (method.id, key)
         kept = conn.kept.get(key, _UNKEPT)
         if kept is None:  # the worker would not keep it
             return self.call(method, request_of(), timeout)
         if kept is not _UNKEPT:
-            kept.used = True
-            try:
-                frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
-                                       timeout, key, write)
-            except EpUnknownKeptCall:  # the worker let it go: the whole request again, asking to keep it
-                del conn.kept[key]
-            else:
-                if frame.method == KEPT:
-                    return kept.arrays(frame.payload)
-                return method.reply.FromString(frame.payload)  # outputs of other types or shapes: the whole reply
+            result = self._repeat(conn, key, kept, method, parts, nbytes, timeout, write)
+            if result is not _UNKEPT:
+                return result
+        general = None
+        if shaped is not None:
+            general, dims = shaped(key[1])
+            general = (method.id, general)
+            kept = conn.kept.get(general, _UNKEPT)
+            if kept is None:  # the worker would not keep it so
+                general = None
+            elif kept is not _UNKEPT:
+                result = self._repeat(conn, general, kept, method, [dims, *parts], len(dims) + nbytes, timeout,
+                                      write)
+                if result is not _UNKEPT:
+                    return result
         kind = (method.id, key[1][0])  # the method and the caller's key's first element; a repeat needs none
-        if not conn.keeping.ask(kind, key):  # this kind of call does not repeat
-            return self.call(method, request_of(), timeout)
-        request = request_of()
+        if conn.keeping.ask(kind, key):
+            return self._keep(conn, key, method, request_of(), timeout, kind)
+        if general is not None:  # this kind of call does not repeat its shapes: kept whatever they are
+            request = request_of()
+            request.keep_shapes = True
+            return self._keep(conn, general, method, request, timeout)
+        return self.call(method, request_of(), timeout)
+
+    def _repeat(self, conn: _Connection, key: Hashable, kept: _Kept, method: Method, parts: list, nbytes: int,
+                timeout: float, write: Callable[[], None] | None):
+        """A kept call repeated: what came back (see call_kept), or _UNKEPT where the worker let it go (then it
+        is forgotten here too, and the caller sends the whole request again, asking to keep it)."""
+        kept.used = True
+        try:
+            frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
+                                   timeout, key, write)
+        except EpUnknownKeptCall:
+            del conn.kept[key]
+            return _UNKEPT
+        if frame.method == KEPT:
+            return kept.arrays(frame.payload)
+        return method.reply.FromString(frame.payload)  # outputs of other types or shapes: the whole reply
+
+    def _keep(self, conn: _Connection, key: Hashable, method: Method, request, timeout: float,
+              kind: Hashable = None):
+        """A new call, the worker asked to keep it: its reply."""
         request.keep_call = True
         reply = self.call(method, request, timeout)
         if len(conn.kept) >= MAX_KEPT:
             del conn.kept[next(iter(conn.kept))]  # the oldest (the worker lets its oldest go too)
         kept = conn.kept[key] = _Kept.of(method, request, reply) if reply.kept_call else None
-        if kept is not None:
+        if kept is not None and kind is not None:
             conn.keeping.kept(kind, kept)
         return reply
 

@@ -34,6 +34,16 @@ def _compute_of(conn):
     return conn.ep.Compute
 
 
+def _general(key: tuple) -> tuple[tuple, bytes]:
+    """A kept Compute's key (RemoteComputeInfo._compute_kept's, with no output written into a buffer of the
+    caller's) without the inputs' shapes, their ranks instead; and their dimensions as a repeat of a call kept
+    with `keep_shapes` carries them."""
+    partition, allocator, layout, _, placed = key
+    dims = [d for shape, *_ in layout for d in shape]
+    return ((partition, allocator, tuple((len(shape), *rest) for shape, *rest in layout), placed),
+            struct.pack(f"<{len(dims)}Q", *dims))
+
+
 class RemoteComputeInfo(RemoteHandle):
     """A partition compiled in a worker. Values it makes stay in the worker's memory (mapped here when it is
     shared); values that already live in that worker are handed back by handle, without a copy."""
@@ -127,7 +137,8 @@ class RemoteComputeInfo(RemoteHandle):
         placed = tuple(i for i in keep if i not in targets) if keep else ()
         staged, write = {}, None
         if large:
-            staged = dict(zip(large, self._staging.buffers(layout, [inputs[i].nbytes for i in large])))
+            kinds = tuple((len(layout[i][0]), layout[i][1]) for i in large)  # a loop's shapes change, their kinds not
+            staged = dict(zip(large, self._staging.buffers(kinds, [inputs[i].nbytes for i in large])))
             pending = [(buffer, inputs[i]) for i, buffer in staged.items()]
 
             def write():  # written once, whichever path asks first (the lane overlaps it with the worker's reading)
@@ -150,8 +161,8 @@ class RemoteComputeInfo(RemoteHandle):
                 write()
             return self._request(inputs, allocator, placed, targets, [], staged)
 
-        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, parts, nbytes, request_of, timeout, write),
-                               conn=conn)
+        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, parts, nbytes, request_of, timeout, write,
+                                                     None if targets else _general), conn=conn)
         if isinstance(result, list):  # the outputs that came back, in order: all but the targets
             if not targets and not placed:
                 outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]

@@ -125,8 +125,10 @@ class Stager:
 class ThreadStaging:
     """Buffers of a Stager that one repeated call keeps per calling thread (kept calls, ephost/fastlane.py): its
     large inputs are written into the same buffers every run, so that the worker names them by the handles it
-    kept and the frame carries none of their bytes. A thread's buffers go back to the stager when the thread
-    ends, when the worker they were in is gone, past MAX layouts in one thread, and on release()."""
+    kept and the frame carries none of their bytes. Kept by the inputs' types and ranks: a loop whose shapes
+    change writes into the same buffers while they are large enough, and into ones twice as large where an input
+    outgrew its own. A thread's buffers go back to the stager when the thread ends, when the worker they were in
+    is gone, past MAX kinds in one thread, and on release()."""
 
     MAX = 8
 
@@ -136,8 +138,8 @@ class ThreadStaging:
         self._local = threading.local()  # the calling thread's entry of _threads, found without hashing it
         self._lock = threading.Lock()
 
-    def buffers(self, layout: tuple, sizes: Sequence[int]) -> tuple[Buffer, ...]:
-        """This thread's buffers for a call of this layout (of these sizes), acquired on its first call."""
+    def buffers(self, kinds: tuple, sizes: Sequence[int]) -> tuple[Buffer, ...]:
+        """This thread's buffers for large inputs of these types and ranks (`kinds`), of at least these sizes."""
         mine = getattr(self._local, "mine", None)
         if mine is None:
             mine = self._local.mine = {}
@@ -145,13 +147,16 @@ class ThreadStaging:
             with self._lock:
                 self._threads[thread] = mine
             weakref.finalize(thread, self._give_back, mine, True)
-        buffers = mine.get(layout)
-        if buffers is not None and all(owned(b, self._link) for b in buffers):
+        buffers = mine.get(kinds)
+        if buffers is not None and all(owned(b, self._link) and b.nbytes >= n for b, n in zip(buffers, sizes)):
             return buffers
-        stale = [mine.pop(layout, ())]
+        outgrown = mine.pop(kinds, ())
+        stale = [outgrown]
         while len(mine) >= self.MAX:  # only this thread uses these: none is in a call now
             stale.append(mine.pop(next(iter(mine))))
-        mine[layout] = buffers = tuple(self._stager.acquire(n) for n in sizes)
+        if outgrown and all(owned(b, self._link) for b in outgrown):  # room to grow: not a new buffer every step
+            sizes = [n if b.nbytes >= n else max(n, 2 * b.nbytes) for b, n in zip(outgrown, sizes)]
+        mine[kinds] = buffers = tuple(self._stager.acquire(n) for n in sizes)
         self._stager.release([b for old in stale for b in old])
         return buffers
 

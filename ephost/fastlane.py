@@ -25,6 +25,13 @@ whole ComputeResponse (method Ep/Compute). Errors are error frames, as for any m
 runs thus builds, parses and checks no message on either side: the types and shapes were checked once, when the
 call was kept, and every handle is looked up again on every run.
 
+A Compute sent with `keep_shapes` too (and no `output_buffers`) is kept for repeats whose inputs have other
+shapes, of the same types and ranks (a loop whose shapes grow, which would otherwise send every step whole):
+its KEPT frame's payload has each input's dimensions (little-endian u64 each, input by input) between the id and
+the handles, and its reply each returned output's dimensions (those left in the worker too) before the outputs'
+bytes. The worker checks the dimensions as it checks a request's, then the payload's length against the sizes
+they make; an output of another type or rank gets the whole ComputeResponse.
+
 A repeat whose large inputs the caller still has to write into the buffers it names may go first, as a
 KEPT_WRITING frame (the same payload), through the connection's slots only: the caller then writes those inputs
 and sets its request slot's READY word to the frame's count (ephost/lane_slots.py), so that its copy overlaps the

@@ -109,11 +109,11 @@ class EpService(Servicer):
                                kept.into_refs(handles) if into else None, counts)
         if into:
             kept.write_into(client, handles, into, outputs, counts)
-        counts["bytes_inline_out"] = kept.output_bytes
+        counts["bytes_inline_out"], nbytes = kept.sizes(arrays)
         if not kept.placed:
-            return KeptReply(arrays, [])
+            return KeptReply(arrays, nbytes, [])
         records, regions = kept.place(client, allocator, outputs, counts)
-        return KeptReply([*arrays, records], regions)
+        return KeptReply([*arrays, records], nbytes, regions)
 
     def _reply(self, client, outputs, allocator, keep, inline_limit: int, into, output_buffers,
                counts: dict[str, int]) -> ep_pb2.ComputeResponse:

@@ -189,7 +189,7 @@ class LaneServer:
                 new = [r for r in reply.regions if r not in peer.sent]
                 if new and self._export is not None:
                     self._hand_over(peer, new)
-                send_parts(peer.conn, KEPT, 0.0, reply.parts, call.reply_bytes, peer.slots)
+                send_parts(peer.conn, KEPT, 0.0, reply.parts, reply.nbytes, peer.slots)
             else:
                 self._send_reply(peer, METHODS[call.method].id, reply)
 

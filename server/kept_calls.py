@@ -9,9 +9,11 @@ into new buffers of the allocator (`keep`). Each repeat names those buffers by h
 inputs' bytes; the reply carries the other outputs' bytes and a record for each new buffer. Every handle is
 looked up on every repeat (a released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small is
 INVALID_ARGUMENT) and the payload's length is checked against the kept sizes before any byte is read; nothing
-else a peer sends is trusted. A kept CopyTensors (all its sources and destinations buffers of the client's) keeps
-the data transfer, the stream and the tensors' types and shapes; each repeat names the buffers, and its reply
-is empty.
+else a peer sends is trusted. A Compute kept with `keep_shapes` (ShapedCall) keeps the inputs' and outputs'
+types and ranks only: each repeat's dimensions come first in its frame, and are checked as a request's are
+(nbytes_of), before the payload's length is checked against the sizes they make. A kept CopyTensors (all its
+sources and destinations buffers of the client's) keeps the data transfer, the stream and the tensors' types
+and shapes; each repeat names the buffers, and its reply is empty.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import numpy as np
 from ephost.errors import EpInvalidArgument, EpUnknownKeptCall
 from ephost.fastlane import KEPT_ID, MAX_KEPT, PLACED
 from ephost.tensor import Tensor
-from ephost.types import HOST_MEMORY, checked_desc, desc_to_proto
+from ephost.types import HOST_MEMORY, checked_desc, desc_to_proto, nbytes_of
 from ephost.server.clients import BufferEntry, ClientState
 from ephost.server.tensors import buffer_tensor, place_output, tally, write_into
 from ephost.v1 import common_pb2
@@ -97,7 +99,7 @@ class _Views:
         small INVALID_ARGUMENT), and the buffer's entry. `key` tells apart the places a call names buffers."""
         entry = client.get("buffer", handle)
         seen = self._seen.get((key, handle))
-        if seen is not None and seen[0] is entry.buffer:
+        if seen is not None and seen[0] is entry.buffer and seen[1].shape == shape:
             return seen[1], entry
         tensor, _ = buffer_tensor(client, handle, shape, dtype, nbytes,
                                   lambda: f"a kept call's {what} ({nbytes} bytes)")
@@ -137,11 +139,13 @@ class KeptCall:
     _counts: dict = field(default_factory=dict, compare=False, repr=False)
     _handles: struct.Struct | None = field(default=None, init=False, compare=False, repr=False)  # a frame's u64s
     keep: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)  # `placed`'s positions
+    _sizes: tuple[int, int] = field(default=(0, 0), init=False, compare=False, repr=False)  # see sizes()
 
     def __post_init__(self):
         named = sum(1 for *_, h in self.inputs if h) + len(self.into)
         object.__setattr__(self, "_handles", struct.Struct(f"<{named}Q"))
         object.__setattr__(self, "keep", tuple(self.placed))  # the outputs the EP leaves in the allocator
+        object.__setattr__(self, "_sizes", (self.output_bytes, self.output_bytes + PLACED.size * len(self.placed)))
         self._counts.update(kept_calls=1, compute_inputs_transferred=sum(1 for *_, h in self.inputs if not h),
                             compute_input_bytes_transferred=self.input_bytes, bytes_inline_in=self.input_bytes)
 
@@ -163,10 +167,10 @@ class KeptCall:
         return cls(request.node_compute_info, request.output_allocator, request.inline_limit, inputs, layout,
                    sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n in layout), into, left)
 
-    @property
-    def reply_bytes(self) -> int:
-        """A KEPT reply's payload: the inline outputs' bytes, and a record per output left in the worker."""
-        return self.output_bytes + PLACED.size * len(self.placed)
+    def sizes(self, arrays: list) -> tuple[int, int]:
+        """(the inline outputs' bytes, the KEPT reply's payload: those and a record per output left in the
+        worker) of a repeat whose output_arrays are `arrays`."""
+        return self._sizes
 
     def handles(self, payload) -> tuple[int, ...]:
         """The handles of the buffers a KEPT frame's payload names (its inputs' in a buffer, in order, then the
@@ -243,15 +247,140 @@ class KeptCall:
     def place(self, client: ClientState, allocator, outputs: list[Any], counts: dict[str, int]) -> tuple[bytes, list]:
         """The outputs left in the allocator handed to the client: their PLACED records, and the shared regions
         they lie in."""
-        records, regions = bytearray(), []
-        for i in self.placed:
-            handle, buffer = place_output(client, allocator, outputs[i], counts)
-            if buffer.region is not None and buffer.region.shareable:
-                regions.append(buffer.region.id)
-                records += PLACED.pack(handle, buffer.region.id, buffer.offset, buffer.nbytes)
+        return _place(client, allocator, self.placed, outputs, counts)
+
+
+def _place(client: ClientState, allocator, positions, outputs: list[Any],
+           counts: dict[str, int]) -> tuple[bytes, list]:
+    """The outputs at `positions` handed to the client in new buffers of the allocator: their PLACED records, and
+    the shared regions they lie in."""
+    records, regions = bytearray(), []
+    for i in positions:
+        handle, buffer = place_output(client, allocator, outputs[i], counts)
+        if buffer.region is not None and buffer.region.shareable:
+            regions.append(buffer.region.id)
+            records += PLACED.pack(handle, buffer.region.id, buffer.offset, buffer.nbytes)
+        else:
+            records += PLACED.pack(handle, 0, 0, 0)
+    return bytes(records), regions
+
+
+@dataclass(frozen=True)
+class ShapedCall:
+    """A Compute kept with `keep_shapes`: its repeats may have inputs of other shapes (the same types and ranks),
+    as the steps of a loop whose shapes grow do. A repeat's payload is the id, then each input's dimensions (u64s,
+    in order), then what a KeptCall's carries (the handles of its inputs in buffers, the inline inputs' bytes);
+    its reply, each returned output's dimensions (in order, those left in the worker too), then what a KeptCall's
+    carries. No output goes into a buffer of the caller's (`into`): a bound output has one shape."""
+    method: ClassVar[str] = "Ep/Compute"
+    into: ClassVar[dict] = {}
+    compute_info: int
+    allocator: int        # 0: none
+    inline_limit: int
+    inputs: tuple[tuple[int, np.dtype, bool], ...]   # (rank, dtype, in a buffer) of each input
+    outputs: tuple[tuple[int, np.dtype, bool], ...]  # (rank, dtype, left in the worker) of each output
+    _views: _Views = field(default_factory=_Views, compare=False, repr=False)
+    _structs: tuple = field(default=(), init=False, compare=False, repr=False)  # dims in, handles, dims out
+    keep: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)
+    placed: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        named = sum(1 for *_, h in self.inputs if h)
+        object.__setattr__(self, "_structs", (struct.Struct(f"<{sum(r for r, _, _ in self.inputs)}Q"),
+                                              struct.Struct(f"<{named}Q"),
+                                              struct.Struct(f"<{sum(r for r, _, _ in self.outputs)}Q")))
+        object.__setattr__(self, "keep", tuple(i for i, (*_, left) in enumerate(self.outputs) if left))
+        object.__setattr__(self, "placed", self.keep)
+
+    @classmethod
+    def of(cls, request, reply) -> "ShapedCall | None":
+        """What to keep, or None where the call does not qualify (as KeptCall.of, and no output_buffers)."""
+        if request.stream or request.output_buffers:
+            return None
+        placed = frozenset(request.keep)
+        inputs, outputs = _input_layout(request.inputs), _output_layout(reply.outputs, {}, placed)
+        if inputs is None or outputs is None or (placed and not request.output_allocator):
+            return None
+        inline, left, kinds = iter(outputs[0]), outputs[1], []
+        for i in range(len(reply.outputs)):
+            shape, dtype, _ = left[i] if i in left else next(inline)
+            kinds.append((len(shape), dtype, i in left))
+        return cls(request.node_compute_info, request.output_allocator, request.inline_limit,
+                   tuple((len(shape), dtype, h) for shape, dtype, _, h in inputs), tuple(kinds))
+
+    def counts(self) -> dict[str, int]:
+        return {"kept_calls": 1}
+
+    def handles(self, payload) -> tuple[tuple[int, ...], list, int]:
+        """(the handles a repeat's payload names, each input's (shape, dtype, nbytes), where the inline inputs'
+        bytes start), its dimensions checked as a request's are and its length against the sizes they make."""
+        dims, handles = self._structs[0], self._structs[1]
+        head = KEPT_ID.size + dims.size + handles.size
+        if len(payload) < head:
+            raise EpInvalidArgument(f"a kept call of changing shapes takes at least {head - KEPT_ID.size} bytes "
+                                    f"(its inputs' dimensions, its buffers' handles), got "
+                                    f"{len(payload) - KEPT_ID.size}")
+        values = dims.unpack_from(payload, KEPT_ID.size)
+        descs, at, inline = [], 0, 0
+        for rank, dtype, by_handle in self.inputs:
+            shape = values[at:at + rank]
+            at += rank
+            nbytes = nbytes_of(shape, dtype)
+            descs.append((shape, dtype, nbytes))
+            if not by_handle:
+                inline += nbytes
+        if len(payload) != head + inline:
+            raise EpInvalidArgument(f"a kept call takes {dims.size + handles.size + inline} bytes (its inputs' "
+                                    f"dimensions, its buffers' handles, then its inline inputs), got "
+                                    f"{len(payload) - KEPT_ID.size}")
+        return handles.unpack_from(payload, KEPT_ID.size + dims.size), descs, head
+
+    def input_tensors(self, payload, run: tuple[tuple[int, ...], list, int], client: ClientState,
+                      counts: dict[str, int]) -> list[Tensor]:
+        """The inputs of a repeat (`run`: what handles() made of its payload), as KeptCall.input_tensors."""
+        handles, descs, offset = run
+        tensors, named = [], iter(handles)
+        for i, ((shape, dtype, nbytes), (_, _, by_handle)) in enumerate(zip(descs, self.inputs)):
+            if by_handle:
+                tensor, entry = self._views.tensor(i, client, next(named), shape, dtype, nbytes, "input")
+                tensors.append(tensor)
+                where = "resident" if entry.produced else "transferred"
             else:
-                records += PLACED.pack(handle, 0, 0, 0)
-        return bytes(records), regions
+                tensors.append(Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes,
+                                              host=np.ndarray(shape, dtype, payload, offset)))
+                offset += nbytes
+                where = "transferred"
+                tally(counts, "bytes_inline_in", nbytes)
+            tally(counts, f"compute_inputs_{where}")
+            tally(counts, f"compute_input_bytes_{where}", nbytes)
+        return tensors
+
+    def output_arrays(self, outputs: list[Any]) -> list | None:
+        """The reply's parts before the records: the outputs' dimensions, then the inline outputs as arrays; None
+        where an output is not a tensor of its kept type and rank (the whole reply is sent then)."""
+        if len(outputs) != len(self.outputs):
+            return None
+        dims, arrays = [], [None]
+        for value, (rank, dtype, left) in zip(outputs, self.outputs):
+            if not isinstance(value, Tensor) or len(value.shape) != rank or value.dtype != dtype:
+                return None
+            dims += value.shape
+            if not left:
+                array = value.local_array()
+                if array is None:
+                    return None
+                arrays.append(array)
+        arrays[0] = self._structs[2].pack(*dims)
+        return arrays
+
+    def sizes(self, arrays: list) -> tuple[int, int]:
+        """As KeptCall.sizes."""
+        inline = sum(a.nbytes for a in arrays[1:])
+        return inline, len(arrays[0]) + inline + PLACED.size * len(self.placed)
+
+    def place(self, client: ClientState, allocator, outputs: list[Any], counts: dict[str, int]) -> tuple[bytes, list]:
+        """As KeptCall.place."""
+        return _place(client, allocator, self.placed, outputs, counts)
 
 
 @dataclass(frozen=True)
@@ -259,7 +388,6 @@ class KeptCopy:
     """A CopyTensors whose sources and destinations are all buffers of the caller's: what a repeat needs but
     their handles (sources, then destinations, in the frame)."""
     method: ClassVar[str] = "DataTransfer/CopyTensors"
-    reply_bytes: ClassVar[int] = 0  # a repeat carries handles only, and its reply nothing
     data_transfer: int
     stream: int                     # 0: none
     src: Layout
@@ -300,17 +428,23 @@ class KeptCopy:
 # any buffer it names is read). The last (None: nothing to wait for) waits until the caller has written its
 # inputs (a KEPT_WRITING frame), raising EpDeadlineExceeded or FrameError. A plain tuple: one is made on every
 # run.
-KeptRequest = tuple["KeptCall | KeptCopy", Any, "Callable[[], None] | None"]
+KeptRequest = tuple["KeptCall | ShapedCall | KeptCopy", Any, "Callable[[], None] | None"]
+
+
+def _keep_compute(request, reply) -> KeptCall | ShapedCall | None:
+    return (ShapedCall if request.keep_shapes else KeptCall).of(request, reply)
 
 
 # What a call of each method keeps, from its request and reply (None: it does not qualify).
-KEEPERS = {KeptCall.method: KeptCall.of, KeptCopy.method: KeptCopy.of}
+KEEPERS = {KeptCall.method: _keep_compute, KeptCopy.method: KeptCopy.of}
 
 
 @dataclass
 class KeptReply:
-    """A kept call's answer: the parts of a KEPT reply's payload, and the regions its records name."""
+    """A kept call's answer: the parts of a KEPT reply's payload, their length, and the regions its records
+    name."""
     parts: list
+    nbytes: int
     regions: list[int]
 
 

@@ -821,11 +821,11 @@ def test_a_kind_of_call_whose_kept_calls_go_unrepeated_is_no_longer_kept_until_a
     assert not new_call("growing", ("growing", 300)), "remembered are the last RECENT only"
 
 
-def test_a_loop_whose_shapes_change_every_run_stops_asking_its_worker_to_keep_calls(ort_env):
+def test_a_loop_whose_shapes_change_every_run_repeats_one_call_kept_whatever_its_shapes(ort_env):
     """Keeping a call costs both ends tens of microseconds, repaid only by its repeats: a loop whose input shape
-    changes every run has its worker keep its first MISSES calls (`calls_kept`) and no more; when the loop settles
-    on one shape, that call is kept as it comes again and repeated from then on (`kept_calls`). The results are
-    those of gRPC, which keeps nothing."""
+    changes every run has its worker keep its first MISSES calls (`calls_kept`), which go unrepeated, and then one
+    call with `keep_shapes`, which every later step repeats (`kept_calls`) with its own shapes, the steps after the
+    loop settled on one shape too. The results are those of gRPC, which keeps nothing."""
     from onnx import TensorProto, helper
     from ephost.client.fastlane import MISSES
     graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"], name="double")], "dyn",
@@ -844,9 +844,9 @@ def test_a_loop_whose_shapes_change_every_run_stops_asking_its_worker_to_keep_ca
                 np.testing.assert_array_equal(s.run(None, {"x": x})[0], 2 * x)
         after = worker_stats(ort_env, registration)
         if lane:
-            assert (middle.calls_kept - before.calls_kept, middle.kept_calls - before.kept_calls) == (MISSES, 0)
-            # the settled shape: seen once, kept as it came again, repeated in the 8 runs after
-            assert (after.calls_kept - middle.calls_kept, after.kept_calls - middle.kept_calls) == (1, 8)
+            assert (middle.calls_kept - before.calls_kept, middle.kept_calls - before.kept_calls) == \
+                (MISSES + 1, len(growing) - MISSES - 1)
+            assert (after.calls_kept - middle.calls_kept, after.kept_calls - middle.kept_calls) == (0, len(settled))
         else:
             assert after.calls_kept == before.calls_kept and after.kept_calls == before.kept_calls
 
@@ -957,6 +957,46 @@ def test_kept_calls_on_the_wire(lane_worker):
     finally:
         raw.close()
 
+
+
+def test_kept_calls_of_changing_shapes_on_the_wire(lane_worker):
+    """A Compute kept with `keep_shapes`: a repeat carries its input's dimensions before its bytes, and its reply
+    the output's before the output's; any shape of the kept rank goes, empty ones too. The dimensions are checked
+    as a request's are (a tensor too large for any), and the payload's length against the size they make."""
+    raw = RawClient(lane_worker.address)
+    try:
+        ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+        (partition,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(
+            ep=ep, model=ep_pb2.ModelRef(model=models.chain(["Relu"], shape=("n",)).SerializeToString()),
+            graphs=[ep_pb2.FusedGraph(name="p", nodes=["n0_Relu"], inputs=["x"], outputs=["y"])])).node_compute_infos
+        request = ep_pb2.ComputeRequest(node_compute_info=partition, inline_limit=1 << 20, keep_call=True,
+                                        keep_shapes=True)
+        ref = request.inputs.add().tensor
+        ref.desc.elem_type, ref.desc.shape[:] = 1, [4]
+        ref.inline = np.array([-1, 2, -3, 4], np.float32).tobytes()
+        sock, _ = open_lane(raw)
+        assert sock.recv(2) == b"OK"
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
+        kid = KEPT_ID.pack(reply.kept_call)
+        for x in (np.array([5, -6, 7, -8, 9, -10], np.float32), np.zeros(0, np.float32), np.float32([-1])):
+            frame = kept_frame(sock, kid + struct.pack("<Q", x.size) + x.tobytes())
+            assert (frame.method, frame.status) == (KEPT, 0), fastlane_error(frame)
+            assert struct.unpack_from("<Q", frame.payload) == (x.size,)
+            np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32, offset=8), np.maximum(x, 0))
+
+        x = np.arange(6, dtype=np.float32)
+        for payload, says in ((kid + b"\0" * 4, b"at least 8 bytes"),
+                              (kid + struct.pack("<Q", 6) + x.tobytes()[:20], b"takes 32 bytes"),
+                              (kid + struct.pack("<Q", 5) + x.tobytes(), b"takes 28 bytes"),
+                              (kid + struct.pack("<Q", 1 << 62) + x.tobytes(), b"more than any tensor may be")):
+            frame = kept_frame(sock, payload)
+            assert (frame.method, frame.status) == (KEPT, 3) and says in bytes(frame.payload), fastlane_error(frame)
+        # Over gRPC nothing is kept.
+        assert raw(raw.ep.Compute, request).kept_call == 0
+        assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=host_allocator(raw), nbytes=64), lane_worker)
+    finally:
+        raw.close()
 
 def open_slots(raw: RawClient) -> tuple[socket.socket, "lane_slots.Slots", mmap.mmap]:
     """A lane connection that asks for shared slots: its socket, the client's end of the slots, and a mapping
@@ -1077,6 +1117,35 @@ def test_runs_with_large_inputs_are_kept_calls_through_buffers_kept_for_them(ort
         if kept:  # the large input's bytes never in a frame
             assert after.bytes_inline_in - before.bytes_inline_in == 10 * 256 * 4
 
+
+
+def test_a_large_input_whose_shape_grows_is_written_into_buffers_that_grow_twice_as_large(ort_env):
+    """A loop whose large input grows every step: the calling thread's buffer for it is used while it is large
+    enough and replaced by one twice as large when outgrown, so that a dozen steps allocate twice, not a dozen
+    times; on the lane the steps after the first MISSES + 1 repeat one call kept whatever its shapes, the input's
+    bytes never in a frame. Every result is right, over gRPC too."""
+    from onnx import helper
+    from ephost.client.fastlane import MISSES
+    model = models.model([helper.make_node("MatMul", ["s", "x"], ["y"], name="mm")],
+                         [models.tensor("s", [1, 256]), models.tensor("x", [256, "n"])],
+                         [models.tensor("y", [1, "n"])])
+    rng = np.random.default_rng(4)
+    widths = [600 + 40 * k for k in range(12)]  # x from 600 KiB to over 1 MiB, over the inline limit throughout
+    for registration, lane in (("ort", True), ("ort_grpc", False)):
+        before = worker_stats(ort_env, registration)
+        with InferenceSession(model, options_for(ort_env, registration), env=ort_env) as session:
+            for n in widths:
+                feeds = {"s": rng.standard_normal((1, 256)).astype(np.float32),
+                         "x": rng.standard_normal((256, n)).astype(np.float32)}
+                np.testing.assert_allclose(session.run(None, feeds)[0], feeds["s"] @ feeds["x"], rtol=1e-4,
+                                           atol=1e-4)
+            after = worker_stats(ort_env, registration)
+        allocs = after.methods["Allocator/Alloc"].calls - before.methods["Allocator/Alloc"].calls
+        assert allocs == 2, registration
+        assert after.compute_input_bytes_transferred - before.compute_input_bytes_transferred == \
+            sum(256 * 4 + 256 * n * 4 for n in widths), registration
+        if lane:
+            assert after.kept_calls - before.kept_calls == len(widths) - MISSES - 1
 
 def test_threads_keep_buffers_of_their_own(ort_env):
     """Four threads repeating one call with large inputs at once: each writes into buffers of its own, so that

@@ -446,10 +446,11 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
 
 
 def test_kept_call_frames_survive_hostile_payloads(fuzzed):
-    """KEPT frames (a kept Compute repeated with only its inputs' bytes, a kept CopyTensors with only its buffers'
-    handles) with ids kept or not, payloads of every length, handles of buffers and not, and timeouts of every
-    kind, sent as KEPT or as KEPT_WRITING (inputs said written at once, a little later, or, under a short
-    deadline, never): one reply each, a result or a typed error, and the worker serves on."""
+    """KEPT frames (a kept Compute repeated with only its inputs' bytes, one kept with `keep_shapes` with its
+    input's dimensions too, a kept CopyTensors with only its buffers' handles) with ids kept or not, payloads of
+    every length, dimensions of every size, handles of buffers and not, and timeouts of every kind, sent as KEPT
+    or as KEPT_WRITING (inputs said written at once, a little later, or, under a short deadline, never): one
+    reply each, a result or a typed error, and the worker serves on."""
     w, _ = fuzzed
     owner = RawClient(w.address, "owner")
     handles = _populate(owner)
@@ -463,6 +464,11 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
                         lane.slots)
     (frame,) = lane.replies()
     kept = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
+    request.keep_shapes = True
+    fastlane.send_frame(lane.open(), fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request.SerializeToString(),
+                        lane.slots)
+    (frame,) = lane.replies()
+    shaped = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
     copy = data_transfer_pb2.CopyTensorsRequest(data_transfer=handles["data_transfer"][0], keep_call=True)
     for refs, buffer in ((copy.src, handles["buffer"][0]), (copy.dst, handles["buffer"][2])):
         r = refs.add()
@@ -473,19 +479,22 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
     (frame,) = lane.replies()
     assert frame.status == 0, fastlane.decode_error(frame.payload)[0]
     kept_copy = data_transfer_pb2.CopyTensorsResponse.FromString(frame.payload).kept_call
-    assert kept and kept_copy
+    assert kept and kept_copy and shaped
     buffers = handles["buffer"]
 
     @seed(SEED)
     @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
-    @given(kid=st.sampled_from([kept, kept, kept_copy, kept_copy, 0, kept_copy + 1, 2 ** 32 - 1]),
+    @given(kid=st.sampled_from([kept, kept, kept_copy, kept_copy, shaped, shaped, 0, shaped + 1, 2 ** 32 - 1]),
+           dim=st.sampled_from([4, 4, 0, 6, 2 ** 40, 2 ** 64 - 1]), extra=st.sampled_from([0, 0, 0, 1, -1]),
            length=st.sampled_from([16, 16, 0, 3, 15, 17, 64]), prefix=st.sampled_from([4, 4, 0, 2]),
            handles_=st.lists(st.sampled_from([*buffers, 0, 2 ** 64 - 1]), min_size=2, max_size=2),
            named=st.booleans(), timeout_s=st.sampled_from(TIMEOUTS),
            written=st.sampled_from([None, None, "at once", "later", "never"]), rng=st.randoms(use_true_random=False))
-    def fuzz(kid, length, prefix, handles_, named, timeout_s, written, rng):
+    def fuzz(kid, dim, extra, length, prefix, handles_, named, timeout_s, written, rng):
         body = struct.pack("<2Q", *handles_) if named and length == 16 else rng.randbytes(length)
+        if kid == shaped and named:  # its input's dimensions, then about as many bytes as they make
+            body = struct.pack("<Q", dim) + rng.randbytes(max(0, 4 * min(dim, 64) + extra))
         payload = fastlane.KEPT_ID.pack(kid)[:prefix] + body
         if written == "never" and (timeout_s == 0 or timeout_s >= 1):
             written = "later"  # the worker would wait as long as the deadline, or the caller, takes
@@ -504,7 +513,9 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
         detail = fastlane.decode_error(frames[0].payload)[0] if frames[0].status else ""
         assert code is not None and code not in BAD or (code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s < 1), \
             f"a KEPT frame was answered {frames[0].status}: {detail}"
-        if code == grpc.StatusCode.OK:
+        if code == grpc.StatusCode.OK and kid == shaped:  # a shape the partition takes, and its bytes
+            assert prefix == 4 and named and extra == 0 and dim <= 64 and len(frames[0].payload) == 8 + 4 * dim
+        elif code == grpc.StatusCode.OK:
             assert (prefix, length) == (4, 16) and kid in (kept, kept_copy)
             assert len(frames[0].payload) == (16 if kid == kept else 0)
         assert w.proc.poll() is None, "the worker died on a KEPT frame"

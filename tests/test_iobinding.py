@@ -74,6 +74,54 @@ def test_a_loop_with_its_output_bound_in_the_worker_moves_no_bytes_after_the_fir
     np.testing.assert_allclose(result, ort_loop(model, x0, STEPS), rtol=1e-5, atol=1e-6)
 
 
+
+def growing(width: int = 64):
+    """A decoding step: the past (1 x t x width, t growing) with this step's row appended is the present; the
+    step's score is the present's sum. Every step's shapes are new."""
+    nodes = [helper.make_node("Concat", ["past", "row"], ["present"], name="append", axis=1),
+             helper.make_node("ReduceSum", ["present"], ["score"], name="sum", keepdims=0)]
+    return models.model(nodes, [models.tensor("past", [1, "t", width]), models.tensor("row", [1, 1, width])],
+                        [models.tensor("present", [1, "t1", width]), models.tensor("score", [])])
+
+
+def test_a_decoding_loop_whose_state_grows_repeats_one_kept_call_with_its_state_left_in_the_worker(env):
+    """The loop a decoder runs: its state (the present) grows every step, stays bound in the worker and is the
+    next step's past. On the fast lane, once MISSES steps' kept calls went unrepeated, one call is kept whatever
+    its shapes and every later step repeats it: the frame names the past by handle and carries the row's bytes
+    and the dimensions, the reply the score and a new buffer's record. No past is ever sent or fetched, and every
+    score and the final state are those of ORT in process."""
+    from ephost.client.fastlane import MISSES
+    model, steps, width = growing(), 12, 64
+    rows = np.random.default_rng(5).standard_normal((steps, 1, 1, width)).astype(np.float32)
+    device = device_of(env, "ort")
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with InferenceSession(model, options_for(env, "ort"), env=env) as session:
+        binding = session.io_binding()
+        binding.bind_cpu_input("past", np.zeros((1, 0, width), np.float32))
+        binding.bind_output("present", device)
+        binding.bind_output("score")
+        past = np.zeros((1, 0, width), np.float32)
+        before = counters(env, "ort")
+        kept_before, calls_before = env.get_worker_stats("ort").kept_calls, env.get_worker_stats("ort").calls_kept
+        for row in rows:
+            binding.bind_cpu_input("row", row)
+            session.run_with_iobinding(binding)
+            past, score = reference.run(None, {"past": past, "row": row})
+            present, got = binding.get_outputs()
+            assert present.shape == past.shape
+            np.testing.assert_allclose(got.numpy(), score, rtol=1e-5)
+            binding.bind_ortvalue_input("past", present)
+        np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], past)
+        stats = env.get_worker_stats("ort")
+    moved = {c: getattr(stats, c) - before[c] for c in COUNTERS}
+    assert moved["compute_inputs_resident"] == steps - 1  # every past but the first, empty one
+    assert moved["compute_input_bytes_resident"] == sum(range(1, steps)) * width * 4
+    assert moved["bytes_inline_out"] == steps * 4  # the scores; no present came back
+    if stats.fast_lane_calls:
+        assert (stats.calls_kept - calls_before, stats.kept_calls - kept_before) == (MISSES + 1, steps - MISSES - 1)
+    else:
+        assert (stats.calls_kept - calls_before, stats.kept_calls - kept_before) == (0, 0)
+
 def test_unbound_runs_bring_every_output_back(env):
     """The same loop through run(): every step sends its input and gets its output back (what binding saves)."""
     model = recurrent()
