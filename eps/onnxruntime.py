@@ -138,6 +138,19 @@ def ort_error(what: str, error: Exception) -> EpError:
     return cls(f"{what}: {error}")
 
 
+def _kept_in(result: np.ndarray, allocator) -> Any:
+    """An output ORT allocated (its shape known only as it ran) that the caller keeps in `allocator` (a decoding
+    loop's state, bound to a device and fed back): copied once, from ORT's memory into a buffer of the allocator,
+    where the caller would otherwise copy it again (a worker's place_output, an IOBinding's bound output)."""
+    tensor = Tensor.empty(result.shape, result.dtype, allocator)
+    array = tensor.local_array()
+    if array is None:  # memory this process cannot write: the caller copies it there
+        tensor.release()
+        return as_value(result.copy())
+    np.copyto(array, result)
+    return tensor
+
+
 class OrtComputeInfo:
     """One compiled partition: an ORT session, and the IOBindings kept between its runs (one per caller
     running it at the same time), so that a steady stream of runs binds and allocates only what changes."""
@@ -246,6 +259,8 @@ class OrtComputeInfo:
                 out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
             elif i in placed or i in written:
                 out.append(placed[i] if i in placed else written[i])
+            elif i in keep and allocator is not None:
+                out.append(_kept_in(produced[i].numpy(), allocator))
             else:
                 out.append(as_value(produced[i].numpy().copy()))
         # Every output written into the binding's memory, as it is on every run without `keep` or `into`: the next

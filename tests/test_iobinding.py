@@ -88,8 +88,10 @@ def test_a_decoding_loop_whose_state_grows_repeats_one_kept_call_with_its_state_
     """The loop a decoder runs: its state (the present) grows every step, stays bound in the worker and is the
     next step's past. On the fast lane, once MISSES steps' kept calls went unrepeated, one call is kept whatever
     its shapes and every later step repeats it: the frame names the past by handle and carries the row's bytes
-    and the dimensions, the reply the score and a new buffer's record. No past is ever sent or fetched, and every
-    score and the final state are those of ORT in process."""
+    and the dimensions, the reply the score and a new buffer's record. No past is ever sent or fetched; the ORT
+    EP copies each present, whose shape ORT learns as it runs, from ORT's memory straight into a buffer of the
+    allocator (`compute_outputs_in_place`), not the worker after it; and every score and the final state are
+    those of ORT in process."""
     from ephost.client.fastlane import MISSES
     model, steps, width = growing(), 12, 64
     rows = np.random.default_rng(5).standard_normal((steps, 1, 1, width)).astype(np.float32)
@@ -102,7 +104,9 @@ def test_a_decoding_loop_whose_state_grows_repeats_one_kept_call_with_its_state_
         binding.bind_output("score")
         past = np.zeros((1, 0, width), np.float32)
         before = counters(env, "ort")
-        kept_before, calls_before = env.get_worker_stats("ort").kept_calls, env.get_worker_stats("ort").calls_kept
+        stats = env.get_worker_stats("ort")
+        kept_before, calls_before = stats.kept_calls, stats.calls_kept
+        in_place, copied = stats.compute_outputs_in_place, stats.compute_outputs_copied
         for row in rows:
             binding.bind_cpu_input("row", row)
             session.run_with_iobinding(binding)
@@ -117,6 +121,7 @@ def test_a_decoding_loop_whose_state_grows_repeats_one_kept_call_with_its_state_
     assert moved["compute_inputs_resident"] == steps - 1  # every past but the first, empty one
     assert moved["compute_input_bytes_resident"] == sum(range(1, steps)) * width * 4
     assert moved["bytes_inline_out"] == steps * 4  # the scores; no present came back
+    assert (stats.compute_outputs_in_place - in_place, stats.compute_outputs_copied - copied) == (steps, 0)
     if stats.fast_lane_calls:
         assert (stats.calls_kept - calls_before, stats.kept_calls - kept_before) == (MISSES + 1, steps - MISSES - 1)
     else:
