@@ -11,7 +11,9 @@ several times over).
   hypervisor and the load);
 - tiny model (one Add on 16 floats, ORT CPU EP): overhead per call over a hot in-process ORT run, and what
   placing both processes on one core, or on two, does to it;
-- the same Add on an input whose shape changes every run (no call repeats, as in a loop whose shapes grow);
+- the same Add on an input whose shape changes every run (a loop whose shapes grow: kept whatever its shapes);
+- a decoding loop: a state that grows every step, bound in the worker (IOBinding) and fed back as the next
+  step's past, a small row from the application each step: per step, against the same loop on ORT in process;
 - a 60-node chain whose nodes alternate between two workers (60 partitions): cost per partition call;
 - squeezenet and shufflenet from the onnx package: out-of-process / in-process ratio;
 - CopyTensors of 4 KiB, 64 KiB and 1 MiB between two buffers of a worker: calls per second, and bytes per
@@ -105,8 +107,8 @@ def tiny(env, blocks: int, per_block: int) -> None:
 
 
 def changing(env, blocks: int, per_block: int, sizes: int = 400) -> None:
-    """A loop whose input shape changes every run, as a decoding loop's grows: no call repeats, so none is worth
-    keeping (client/fastlane.py, _Keeping: the lane stops asking its worker to keep such calls)."""
+    """A loop whose input shape changes every run, as a decoding loop's grows: no call repeats as it was, so the
+    lane keeps it whatever its shapes (client/fastlane.py, _Keeping; ComputeRequest.keep_shapes)."""
     model = tiny_model("n")
     xs = [np.ones((1, n), np.float32) for n in range(1, sizes + 1)]
     inproc = in_process_session(model, "ORT CPU")
@@ -123,6 +125,56 @@ def changing(env, blocks: int, per_block: int, sizes: int = 400) -> None:
     print(f"\nA loop whose input shape changes every run (one Add on 1 x n floats, n going round {sizes} sizes), "
           "ORT CPU EP: median per run, and the overhead per call over the in-process run\n")
     _overheads(t)
+
+
+def decoding_model(width: int) -> onnx.ModelProto:
+    """A decoding step: the past (1 x t x width) with this step's row appended is the present (the state fed
+    back); the step's score is the present's sum."""
+    nodes = [helper.make_node("Concat", ["past", "row"], ["present"], name="append", axis=1),
+             helper.make_node("ReduceSum", ["present"], ["score"], name="sum", keepdims=0)]
+    inputs = [helper.make_tensor_value_info("past", TensorProto.FLOAT, [1, "t", width]),
+              helper.make_tensor_value_info("row", TensorProto.FLOAT, [1, 1, width])]
+    outputs = [helper.make_tensor_value_info("present", TensorProto.FLOAT, [1, "t1", width]),
+               helper.make_tensor_value_info("score", TensorProto.FLOAT, [])]
+    graph = helper.make_graph(nodes, "decode", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def decoding(env, blocks: int, per_block: int, steps: int = 32, width: int = 64) -> None:
+    """A decoding loop of `steps` steps: in process, ORT's own loop (the present fed back as an array); through
+    ephost, an IOBinding that keeps the present in the worker and binds it as the next past, as an application
+    that keeps its state on the device does."""
+    model = decoding_model(width)
+    rows = np.random.default_rng(2).standard_normal((steps, 1, 1, width)).astype(np.float32)
+    start = np.zeros((1, 0, width), np.float32)
+    inproc = in_process_session(model, "ORT CPU")
+
+    def in_process() -> None:
+        past = start
+        for row in rows:
+            past, _ = inproc.run(None, {"past": past, "row": row})
+
+    def through(session, device) -> None:
+        binding = session.io_binding()
+        binding.bind_cpu_input("past", start)
+        binding.bind_output("present", device)
+        binding.bind_output("score")
+        for row in rows:
+            binding.bind_cpu_input("row", row)
+            session.run_with_iobinding(binding)
+            binding.bind_ortvalue_input("past", binding.get_outputs()[0])
+
+    ways = ("lane", "unkept", "grpc")
+    devices = {d.registration_name: d for d in env.get_ep_devices()}
+    with contextlib.ExitStack() as stack:
+        sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, f"ort-{k}"), env=env))
+                    for k in ways}
+        t = interleaved({"in": in_process, **{k: (lambda s=sessions[k], d=devices[f"ort-{k}"]: through(s, d))
+                                              for k in ways}}, blocks, max(2, per_block // steps))
+    print(f"\nA decoding loop ({steps} steps; its state, 1 x t x {width} floats, growing a row a step and kept in the "
+          "worker, bound as the next step's past): median per step, and the overhead per step over ORT's own "
+          "loop in process\n")
+    _overheads({k: v / steps for k, v in t.items()})
 
 
 def _overheads(t: dict[str, float]) -> None:
@@ -335,6 +387,7 @@ def main(quick: bool = False) -> None:
                                                     {"session_config": CONFIG, **extra})
         tiny(env, blocks, per_block)
         changing(env, blocks, per_block)
+        decoding(env, blocks, per_block)
         chain(blocks, per_block)
         cnns(env, blocks if quick else 2 * blocks, 5 if quick else 20)  # rounds: the ratio's noise
         copies(env, blocks, per_block)

@@ -75,15 +75,6 @@ def test_a_loop_with_its_output_bound_in_the_worker_moves_no_bytes_after_the_fir
 
 
 
-def growing(width: int = 64):
-    """A decoding step: the past (1 x t x width, t growing) with this step's row appended is the present; the
-    step's score is the present's sum. Every step's shapes are new."""
-    nodes = [helper.make_node("Concat", ["past", "row"], ["present"], name="append", axis=1),
-             helper.make_node("ReduceSum", ["present"], ["score"], name="sum", keepdims=0)]
-    return models.model(nodes, [models.tensor("past", [1, "t", width]), models.tensor("row", [1, 1, width])],
-                        [models.tensor("present", [1, "t1", width]), models.tensor("score", [])])
-
-
 def test_a_decoding_loop_whose_state_grows_repeats_one_kept_call_with_its_state_left_in_the_worker(env):
     """The loop a decoder runs: its state (the present) grows every step, stays bound in the worker and is the
     next step's past. On the fast lane, once MISSES steps' kept calls went unrepeated, one call is kept whatever
@@ -92,8 +83,9 @@ def test_a_decoding_loop_whose_state_grows_repeats_one_kept_call_with_its_state_
     EP copies each present, whose shape ORT learns as it runs, from ORT's memory straight into a buffer of the
     allocator (`compute_outputs_in_place`), not the worker after it; and every score and the final state are
     those of ORT in process."""
+    from bench.data_plane import decoding_model  # the bench's decoding loop runs the same step
     from ephost.client.fastlane import MISSES
-    model, steps, width = growing(), 12, 64
+    model, steps, width = decoding_model(64), 12, 64
     rows = np.random.default_rng(5).standard_normal((steps, 1, 1, width)).astype(np.float32)
     device = device_of(env, "ort")
     reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
