@@ -366,3 +366,31 @@ def test_a_large_output_goes_into_the_allocator_whenever_one_is_given():
     finally:
         factory.release_allocator(allocator)
         factory.close()
+
+
+def test_an_output_of_symbolic_shape_kept_in_the_allocator_is_copied_there_once():
+    """An output whose shape ORT learns as it runs, asked to be kept (`keep`: a decoding loop's state), comes back
+    in a buffer of the call's allocator, ORT's result copied there by the EP (a worker hands it over without a
+    second copy); with no allocator, or not kept, it is host memory of its own. Positions past the outputs, and
+    one named twice, change nothing."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, "n"])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, "n"])
+    model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"], name="neg")], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    factory = OrtEpFactory()
+    shared = next(m for m in factory.memory_infos if m.device_mem_type == DeviceMemoryType.HOST_ACCESSIBLE)
+    allocator = factory.create_allocator(shared, {})
+    try:
+        with compiled(model, ("x",), ("y",)) as info:
+            runs = ((3, allocator, (0,)), (5, allocator, (0, 0, 7)), (2, None, (0,)), (4, allocator, ()))
+            for n, given, keep in runs:
+                x = np.arange(n, dtype=np.float32).reshape(1, n)
+                (out,) = info.compute([ephost.Tensor.from_numpy(x)], given, keep)
+                assert (out.buffer is not None) == (given is not None and bool(keep)), (n, keep)
+                np.testing.assert_array_equal(out.numpy(), -x)
+                if out.buffer is not None:
+                    assert out.memory_info == allocator.memory_info
+                    out.release()
+    finally:
+        factory.release_allocator(allocator)
+        factory.close()
