@@ -268,10 +268,8 @@ def _place(client: ClientState, allocator, positions, outputs: list[Any],
 @dataclass(frozen=True)
 class ShapedCall:
     """A Compute kept with `keep_shapes`: its repeats may have inputs of other shapes (the same types and ranks),
-    as the steps of a loop whose shapes grow do. A repeat's payload is the id, then each input's dimensions (u64s,
-    in order), then what a KeptCall's carries (the handles of its inputs in buffers, the inline inputs' bytes);
-    its reply, each returned output's dimensions (in order, those left in the worker too), then what a KeptCall's
-    carries. No output goes into a buffer of the caller's (`into`): a bound output has one shape."""
+    as the steps of a loop whose shapes grow do; each repeat's frame and reply carry the dimensions
+    (ephost/fastlane.py). No output goes into a buffer of the caller's (`into`): a bound output has one shape."""
     method: ClassVar[str] = "Ep/Compute"
     into: ClassVar[dict] = {}
     compute_info: int
@@ -282,7 +280,6 @@ class ShapedCall:
     _views: _Views = field(default_factory=_Views, compare=False, repr=False)
     _structs: tuple = field(default=(), init=False, compare=False, repr=False)  # dims in, handles, dims out
     keep: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)
-    placed: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)
 
     def __post_init__(self):
         named = sum(1 for *_, h in self.inputs if h)
@@ -290,7 +287,11 @@ class ShapedCall:
                                               struct.Struct(f"<{named}Q"),
                                               struct.Struct(f"<{sum(r for r, _, _ in self.outputs)}Q")))
         object.__setattr__(self, "keep", tuple(i for i, (*_, left) in enumerate(self.outputs) if left))
-        object.__setattr__(self, "placed", self.keep)
+
+    @property
+    def placed(self) -> tuple[int, ...]:
+        """The outputs left in the allocator: those the EP keeps there (`keep`)."""
+        return self.keep
 
     @classmethod
     def of(cls, request, reply) -> "ShapedCall | None":
