@@ -80,6 +80,8 @@ PLACED = struct.Struct("<QQqq")
 MAX_KEPT = 64                  # kept calls one connection keeps, at either end (past it the oldest goes)
 MAX_FDS = 16
 _TRUNC = int(socket.MSG_TRUNC)  # a plain int: an IntFlag's & costs more than the rest of a frame's reading
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 @dataclass(frozen=True)
@@ -377,7 +379,7 @@ class FrameReader:
         until = until or slots.arrived
         clock = time.perf_counter
         end, first = clock() + timeout, True
-        slots.asleep(True)
+        slots.asleep(True, early=self._wake is not None)
         try:
             while not until():
                 left = end - clock()
@@ -399,9 +401,9 @@ class FrameReader:
         """Take the doorbell waiting on a readable socket; False where what waits is something else (a frame,
         end of file). The one place a doorbell is read, whether it woke a sleeper or ended a spin."""
         try:
-            if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != DOORBELL:
+            if self._sock.recv(1, _PEEK) != DOORBELL:
                 return False
-            self._sock.recv(1, socket.MSG_DONTWAIT)
+            self._sock.recv(1, _DONTWAIT)
         except (BlockingIOError, InterruptedError):
             pass
         return True

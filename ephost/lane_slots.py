@@ -11,7 +11,8 @@ the last KEPT_WRITING frame whose inputs the writer has written since (READY, se
 count is; ephost/fastlane.py), all written by the writer; at 64, on its own cache line, the reader's `asleep`
 flag, written by the reader (each a native u64, written through a memoryview: one aligned store, never seen
 torn; struct.pack_into zero-fills its bytes before it writes them, which a reader polling the word would see);
-from DATA the frame, header and payload, as on the socket.
+from DATA the frame, header and payload, as on the socket. (The worker lowers its caller's `asleep` as it
+writes the early wake, where the caller sleeps on it: the one word an end writes in the other's half.)
 
 The writer puts the frame, then its length, then the count (x86 keeps stores in order, and loads), then reads
 `asleep` and rings the doorbell if it is raised. The reader polls the count; before it sleeps in the kernel it
@@ -45,6 +46,7 @@ from ephost.fastlane import DOORBELL, HEADER, PACKET, FrameError
 
 # Where a slot's words are, counted in u64s
 COUNT, LENGTH, READY, ASLEEP = 0, 1, 2, 8
+EARLY = 2                    # `asleep`: asleep on the socket and the early wake (1: on the socket alone)
 DATA = 128
 SLOT = DATA + PACKET         # a slot: its words, then room for one packet
 SIZE = 2 * SLOT              # requests (the client writes), then replies (the worker writes)
@@ -93,8 +95,16 @@ class Slots:
         self.wake = wake  # the early wake's eventfd (see above; None: none), owned by these slots
 
     def wake_early(self) -> bool:
-        """The worker's EP has run for the call being answered: wake the caller now if it sleeps (True)."""
-        if self.wake is not None and self._words[self._asleep_out]:
+        """The worker's EP has run for the call being answered: wake the caller now if it sleeps (True). A
+        caller that sleeps on the early wake too (`asleep` EARLY) has its word lowered first: woken so, it polls
+        for the reply, which then rings no doorbell (where it sleeps again before the reply comes, it raises the
+        word again, and is rung for). One that says only that it sleeps (1: a client that did not take the early
+        wake) is rung for as the reply is put."""
+        words, asleep = self._words, self._asleep_out
+        state = words[asleep]
+        if self.wake is not None and state:
+            if state == EARLY:
+                words[asleep] = 0
             try:
                 os.eventfd_write(self.wake, 1)
             except BlockingIOError:  # its count is full (the caller can write it too): a wake is pending anyway
@@ -153,8 +163,9 @@ class Slots:
         self._taken = count
         return n
 
-    def asleep(self, flag: bool) -> None:
-        self._words[self._in // 8 + ASLEEP] = flag
+    def asleep(self, flag: bool, early: bool = False) -> None:
+        """Say this end sleeps (`early`: on the early wake too) or is awake."""
+        self._words[self._in // 8 + ASLEEP] = (EARLY if early else 1) if flag else 0
 
     def close(self) -> None:
         self._words.release()

@@ -3,6 +3,7 @@ with everything the gRPC path guarantees (handles per client, typed errors, dead
 leases), over real workers, sockets and shared memory."""
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -669,6 +670,52 @@ def test_a_caller_asleep_through_a_long_call_is_woken_early_and_polls_for_the_re
         assert read(early=False), "the wake was taken: the next read sleeps again"
     finally:
         words.release()
+        writer.close()
+        mine.close()
+        a.close()
+        b.close()
+
+
+def test_a_reply_after_the_early_wake_rings_no_doorbell_unless_the_caller_sleeps_again():
+    """Woken early, a caller polls for the reply: the worker lowers its `asleep` word as it wakes it, so that
+    the reply, put while the caller is still waking, costs no doorbell at either end. A caller that sleeps again
+    before the reply comes raises the word again, and is rung for; so is one that did not take the early wake
+    (an older client's lane: the worker writes an eventfd no one reads)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd, mapping = lane_slots.create()
+    wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    writer = lane_slots.Slots(mapping, a, worker=True, wake=wake)
+    mine = lane_slots.Slots(lane_slots.adopt(fd), b, worker=False, wake=os.dup(wake))
+    reader = FrameReader(b, spin_s=0.1, expect=True, slots=mine)
+    compute = METHODS["Ep/Compute"].id
+
+    def rung() -> bool:
+        try:
+            return b.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == DOORBELL
+        except BlockingIOError:
+            return False
+
+    def answer(payload: bytes, *, again: bool = False, early: bool = True) -> bool:
+        """Whether the reply to a caller asleep through a long call (on the early wake too, or on the socket
+        alone) rang; `again`: woken, it sleeps again before the reply comes."""
+        while rung():  # what the last answer left: taken, as a reader takes it the next time it sleeps
+            b.recv(1)
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(mine.wake)
+        mine.asleep(True, early=early)
+        assert writer.wake_early()
+        if again:
+            mine.asleep(True, early=early)
+        send_frame(a, compute, 0, 0.0, payload, writer)  # before the caller is awake
+        was_rung = rung()
+        assert bytes(reader.read("long").payload) == payload
+        return was_rung
+
+    try:
+        assert not answer(b"first"), "the reply to a caller woken early rang a doorbell"
+        assert answer(b"second", again=True), "a caller asleep again was not rung for"
+        assert answer(b"third", early=False), "a caller that did not take the early wake was not rung for"
+    finally:
         writer.close()
         mine.close()
         a.close()
