@@ -1,7 +1,7 @@
 """Paired A/B of two whole stacks: ephost as a git revision has it against the working tree, each stack its own
 application process with its own workers, the two taking turns block by block on one workload.
 
-    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet] [--blocks N] [--per N] [--option KEY=VALUE ...]
+    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet|decoding] [--blocks N] [--per N] [--option KEY=VALUE ...]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
 Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
@@ -37,7 +37,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pyproject.toml's package-dir: the repository's top-level folders are the subpackages of `ephost`.
 SUBPACKAGES = ("client", "server", "eps")
-WORKLOADS = ("tiny", "chain", "squeezenet", "shufflenet")
+WORKLOADS = ("tiny", "chain", "squeezenet", "shufflenet", "decoding")
+DECODING_STEPS = 32  # a decoding run: bench dataplane's loop (its state bound in the worker), timed per step
 
 
 def checkout(rev: str, into: str) -> str:
@@ -60,7 +61,7 @@ def child(workload: str, per: int, options: dict[str, str]) -> None:
     import ephost
     from ephost import InferenceSession
     sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
-    from bench.data_plane import chain_model
+    from bench.data_plane import chain_model, decoding_model
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
     from ephost.run_command import bundled_input, bundled_model
 
@@ -73,21 +74,39 @@ def child(workload: str, per: int, options: dict[str, str]) -> None:
         feeds = {"x": np.random.default_rng(1).standard_normal(16).astype(np.float32)}
     else:
         env.register_execution_provider_library("ort", "onnxruntime", {"session_config": config, **options})
-        model = tiny_model() if workload == "tiny" else bundled_model(workload)[0]
+        model = tiny_model() if workload == "tiny" else decoding_model(64) if workload == "decoding" \
+            else bundled_model(workload)[0]
         session = InferenceSession(model, options_for(env, "ort"), env=env)
-        (arg,) = session.get_inputs()
-        feeds = {arg.name: np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
-                 if workload == "tiny" else bundled_input(arg)}
+        if workload != "decoding":
+            (arg,) = session.get_inputs()
+            feeds = {arg.name: np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+                     if workload == "tiny" else bundled_input(arg)}
+    if workload == "decoding":
+        (device,) = [d for d in env.get_ep_devices() if d.registration_name == "ort"]
+        rows = np.random.default_rng(2).standard_normal((DECODING_STEPS, 1, 1, 64)).astype(np.float32)
+
+        def run() -> None:
+            binding = session.io_binding()
+            binding.bind_cpu_input("past", np.zeros((1, 0, 64), np.float32))
+            binding.bind_output("present", device)
+            binding.bind_output("score")
+            for row in rows:
+                binding.bind_cpu_input("row", row)
+                session.run_with_iobinding(binding)
+                binding.bind_ortvalue_input("past", binding.get_outputs()[0])
+    else:
+        def run() -> None:
+            session.run(None, feeds)
     for _ in range(per):
-        session.run(None, feeds)
+        run()
     print(os.path.dirname(ephost.__file__), flush=True)
     for _ in sys.stdin:
         for _ in range(max(2, per // 5)):  # the other stack's block overran the caches: not counted
-            session.run(None, feeds)
+            run()
         times = []
         for _ in range(per):
             start = time.perf_counter()
-            session.run(None, feeds)
+            run()
             times.append(time.perf_counter() - start)
         print(statistics.median(times), flush=True)
     session.close()
@@ -171,7 +190,8 @@ def main(argv=None) -> None:
         parser.error("name a git revision to compare the working tree with (HEAD: an A/A, the noise)")
     result = compare(args.rev, args.workload, args.blocks, per, args.option)
     base, new = result["medians"]["base"], result["medians"]["new"]
-    scale, unit = (1 / 60, "µs per partition call") if args.workload == "chain" else (1, "µs per run")
+    scale, unit = {"chain": (1 / 60, "µs per partition call"),
+                   "decoding": (1 / DECODING_STEPS, "µs per step")}.get(args.workload, (1, "µs per run"))
     diffs = [(n - b) * 1e6 * scale for n, b in zip(new, base)]
     wins = sum(d < 0 for d in diffs)
     quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3

@@ -43,6 +43,17 @@ def test_the_ab_bench_runs_a_revisions_stack_beside_the_working_trees():
     assert missing.returncode == 2 and "name a git revision" in missing.stderr
 
 
+def test_the_ab_bench_times_a_decoding_loop_per_step():
+    """bench/ab.py's decoding workload: bench dataplane's loop (its state bound in the worker and fed back), run
+    whole and reported per step."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "bench/ab.py", "HEAD", "decoding", "--blocks", "2", "--per", "2"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = out.stdout.strip().splitlines()[-1]
+    assert result.startswith("decoding, 2 blocks of 2: HEAD ") and "µs per step" in result
+
+
 def test_the_ab_bench_registers_both_stacks_eps_with_the_options_given():
     """`--option KEY=VALUE` reaches the registrations of both stacks' EPs: one they refuse fails the run with
     their error, one they take is named in the result."""
