@@ -2,7 +2,6 @@
 typed errors for every failed call, and the worker's regions mapped into this process."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import logging
@@ -230,11 +229,9 @@ class WorkerConnection:
                 os.close(fd)
                 return
             try:
-                self._regions[region_id] = Region.from_fd(fd, size, region_id)
+                self._regions[region_id] = Region.from_fd(fd, size, region_id)  # it owns fd, mapped or not
             except (OSError, EpError) as e:  # the region is fetched by ticket when it is used
                 log.debug("a region the worker handed over cannot be mapped: %s", e)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
 
     def forget_region(self, region_id: int) -> None:
         # Tensors this process still holds keep the mapping (and so their data) alive; the rest goes with GC.

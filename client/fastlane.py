@@ -196,7 +196,7 @@ class _Keeping:
 
 
 class _Connection:
-    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "keeping", "busy", "__weakref__")
+    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "keeping", "busy", "_closing", "__weakref__")
 
     def __init__(self, sock: socket.socket, adopt, spin_s: float, slots: Slots | None):
         self.sock = sock
@@ -206,8 +206,14 @@ class _Connection:
         self.kept: dict = {}  # key -> _Kept, or None where the worker would not keep the call
         self.keeping = _Keeping()
         self.busy = False  # a call on it waits for its reply
+        self._closing = threading.Lock()  # taken by the first close, never given back
 
     def close(self) -> None:
+        """Close once. Its thread's end (the finalizer) and FastLane.close can meet here, on two threads (the
+        lane's set names a connection while its finalizer runs): a second close of its descriptors would close
+        whatever took their numbers meanwhile."""
+        if not self._closing.acquire(blocking=False):
+            return
         self.sock.close()
         if self.slots is not None:
             self.slots.close()

@@ -4,6 +4,7 @@ leases), over real workers, sockets and shared memory."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import mmap
 import os
@@ -11,6 +12,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -720,6 +722,87 @@ def test_a_reply_after_the_early_wake_rings_no_doorbell_unless_the_caller_sleeps
         mine.close()
         a.close()
         b.close()
+
+
+def test_a_connection_closed_from_two_threads_at_once_closes_its_descriptors_once():
+    """A lane connection is closed by its thread's end (its finalizer) and by FastLane.close, which can meet: the
+    lane's set still names a connection while its finalizer runs on another thread. The second close must not
+    close its descriptors again, as their numbers may be another's by then (here: a new eventfd takes the early
+    wake's number while the first close is between closing it and forgetting it)."""
+    from ephost.client.fastlane import _Connection
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd, mapping = lane_slots.create()
+    slots = lane_slots.Slots(lane_slots.adopt(fd), b, worker=False, wake=os.eventfd(0, os.EFD_CLOEXEC))
+    conn = _Connection(b, None, 0.0, slots)
+    code = lane_slots.Slots.close.__code__
+    source, first = inspect.getsourcelines(lane_slots.Slots.close)
+    (forgets,) = [first + i for i, line in enumerate(source) if "self.wake = None" in line]
+    closed, resume = threading.Event(), threading.Event()
+
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        if event == "line" and frame.f_lineno == forgets:  # the wake's descriptor closed, not yet forgotten
+            closed.set()
+            resume.wait(10)
+        return trace
+
+    def first_close():
+        sys.settrace(trace)
+        try:
+            conn.close()
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=first_close)
+    thread.start()
+    other = None
+    try:
+        assert closed.wait(10)
+        other = os.eventfd(0, os.EFD_CLOEXEC)  # the lowest free number: the one just closed
+        conn.close()  # the lane's close, meanwhile
+        os.fstat(other)  # still open: the second close closed nothing
+    finally:
+        resume.set()
+        thread.join(10)
+        if other is not None:
+            with contextlib.suppress(OSError):
+                os.close(other)
+        mapping.close()
+        a.close()
+
+
+def test_a_handed_over_region_that_cannot_be_mapped_has_its_descriptor_closed_once(env):
+    """A region's descriptor the worker hands over with a reply is the mapping's to close, mapped or not: one
+    that cannot be mapped (here, not sealed against shrinking) is closed once, not a second time after, when its
+    number may be another's (here: a new eventfd takes it as the failure is logged)."""
+    conn = env.registration("ref").link.conn
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    code = type(conn).adopt_region.__code__
+    source, first = inspect.getsourcelines(type(conn).adopt_region)
+    (logged,) = [first + i for i, line in enumerate(source) if "log.debug(" in line]
+    other = []
+
+    def trace(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        if event == "line" and frame.f_lineno == logged:  # the mapping failed, and closed fd
+            other.append(os.eventfd(0, os.EFD_CLOEXEC))  # the lowest free number: fd's
+        return trace
+
+    sys.settrace(trace)
+    try:
+        conn.adopt_region(2 ** 40, 4096, fd)
+    finally:
+        sys.settrace(None)
+    try:
+        assert other == [fd], "the mapping was expected to fail and to close the descriptor"
+        os.fstat(other[0])  # still open: nothing closed fd's number again
+    finally:
+        for number in other:
+            with contextlib.suppress(OSError):
+                os.close(number)
 
 
 def test_an_early_wake_whose_count_the_caller_filled_fails_nothing():
