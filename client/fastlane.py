@@ -342,6 +342,14 @@ class FastLane:
             return self._keep(conn, general, method, request, timeout)
         return self.call(method, request_of(), timeout)
 
+    def repeater(self, method: Method, key: Hashable) -> "KeptRepeat | None":
+        """This thread's kept call for `key` (call_kept's), held to be repeated without being looked up again (a
+        session's steady run, client/steady.py); None where this thread's connection has none."""
+        conn = getattr(self._local, "conn", None)
+        key = (method.id, key)
+        kept = conn.kept.get(key) if conn is not None else None
+        return KeptRepeat(self, conn, key, kept, method) if kept is not None else None
+
     def _repeat(self, conn: _Connection, key: Hashable, kept: _Kept, method: Method, parts: list, nbytes: int,
                 timeout: float, write: Callable[[], None] | None):
         """A kept call repeated: what came back (see call_kept), or _UNKEPT where the worker let it go (then it
@@ -457,6 +465,26 @@ class FastLane:
         """Connections open now (one per thread that made a call)."""
         with self._lock:
             return len(self._connections)
+
+
+class KeptRepeat:
+    """A kept call of one thread's connection (FastLane.repeater), repeated as call_kept repeats it while the
+    thread's connection is the one it was kept on and the call is still kept there."""
+
+    __slots__ = ("_lane", "_conn", "_key", "_kept", "_method")
+
+    def __init__(self, lane: FastLane, conn: _Connection, key: Hashable, kept: _Kept, method: Method):
+        self._lane, self._conn, self._key, self._kept, self._method = lane, conn, key, kept, method
+
+    def __call__(self, parts: list, nbytes: int, timeout: float, write: Callable[[], None] | None = None):
+        """What call_kept returns for a repeat (the outputs that came back, or the whole reply); None where the
+        call does not repeat now (another connection, the worker let it go, or the connection is in a call of
+        this thread's: call_kept's caller goes over gRPC then): then the worker ran nothing."""
+        lane, conn = self._lane, self._conn
+        if getattr(lane._local, "conn", None) is not conn or conn.busy or conn.kept.get(self._key) is not self._kept:
+            return None
+        result = lane._repeat(conn, self._key, self._kept, self._method, parts, nbytes, timeout, write)
+        return None if result is _UNKEPT else result
 
 
 def _after_fork_in_child() -> None:

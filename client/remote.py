@@ -19,7 +19,7 @@ from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, EpDeviceInfo, MemoryInfo, checked_desc, desc_to_proto
 from ephost.client.allocator import FreeQueue, RemoteAllocator
 from ephost.client.context_model import restore_graph
-from ephost.client.fastlane import Placed
+from ephost.client.fastlane import COMPUTE, Placed
 from ephost.client.handles import RemoteHandle, owned
 from ephost.client.streams import RemoteStream
 from ephost.client.supervisor import WorkerLink
@@ -137,8 +137,7 @@ class RemoteComputeInfo(RemoteHandle):
         placed = tuple(i for i in keep if i not in targets) if keep else ()
         staged, write = {}, None
         if large:
-            kinds = tuple((len(layout[i][0]), layout[i][1]) for i in large)  # a loop's shapes change, their kinds not
-            staged = dict(zip(large, self._staging.buffers(kinds, [inputs[i].nbytes for i in large])))
+            staged = dict(zip(large, self._staging.buffers(*self._kinds(inputs, layout, large))))
             pending = [(buffer, inputs[i]) for i, buffer in staged.items()]
 
             def write():  # written once, whichever path asks first (the lane overlaps it with the worker's reading)
@@ -153,8 +152,7 @@ class RemoteComputeInfo(RemoteHandle):
         if handles:
             parts = [struct.pack(f"<{len(handles)}Q", *handles), *parts]
             nbytes += 8 * len(handles)
-        key = (self.handle, allocator.handle if allocator is not None else 0, layout,
-               tuple((i, t.shape, t.dtype) for i, t in sorted(targets.items())) if targets else (), placed)
+        key = self._key(allocator, layout, targets, placed)
 
         def request_of() -> ep_pb2.ComputeRequest:
             if write is not None:
@@ -163,18 +161,54 @@ class RemoteComputeInfo(RemoteHandle):
 
         result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, parts, nbytes, request_of, timeout, write,
                                                      None if targets else _general), conn=conn)
-        if isinstance(result, list):  # the outputs that came back, in order: all but the targets
-            if not targets and not placed:
-                outputs = [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
-            else:
-                returned = iter(result)
-                outputs = [targets[i] if i in targets else self._returned(next(returned), allocator, conn, i, leave)
-                           for i in range(len(result) + len(targets))]
-        else:
-            outputs = [targets[i] if i in targets else self._output(v, allocator, conn, fetch=i not in leave)
-                       for i, v in enumerate(result.outputs)]
+        outputs = self.kept_outputs(result, allocator, conn, targets, placed, leave)
         self.link.between_calls()
         return outputs
+
+    def kept_outputs(self, result, allocator: RemoteAllocator | None, conn, targets: Mapping[int, Tensor] = _NO_TARGETS,
+                     placed: tuple[int, ...] = (), leave: Sequence[int] = ()) -> list[Any]:
+        """A kept Compute's outputs from what its call returned (FastLane.call_kept): the outputs that came back,
+        in order (all but the `targets`), or the whole reply."""
+        if isinstance(result, list):
+            if not targets and not placed:
+                return [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
+            returned = iter(result)
+            return [targets[i] if i in targets else self._returned(next(returned), allocator, conn, i, leave)
+                    for i in range(len(result) + len(targets))]
+        return [targets[i] if i in targets else self._output(v, allocator, conn, fetch=i not in leave)
+                for i, v in enumerate(result.outputs)]
+
+    def _key(self, allocator: RemoteAllocator | None, layout: tuple, targets: Mapping[int, Tensor],
+             placed: tuple[int, ...]) -> tuple:
+        """What makes a kept Compute of this partition the same call (FastLane.call_kept's key)."""
+        return (self.handle, allocator.handle if allocator is not None else 0, layout,
+                tuple((i, t.shape, t.dtype) for i, t in sorted(targets.items())) if targets else (), placed)
+
+    @staticmethod
+    def _kinds(inputs: Sequence[Tensor], layout: tuple, large: list[int]) -> tuple[tuple, list[int]]:
+        """The staging buffers' key for the large inputs (their types and ranks: a loop's shapes change, their
+        kinds not), and the sizes they take."""
+        return tuple((len(layout[i][0]), layout[i][1]) for i in large), [inputs[i].nbytes for i in large]
+
+    def steady(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None) -> "SteadyCompute | None":
+        """The Compute of `inputs` (tensors in this process's memory, every output to come back) as this thread
+        just made it, held to be repeated with other arrays of the same types and shapes (client/steady.py);
+        None where it is not a kept call on this thread's fast lane."""
+        conn = self.link.current
+        kept = self._kept_inputs(inputs) if conn is not None and conn.lane is not None and conn.kept_calls else None
+        if kept is None:
+            return None
+        layout, _, nbytes, large, named = kept
+        if len(named) != len(large):  # an input the worker holds: its handle changes from run to run
+            return None
+        kinds, sizes = self._kinds(inputs, layout, large)
+        buffers = self._staging.buffers(kinds, sizes) if large else ()
+        repeat = conn.lane.repeater(COMPUTE, self._key(allocator, layout, _NO_TARGETS, ()))
+        if repeat is None:
+            return None
+        return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in large],
+                             (self._staging, kinds, buffers), list(zip(large, buffers)), self._stager,
+                             struct.pack(f"<{len(buffers)}Q", *(b.handle for b in buffers)), 8 * len(buffers) + nbytes)
 
     def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
         """Output i of a kept call: an array over its reply, or one it left in a new buffer of the worker's."""
@@ -232,6 +266,46 @@ class RemoteComputeInfo(RemoteHandle):
             host = np.empty(shape, dtype)
             allocator.read(buffer, host.reshape(-1).view(np.uint8))
         return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, host=host, allocator=allocator)
+
+
+class SteadyCompute:
+    """A partition's kept Compute as one thread made it (RemoteComputeInfo.steady): called with arrays of the
+    types and shapes it was made with, it sends the small ones' bytes and writes the large ones into the
+    thread's staging buffers, as _compute_kept does, having looked nothing up again. Valid while the worker, the
+    thread's connection, the kept call and the staging buffers are the ones it was made with."""
+
+    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_small", "_staged", "_large", "_stager", "_handles",
+                 "_nbytes")
+
+    def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
+                 staged: tuple, large: list[tuple[int, Buffer]], stager: Stager, handles: bytes, nbytes: int):
+        """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds);
+        `large`: each large input's position and buffer."""
+        self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
+        self._small, self._staged, self._large, self._stager = small, staged, large, stager
+        self._handles, self._nbytes = handles, nbytes
+
+    def __call__(self, arrays: Sequence[np.ndarray], timeout: float | None) -> list[Any] | None:
+        """The outputs, as compute returns them; None where the call no longer repeats (nothing ran)."""
+        info = self._info
+        link = info.link
+        # The staging buffers are still this thread's for these inputs (a larger input of their kinds, since,
+        # would have had them replaced, and given back to be used by others)
+        staging, kinds, buffers = self._staged
+        if link.conn is not self._conn or (buffers and not staging.holds(kinds, buffers)):
+            return None
+        parts = [self._handles, *[arrays[i] for i in self._small]]
+        write = None
+        if self._large:
+            def write():
+                for i, buffer in self._large:
+                    self._stager.write(buffer, arrays[i].reshape(-1).view(np.uint8))
+        result = link.run(lambda c: self._repeat(parts, self._nbytes, timeout or c.timeout_s, write), conn=self._conn)
+        if result is None:
+            return None
+        outputs = info.kept_outputs(result, self._allocator, self._conn)
+        link.between_calls()
+        return outputs
 
 
 class RemoteEp(RemoteHandle):

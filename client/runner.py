@@ -98,7 +98,7 @@ class PartitionRunner:
                 return p.compute_info.compute(inputs, p.allocator, kept, timeout, **extras)
             return p.compute_info.compute(inputs, p.allocator, kept, timeout)
         except EpError as error:
-            return self._recover(run, p, inputs, error, timeout)
+            return self.recover(run, p, inputs, error, timeout)
 
     def _extras(self, p: Partition, kept: tuple[int, ...], targets: Mapping[str, Tensor]) -> dict[str, Any]:
         """The `into` and `leave` arguments of p's Compute, where there are any: only EPs asked to use them get
@@ -115,8 +115,9 @@ class PartitionRunner:
                 extras["leave"] = leave
         return extras
 
-    def _recover(self, run: int, p: Partition, inputs: list, error: EpError, timeout: float | None) -> list[Any]:
-        """Partition `p`'s outputs after its Compute failed with `error`, as the failure policy says."""
+    def recover(self, run: int, p: Partition, inputs: list, error: EpError, timeout: float | None) -> list[Any]:
+        """Partition `p`'s outputs after its Compute failed with `error`, as the failure policy says (a session's
+        steady run's too)."""
         with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
                                 policy=self._failures.policy):
             return self._failures.recover(run, p, self._partitions, inputs, error, timeout)

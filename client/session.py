@@ -37,6 +37,7 @@ from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 from ephost.client.profiler import Profiler
 from ephost.client.runner import PartitionRunner
+from ephost.client.steady import SteadyRun, signature
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ class InferenceSession:
         self._partitions: list[Partition] = []
         self._entries: list[tuple[list[EpDevice], dict[str, str]]] = []
         self._async: ThreadPoolExecutor | None = None
+        self._steady = threading.local()  # each thread's steady run (client/steady.py), and its last feeds
         self.profiler = Profiler(bool(options.enable_profiling), options.profile_file_prefix)
         self._runner = PartitionRunner(env, self._failures, self.profiler, self._link_of, self._constants,
                                        self._external)
@@ -427,7 +429,53 @@ class InferenceSession:
             run_options: Any = None) -> list[Any]:
         """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays or
         ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker)."""
-        return [to_python(v) for v in self._execute(output_names, input_feed, run_options)]
+        if run_options is None:
+            outputs = self._run_steady(output_names, input_feed)
+            if outputs is not None:
+                return outputs
+        outputs = [to_python(v) for v in self._execute(output_names, input_feed, run_options)]
+        if run_options is None:
+            self._keep_steady(output_names, input_feed)
+        return outputs
+
+    def _run_steady(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any] | None:
+        """The run, where the calling thread's steady run makes it (client/steady.py); else None."""
+        steady = getattr(self._steady, "run", None)
+        if steady is None or self._closed or self.profiler.enabled:
+            return None
+        arrays = steady.arrays(self._partitions, output_names, input_feed)
+        if arrays is None:
+            return None
+        timeout = _deadline(self._timeout)
+        try:
+            outputs = steady.compute(arrays, timeout)
+        except EpError as error:  # as the general path's Compute: the failure policy's to answer
+            self._steady.run = None
+            self._failures.counters["runs"] += 1
+            outputs = self._runner.recover(next(self._runs), steady.partition, steady.tensors(arrays), error,
+                                           timeout)
+        else:
+            if outputs is None:  # it no longer repeats (nothing ran): the general path, which makes a new one
+                self._steady.run = None
+                return None
+            self._failures.counters["runs"] += 1
+            next(self._runs)
+        return [to_python(v) for v in steady.pick(outputs)]
+
+    def _keep_steady(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> None:
+        """After a run on the general path: the calling thread's steady run, made where this run's feeds have
+        the types and shapes of the one before it on this thread, and the plan makes one (client/steady.py)."""
+        if len(self._partitions) != 1 or self.profiler.enabled or self._empty_optionals \
+                or not hasattr(self._partitions[0].compute_info, "steady"):  # (an EP in process: none)
+            return
+        local = self._steady
+        feeds = signature(input_feed)
+        if feeds is None or feeds != getattr(local, "last", None):
+            local.last = feeds
+            return
+        local.run = SteadyRun.of(self._partitions, output_names, self._output_names(output_names), input_feed, feeds)
+        if local.run is None:  # (a plan or a call that makes none: tried again every other run, not every run)
+            local.last = None
 
     def run_async(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
                   callback: Callable[[list[Any] | None, Any, str], None], user_data: Any = None,
@@ -529,6 +577,7 @@ class InferenceSession:
             if self._closed:
                 return
             self._closed = True
+        self._steady = threading.local()  # what the steady runs hold (their threads' connections) goes now
         if self._pid != os.getpid():
             # A forked child's copy: its partitions, workers and model files are the parent's, in use there.
             log.debug("closing a forked child's copy of a session: what it holds is left to the parent")

@@ -160,6 +160,11 @@ class ThreadStaging:
         self._stager.release([b for old in stale for b in old])
         return buffers
 
+    def holds(self, kinds: tuple, buffers: tuple[Buffer, ...]) -> bool:
+        """Whether `buffers` are still this thread's for large inputs of these kinds (buffers() gave them)."""
+        mine = getattr(self._local, "mine", None)
+        return mine is not None and mine.get(kinds) is buffers
+
     def _give_back(self, mine: dict, later: bool = False) -> None:
         buffers = [b for kept in mine.values() for b in kept]
         mine.clear()

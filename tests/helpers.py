@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 import grpc
 
@@ -95,6 +96,24 @@ class RawClient:
 # The two transports of the data plane: the fast lane (the default where client and worker share memory) and
 # gRPC alone (`fast_lane=false`). Modules whose tests must hold over both parametrize their fixtures with these.
 TRANSPORTS = {"fast_lane": {}, "grpc": {"fast_lane": "false"}}
+
+
+def in_threads(work, n: int) -> list[tuple[int, Exception]]:
+    """work(i) for i in range(n), on n threads at once; (i, exception) of each that failed."""
+    errors = []
+
+    def run(i):
+        try:
+            work(i)
+        except Exception as e:  # reported by the caller, with the thread's number
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
 
 
 def make_env(transport: str = "fast_lane") -> ephost.Environment:

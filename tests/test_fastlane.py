@@ -25,7 +25,7 @@ from ephost.fastlane import (DOORBELL, HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGI
                              FrameReader, decode_error, put_parts, send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 import models
-from helpers import RawClient, options_for, worker_stats
+from helpers import RawClient, in_threads, options_for, worker_stats
 
 SHAPE = (4, 4)
 X = np.arange(16, dtype=np.float32).reshape(SHAPE)
@@ -166,24 +166,6 @@ def test_copy_tensors_and_alloc_over_the_lane(ort_env):
     finally:
         ort_env.release_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
     assert worker_stats(ort_env, "ort").fast_lane_calls - before >= 4
-
-
-def in_threads(work, n: int) -> list[tuple[int, Exception]]:
-    """work(i) for i in range(n), on n threads at once; (i, exception) of each that failed."""
-    errors = []
-
-    def run(i):
-        try:
-            work(i)
-        except Exception as e:  # reported by the caller, with the thread's number
-            errors.append((i, e))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return errors
 
 
 def test_eight_threads_run_one_session_at_once(ort_env):

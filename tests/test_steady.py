@@ -1,0 +1,162 @@
+"""A session's steady run (client/steady.py): a run made again as the last one went, straight to the partition's
+kept call, and the general path wherever anything it was made with changed."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+import ephost
+from ephost import InferenceSession, RunOptions
+import models
+from helpers import in_threads, options_for
+
+
+def staged_model(rows="n"):
+    """y = s @ x (a MatMul): x over the inline limit (staged in a buffer of the worker's) at 256 rows and more, s
+    small (inline); `rows`: x's first dimension, symbolic by default."""
+    return models.model([helper.make_node("MatMul", ["s", "x"], ["y"], name="mm")],
+                        [models.tensor("s", [1, rows]), models.tensor("x", [rows, 1024])],
+                        [models.tensor("y", [1, 1024])])
+
+
+def feeds(rng, rows: int = 256) -> dict[str, np.ndarray]:
+    return {"s": rng.standard_normal((1, rows)).astype(np.float32),
+            "x": rng.standard_normal((rows, 1024)).astype(np.float32)}
+
+
+def expected(f: dict[str, np.ndarray]) -> np.ndarray:
+    return f["s"] @ f["x"]
+
+
+class Computes:
+    """Counts the Computes a session's one partition makes through its compute info (the general path's way
+    to a worker; a steady run goes to the kept call it made)."""
+
+    def __init__(self, session: InferenceSession):
+        (partition,) = session._runner.partitions
+        self.info = partition.compute_info
+        self.count = 0
+        compute = self.info.compute
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return compute(*args, **kwargs)
+
+        self.info.compute = counted
+
+
+@pytest.fixture(scope="module")
+def env():
+    with ephost.Environment() as environment:
+        environment.register_execution_provider_library("ort", "onnxruntime", {"intra_op_num_threads": "1"})
+        yield environment
+
+
+def check(session, f, names=None) -> None:
+    out = session.run(names, f)
+    np.testing.assert_allclose(out[0], expected(f), rtol=1e-4, atol=1e-4)
+
+
+def test_a_run_made_again_goes_straight_to_its_kept_call_and_gives_what_ort_gives(env):
+    """The third run of a kind on a thread and the next go straight to the kept call the general path made
+    (its inputs written into the buffers kept for it, no Compute through the partition's compute info), with
+    every result as ORT's in process; `runs` counts them all."""
+    rng = np.random.default_rng(1)
+    model = staged_model(256)
+    in_process = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with InferenceSession(model, options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        for _ in range(12):
+            f = feeds(rng)
+            (y,) = s.run(None, f)
+            np.testing.assert_allclose(y, in_process.run(None, f)[0], rtol=1e-5, atol=1e-5)
+            y[:] = 0  # the caller's own array: the next run's is another
+        assert computes.count == 2, "runs after the second did not repeat the kept call straight"
+        assert s.failure_counters["runs"] == 12
+
+
+def test_a_steady_run_gives_way_to_the_general_path_where_the_run_differs(env):
+    """Other shapes, other output names, a non-contiguous feed, run options, or feeds given as tensors: the
+    general path, every result right; the steady run then serves the runs like its own again."""
+    rng = np.random.default_rng(2)
+    with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        for _ in range(3):
+            check(s, feeds(rng))
+        assert computes.count == 2
+        differing = [
+            (feeds(rng, 128), None, None),                                   # other shapes
+            (feeds(rng), ["y"], None),                                       # output names given
+            ({**feeds(rng), "x": np.asfortranarray(feeds(rng)["x"])}, None, None),  # not C-contiguous
+            (feeds(rng), None, RunOptions(compute_timeout_s=30)),            # run options
+            ({k: ephost.Tensor.from_numpy(v) for k, v in feeds(rng).items()}, None, None),  # tensors
+        ]
+        for f, names, options in differing:
+            before = computes.count
+            out = s.run(names, f, options)
+            arrays = {k: v.numpy() if isinstance(v, ephost.Tensor) else v for k, v in f.items()}
+            np.testing.assert_allclose(out[0], expected(arrays), rtol=1e-4, atol=1e-4)
+            assert computes.count == before + 1, f"not the general path: {names}, {options}"
+        before = computes.count
+        check(s, feeds(rng))
+        assert computes.count == before, "the steady run of the first kind did not serve it again"
+
+
+def test_a_steady_run_whose_staging_buffers_were_outgrown_does_not_write_into_them(env):
+    """A larger input of the same kind on the same thread replaces the staging buffers (the old ones given
+    back, for others to use): the steady run made with them takes the general path, and every result is
+    right."""
+    rng = np.random.default_rng(3)
+    with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        for _ in range(3):
+            check(s, feeds(rng, 256))
+        check(s, feeds(rng, 1024))  # 4 MiB: the buffer of 1 MiB is outgrown
+        before = computes.count
+        for _ in range(3):
+            check(s, feeds(rng, 256))
+        assert computes.count > before, "the steady run wrote into staging buffers it no longer held"
+
+
+def test_steady_runs_are_each_threads_own(env):
+    """Eight threads running one session: each makes its own steady run on its own lane connection, and every
+    result is its own."""
+    with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
+        def work(seed):
+            rng = np.random.default_rng(seed)
+            for _ in range(20):
+                check(s, feeds(rng, 64 + seed))
+
+        assert in_threads(work, 8) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
+def test_a_worker_that_dies_in_a_steady_run_is_answered_by_the_failure_policy(policy):
+    """The worker's EP dies (a real SIGSEGV) in the Compute of a steady run: the run fails with EpWorkerCrashed
+    naming the call (raise), or is made again on the restarted worker (retry) or on the CPU fallback (fallback),
+    with the right result; the runs after it are right."""
+    rng = np.random.default_rng(4)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "chaos", {
+            "wrap": "onnxruntime", "fault": "segfault", "at": "compute", "after": "4", "intra_op_num_threads": "1"})
+        options = options_for(env, "w")
+        options.ep_failure_policy = policy
+        with InferenceSession(staged_model(), options, env=env) as s:
+            computes = Computes(s)
+            for _ in range(3):
+                check(s, feeds(rng))
+            assert computes.count == 2, "the third run was not a steady one"
+            if policy == "raise":  # the 4th Compute, the second steady run's
+                with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
+                    s.run(None, feeds(rng))
+            else:
+                check(s, feeds(rng))
+            # It was a steady run's: through the partition's compute info only as retried on the new worker
+            assert computes.count == (3 if policy == "retry" else 2)
+            assert env.registration("w").link.wait_healthy(10)
+            for _ in range(2):  # (the new worker's 4th Compute would die too)
+                check(s, feeds(rng))
+            assert s.failure_counters["runs"] == 6
