@@ -286,7 +286,9 @@ class SteadyCompute:
         self._handles, self._nbytes = handles, nbytes
 
     def __call__(self, arrays: Sequence[np.ndarray], timeout: float | None) -> list[Any] | None:
-        """The outputs, as compute returns them; None where the call no longer repeats (nothing ran)."""
+        """The outputs: arrays over the reply where it is a kept call's (what the session hands out, made no
+        tensor of on the way), else as compute returns them; None where the call no longer repeats (nothing
+        ran)."""
         info = self._info
         link = info.link
         # The staging buffers are still this thread's for these inputs (a larger input of their kinds, since,
@@ -303,7 +305,7 @@ class SteadyCompute:
         result = link.run(lambda c: self._repeat(parts, self._nbytes, timeout or c.timeout_s, write), conn=self._conn)
         if result is None:
             return None
-        outputs = info.kept_outputs(result, self._allocator, self._conn)
+        outputs = result if isinstance(result, list) else info.kept_outputs(result, self._allocator, self._conn)
         link.between_calls()
         return outputs
 

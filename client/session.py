@@ -460,7 +460,7 @@ class InferenceSession:
                 return None
             self._failures.counters["runs"] += 1
             next(self._runs)
-        return [to_python(v) for v in steady.pick(outputs)]
+        return [to_python(outputs[i]) for i in steady.picks]
 
     def _keep_steady(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> None:
         """After a run on the general path: the calling thread's steady run, made where this run's feeds have

@@ -34,17 +34,19 @@ def signature(input_feed: Mapping[str, Any]) -> tuple | None:
 
 
 class SteadyRun:
-    __slots__ = ("partitions", "partition", "_info", "_compute", "_feeds", "_asked", "_picks")
+    __slots__ = ("partitions", "partition", "compute", "picks", "_info", "_feeds", "_asked")
 
     def __init__(self, partitions: list[Partition], compute, feeds: Sequence[tuple[str, np.dtype, tuple]],
                  asked: Sequence[str] | None, picks: list[int]):
         self.partitions = partitions  # the session's plan it was made in (a new plan is a new list)
         self.partition = partitions[0]
+        # The partition's outputs from the feeds (in its input order) and the call's timeout: a list, or None where
+        # the call no longer repeats (RemoteComputeInfo.steady's SteadyCompute)
+        self.compute = compute
+        self.picks = picks  # the positions among them of the outputs the run asks for, in its order
         self._info = self.partition.compute_info
-        self._compute = compute  # RemoteComputeInfo.steady's
-        self._feeds = feeds      # in the partition's input order
-        self._asked = asked      # the output names the run asked for, as given
-        self._picks = picks      # their positions among the partition's outputs
+        self._feeds = feeds  # in the partition's input order
+        self._asked = asked  # the output names the run asked for, as given
 
     @classmethod
     def of(cls, partitions: list[Partition], output_names: Sequence[str] | None, names: Sequence[str],
@@ -84,14 +86,6 @@ class SteadyRun:
                 return None
             arrays.append(value)
         return arrays
-
-    def compute(self, arrays: list[np.ndarray], timeout: float | None) -> list[Any] | None:
-        """The partition's outputs; None where its call no longer repeats (nothing ran)."""
-        return self._compute(arrays, timeout)
-
-    def pick(self, outputs: list[Any]) -> list[Any]:
-        """The outputs the run asked for, in its order."""
-        return [outputs[i] for i in self._picks]
 
     @staticmethod
     def tensors(arrays: list[np.ndarray]) -> list[Tensor]:
