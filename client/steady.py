@@ -34,6 +34,9 @@ def signature(input_feed: Mapping[str, Any]) -> tuple | None:
 
 
 class SteadyRun:
+    """One thread's steady run of a session (see above): what a run must be to be one (`arrays`), and the
+    partition's call made again (`compute`)."""
+
     __slots__ = ("partitions", "partition", "compute", "picks", "_info", "_feeds", "_asked")
 
     def __init__(self, partitions: list[Partition], compute, feeds: Sequence[tuple[str, np.dtype, tuple]],
