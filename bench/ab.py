@@ -61,7 +61,7 @@ def child(workload: str, per: int, options: dict[str, str]) -> None:
     import ephost
     from ephost import InferenceSession
     sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
-    from bench.data_plane import chain_model, decoding_model
+    from bench.data_plane import chain_model, decode, decoding_model
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
     from ephost.run_command import bundled_input, bundled_model
 
@@ -86,14 +86,7 @@ def child(workload: str, per: int, options: dict[str, str]) -> None:
         rows = np.random.default_rng(2).standard_normal((DECODING_STEPS, 1, 1, 64)).astype(np.float32)
 
         def run() -> None:
-            binding = session.io_binding()
-            binding.bind_cpu_input("past", np.zeros((1, 0, 64), np.float32))
-            binding.bind_output("present", device)
-            binding.bind_output("score")
-            for row in rows:
-                binding.bind_cpu_input("row", row)
-                session.run_with_iobinding(binding)
-                binding.bind_ortvalue_input("past", binding.get_outputs()[0])
+            decode(session, device, rows)
     else:
         def run() -> None:
             session.run(None, feeds)

@@ -140,6 +140,19 @@ def decoding_model(width: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def decode(session, device, rows: np.ndarray) -> None:
+    """One decoding loop of decoding_model through ephost, a step a row of `rows` (steps x 1 x 1 x width): an
+    IOBinding keeps the present in the worker (`device`'s memory) and binds it as the next step's past."""
+    binding = session.io_binding()
+    binding.bind_cpu_input("past", np.zeros((1, 0, rows.shape[-1]), np.float32))
+    binding.bind_output("present", device)
+    binding.bind_output("score")
+    for row in rows:
+        binding.bind_cpu_input("row", row)
+        session.run_with_iobinding(binding)
+        binding.bind_ortvalue_input("past", binding.get_outputs()[0])
+
+
 def decoding(env, blocks: int, per_block: int, steps: int = 32, width: int = 64) -> None:
     """A decoding loop of `steps` steps: in process, ORT's own loop (the present fed back as an array); through
     ephost, an IOBinding that keeps the present in the worker and binds it as the next past, as an application
@@ -154,22 +167,12 @@ def decoding(env, blocks: int, per_block: int, steps: int = 32, width: int = 64)
         for row in rows:
             past, _ = inproc.run(None, {"past": past, "row": row})
 
-    def through(session, device) -> None:
-        binding = session.io_binding()
-        binding.bind_cpu_input("past", start)
-        binding.bind_output("present", device)
-        binding.bind_output("score")
-        for row in rows:
-            binding.bind_cpu_input("row", row)
-            session.run_with_iobinding(binding)
-            binding.bind_ortvalue_input("past", binding.get_outputs()[0])
-
     ways = ("lane", "unkept", "grpc")
     devices = {d.registration_name: d for d in env.get_ep_devices()}
     with contextlib.ExitStack() as stack:
         sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, f"ort-{k}"), env=env))
                     for k in ways}
-        t = interleaved({"in": in_process, **{k: (lambda s=sessions[k], d=devices[f"ort-{k}"]: through(s, d))
+        t = interleaved({"in": in_process, **{k: (lambda s=sessions[k], d=devices[f"ort-{k}"]: decode(s, d, rows))
                                               for k in ways}}, blocks, max(2, per_block // steps))
     print(f"\nA decoding loop ({steps} steps; its state, 1 x t x {width} floats, growing a row a step and kept in the "
           "worker, bound as the next step's past): median per step, and the overhead per step over ORT's own "

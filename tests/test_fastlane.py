@@ -613,51 +613,62 @@ def test_a_reader_keeps_how_long_each_call_waits_apart():
         b.close()
 
 
-def test_a_caller_asleep_through_a_long_call_is_woken_early_and_polls_for_the_reply():
-    """The early wake (ephost/lane_slots.py): a caller asleep through a long call is woken by the worker as its
-    EP finishes, and is awake (polling: its `asleep` word down) when the reply is written a little later;
-    without the wake it is still asleep then."""
+@contextlib.contextmanager
+def early_wake_slots():
+    """A lane's slots with their early wake, both ends in this process: (the worker's socket end, the caller's,
+    the worker's mapping of the slots, its Slots, the caller's, the caller's FrameReader: polling 0.1 s, reading
+    replies)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     fd, mapping = lane_slots.create()
     wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
     writer = lane_slots.Slots(mapping, a, worker=True, wake=wake)
     mine = lane_slots.Slots(lane_slots.adopt(fd), b, worker=False, wake=os.dup(wake))
-    reader = FrameReader(b, spin_s=0.1, expect=True, slots=mine)
-    words = memoryview(mapping).cast("Q")  # the test's look at the reply slot's `asleep` word
-    asleep = lane_slots.SLOT // 8 + lane_slots.ASLEEP
-    compute = METHODS["Ep/Compute"].id
-
-    def read(early: bool) -> bool:
-        """Whether the reader slept when a reply written 0.3 s into its read was (0.28 s in: the early wake)."""
-        at_the_end = []
-
-        def send():
-            time.sleep(0.28)
-            if early:
-                writer.wake_early()
-            time.sleep(0.02)  # the reply is being made
-            at_the_end.append(words[asleep])
-            send_frame(a, compute, 0, 0.0, b"reply", writer)
-
-        thread = threading.Thread(target=send)
-        thread.start()
-        try:
-            assert bytes(reader.read("long").payload) == b"reply"
-        finally:
-            thread.join()
-        return bool(at_the_end[0])
-
     try:
-        read(early=False)  # a long wait: the next reads sleep through
-        assert read(early=False), "without the early wake, asleep when the reply is written"
-        assert not read(early=True), "woken as the EP finished: polling when the reply is written"
-        assert read(early=False), "the wake was taken: the next read sleeps again"
+        yield a, b, mapping, writer, mine, FrameReader(b, spin_s=0.1, expect=True, slots=mine)
     finally:
-        words.release()
         writer.close()
         mine.close()
         a.close()
         b.close()
+
+
+def test_a_caller_asleep_through_a_long_call_is_woken_early_and_polls_for_the_reply():
+    """The early wake (ephost/lane_slots.py): a caller asleep through a long call is woken by the worker as its
+    EP finishes, and is awake (polling: its `asleep` word down) when the reply is written a little later;
+    without the wake it is still asleep then."""
+    compute = METHODS["Ep/Compute"].id
+    asleep = lane_slots.SLOT // 8 + lane_slots.ASLEEP  # the reply slot's `asleep` word
+    with early_wake_slots() as (a, b, mapping, writer, mine, reader):
+        words = memoryview(mapping).cast("Q")  # the test's look at it
+
+        def read(early: bool) -> bool:
+            """Whether the reader slept when a reply written 0.3 s into its read was (0.28 s in: the early
+            wake)."""
+            at_the_end = []
+
+            def send():
+                time.sleep(0.28)
+                if early:
+                    writer.wake_early()
+                time.sleep(0.02)  # the reply is being made
+                at_the_end.append(words[asleep])
+                send_frame(a, compute, 0, 0.0, b"reply", writer)
+
+            thread = threading.Thread(target=send)
+            thread.start()
+            try:
+                assert bytes(reader.read("long").payload) == b"reply"
+            finally:
+                thread.join()
+            return bool(at_the_end[0])
+
+        try:
+            read(early=False)  # a long wait: the next reads sleep through
+            assert read(early=False), "without the early wake, asleep when the reply is written"
+            assert not read(early=True), "woken as the EP finished: polling when the reply is written"
+            assert read(early=False), "the wake was taken: the next read sleeps again"
+        finally:
+            words.release()
 
 
 def test_a_reply_after_the_early_wake_rings_no_doorbell_unless_the_caller_sleeps_again():
@@ -665,45 +676,34 @@ def test_a_reply_after_the_early_wake_rings_no_doorbell_unless_the_caller_sleeps
     the reply, put while the caller is still waking, costs no doorbell at either end. A caller that sleeps again
     before the reply comes raises the word again, and is rung for; so is one that did not take the early wake
     (an older client's lane: the worker writes an eventfd no one reads)."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    fd, mapping = lane_slots.create()
-    wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    writer = lane_slots.Slots(mapping, a, worker=True, wake=wake)
-    mine = lane_slots.Slots(lane_slots.adopt(fd), b, worker=False, wake=os.dup(wake))
-    reader = FrameReader(b, spin_s=0.1, expect=True, slots=mine)
     compute = METHODS["Ep/Compute"].id
+    with early_wake_slots() as (a, b, _, writer, mine, reader):
 
-    def rung() -> bool:
-        try:
-            return b.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == DOORBELL
-        except BlockingIOError:
-            return False
+        def rung() -> bool:
+            try:
+                return b.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == DOORBELL
+            except BlockingIOError:
+                return False
 
-    def answer(payload: bytes, *, again: bool = False, early: bool = True) -> bool:
-        """Whether the reply to a caller asleep through a long call (on the early wake too, or on the socket
-        alone) rang; `again`: woken, it sleeps again before the reply comes."""
-        while rung():  # what the last answer left: taken, as a reader takes it the next time it sleeps
-            b.recv(1)
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(mine.wake)
-        mine.asleep(True, early=early)
-        assert writer.wake_early()
-        if again:
+        def answer(payload: bytes, *, again: bool = False, early: bool = True) -> bool:
+            """Whether the reply to a caller asleep through a long call (on the early wake too, or on the
+            socket alone) rang; `again`: woken, it sleeps again before the reply comes."""
+            while rung():  # what the last answer left: taken, as a reader takes it the next time it sleeps
+                b.recv(1)
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(mine.wake)
             mine.asleep(True, early=early)
-        send_frame(a, compute, 0, 0.0, payload, writer)  # before the caller is awake
-        was_rung = rung()
-        assert bytes(reader.read("long").payload) == payload
-        return was_rung
+            assert writer.wake_early()
+            if again:
+                mine.asleep(True, early=early)
+            send_frame(a, compute, 0, 0.0, payload, writer)  # before the caller is awake
+            was_rung = rung()
+            assert bytes(reader.read("long").payload) == payload
+            return was_rung
 
-    try:
         assert not answer(b"first"), "the reply to a caller woken early rang a doorbell"
         assert answer(b"second", again=True), "a caller asleep again was not rung for"
         assert answer(b"third", early=False), "a caller that did not take the early wake was not rung for"
-    finally:
-        writer.close()
-        mine.close()
-        a.close()
-        b.close()
 
 
 def test_a_connection_closed_from_two_threads_at_once_closes_its_descriptors_once():
@@ -790,22 +790,12 @@ def test_a_handed_over_region_that_cannot_be_mapped_has_its_descriptor_closed_on
 def test_an_early_wake_whose_count_the_caller_filled_fails_nothing():
     """The caller holds the early wake's eventfd too, and can write its count to the full: the worker's wake
     then finds it full (a wake pending anyway) and goes on, rather than failing the call it answers."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    fd, mapping = lane_slots.create()
-    wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    writer = lane_slots.Slots(mapping, a, worker=True, wake=wake)
-    mine = lane_slots.Slots(lane_slots.adopt(fd), b, worker=False, wake=os.dup(wake))
-    try:
+    with early_wake_slots() as (_, _, _, writer, mine, _):
         os.eventfd_write(mine.wake, 2 ** 64 - 2)  # the most an eventfd holds
         assert not writer.wake_early(), "a caller awake is not woken"
         mine.asleep(True)
         assert writer.wake_early(), "a caller asleep is (its count full: nothing more to add)"
         assert os.eventfd_read(mine.wake) == 2 ** 64 - 2
-    finally:
-        writer.close()
-        mine.close()
-        a.close()
-        b.close()
 
 
 def test_how_long_each_end_spins_is_a_registration_option():
