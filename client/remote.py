@@ -207,7 +207,7 @@ class RemoteComputeInfo(RemoteHandle):
         if repeat is None:
             return None
         return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in large],
-                             (self._staging, kinds, buffers), list(zip(large, buffers)), self._stager,
+                             (self._staging, kinds, buffers), large, self._stager,
                              struct.pack(f"<{len(buffers)}Q", *(b.handle for b in buffers)), 8 * len(buffers) + nbytes)
 
     def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
@@ -278,9 +278,9 @@ class SteadyCompute:
                  "_nbytes")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
-                 staged: tuple, large: list[tuple[int, Buffer]], stager: Stager, handles: bytes, nbytes: int):
-        """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds);
-        `large`: each large input's position and buffer."""
+                 staged: tuple, large: list[int], stager: Stager, handles: bytes, nbytes: int):
+        """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
+        for each of the `large` inputs' positions, in order."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
         self._small, self._staged, self._large, self._stager = small, staged, large, stager
         self._handles, self._nbytes = handles, nbytes
@@ -298,9 +298,9 @@ class SteadyCompute:
             return None
         parts = [self._handles, *[arrays[i] for i in self._small]]
         write = None
-        if self._large:
+        if buffers:
             def write():
-                for i, buffer in self._large:
+                for i, buffer in zip(self._large, buffers):
                     self._stager.write(buffer, arrays[i].reshape(-1).view(np.uint8))
         result = link.run(lambda c: self._repeat(parts, self._nbytes, timeout or c.timeout_s, write), conn=self._conn)
         if result is None:
