@@ -7,8 +7,9 @@ turns a worker back into the same interface. Sessions and the Environment see on
 from __future__ import annotations
 
 import functools
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import onnx
@@ -130,6 +131,21 @@ class NodeComputeInfo(Protocol):
     def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None, into: Mapping[int, "Tensor"] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]: ...
+
+
+# What kernel_ran calls in the Compute under way (the worker sets it around a fast-lane call's compute; None: none)
+KERNEL_RAN: ContextVar[Callable[[], None] | None] = ContextVar("ephost_kernel_ran", default=None)
+
+
+def kernel_ran() -> None:
+    """Say, from inside NodeComputeInfo.compute, that the partition's kernel has run and what is left is making
+    its outputs (copies, tensors). A worker then wakes a caller asleep for the reply at once rather than as
+    compute returns, so that the caller's wake-up (tens of microseconds on a virtual machine) overlaps that work
+    and the reply's making (ephost/lane_slots.py, the early wake). Optional; where no caller waits so (in
+    process, over gRPC, a caller that polls) and after its first call in a compute, it does nothing."""
+    hook = KERNEL_RAN.get()
+    if hook is not None:
+        hook()
 
 
 @runtime_checkable

@@ -26,7 +26,8 @@ from onnx import helper
 from ephost.eps import check_options
 from ephost import ep_context
 from ephost.ep_context import EpContext
-from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, split_session_options
+from ephost.eps.base import (EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, kernel_ran,
+                             split_session_options)
 from ephost.eps.host import HostMemoryFactory, cpu_device, local_inputs
 from ephost.eps.library_paths import resolve_library
 from ephost.eps.ort_values import from_ort_value, is_exotic_type, onnx_type_of, to_ort_value
@@ -251,6 +252,7 @@ class OrtComputeInfo:
                 binding.outputs[i] = address
         try:
             self._session.run_with_iobinding(io)
+            kernel_ran()
         except Exception as e:
             for tensor in placed.values():
                 tensor.release()
@@ -304,6 +306,7 @@ class OrtComputeInfo:
                 np.copyto(copy, array)
         try:
             self._session.run_with_iobinding(binding.io)
+            kernel_ran()
         except Exception as e:  # the binding goes, as on the general path
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
         out = [Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
@@ -318,7 +321,9 @@ class OrtComputeInfo:
                  for name, v in feeds.items()}
         try:
             if not any(self._exotic):
-                return [as_value(v) for v in self._session.run(None, feeds)]
+                outputs = self._session.run(None, feeds)
+                kernel_ran()
+                return [as_value(v) for v in outputs]
             # Outputs numpy cannot hold come back as OrtValues, read as ONNX lays their bytes out.
             names = [name for name, _ in self._outputs]
             feeds = {n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))

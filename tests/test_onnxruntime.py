@@ -394,3 +394,39 @@ def test_an_output_of_symbolic_shape_kept_in_the_allocator_is_copied_there_once(
     finally:
         factory.release_allocator(allocator)
         factory.close()
+
+
+def test_the_ep_says_its_kernel_ran_from_inside_compute_and_the_worker_wakes_its_caller_once():
+    """The early wake, sooner (ephost.eps.base.kernel_ran): a worker wakes a caller asleep for a Compute's reply
+    as the EP's kernel ends, before the EP makes its outputs (copies, tensors) rather than after. Each path of
+    the ORT EP's compute calls it inside compute (a plain run: outputs of symbolic shape; a new IOBinding; a
+    steady one), and the worker's call wakes its caller once however often it is asked to (a second wake would
+    end the caller's next sleep at once) and counts it once. Outside a worker's call it does nothing."""
+    from ephost.eps.base import kernel_ran
+    from ephost.server.ep_service import _compute, _ran
+    from ephost.server.rpc import Call
+
+    kernel_ran()  # no call under way: nothing to wake, nothing raised
+
+    def dims(*shape):
+        return helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(shape)), \
+            helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, list(shape))
+
+    for shape in ((2, 3), ("n", 3)):  # known output shapes: a binding, then a steady one; symbolic: plain runs
+        x, y = dims(*shape)
+        model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"], name="neg")], "g", [x],
+                                                    [y]), opset_imports=[helper.make_opsetid("", 18)])
+        with compiled(model, ("x",), ("y",)) as info:
+            for k in range(3):
+                woken = []
+                call = Call(None, ran=lambda: woken.append(k) is None)
+                array = np.full((2, 3), k, np.float32)
+                (out,) = _compute(call, info, [ephost.Tensor.from_numpy(array)], None, (), None)
+                inside = len(woken)
+                counts = {}
+                _ran(call, counts)
+                assert (inside, len(woken), counts) == (1, 1, {"early_wakes": 1}), (shape, k)
+                np.testing.assert_array_equal(out.numpy(), -array)
+            (out,) = _compute(Call(None), info, [ephost.Tensor.from_numpy(np.ones((2, 3), np.float32))], None, (),
+                              None)  # no early wake (gRPC, a caller that polls): compute as it is
+            np.testing.assert_array_equal(out.numpy(), -np.ones((2, 3), np.float32))
