@@ -150,4 +150,7 @@ class PartitionRunner:
                 or value.memory_info == HOST_MEMORY \
                 or not self._env.is_registered(registration):
             return value
-        return value.relabeled(self._env.registration(registration).qualified(value.memory_info))
+        label = self._env.registration(registration).qualified(value.memory_info)
+        if label is not value.memory_info:
+            value.relabel(label)
+        return value

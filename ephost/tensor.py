@@ -131,16 +131,11 @@ class Tensor:
             self._finalizer = None
         return self._buffer
 
-    def relabeled(self, memory_info: MemoryInfo) -> "Tensor":
-        """The same memory under the MemoryInfo users know it by (a session names a worker's memory as the
-        Environment does). Call it before anything views this tensor: the new one owns the buffer from now on."""
-        if memory_info == self.memory_info:
-            return self
-        allocator = None
-        if self._finalizer is not None:
-            _, _, (allocator, _), _ = self._finalizer.detach()
-            self._finalizer = None
-        return Tensor(self.shape, self.dtype, memory_info, buffer=self._buffer, host=self._host, allocator=allocator)
+    def relabel(self, memory_info: MemoryInfo) -> None:
+        """Label this tensor with the MemoryInfo users know its memory by (a session names a worker's memory as the
+        Environment does), in place: call it before anything else sees the tensor (an EP's new output). A new
+        tensor would cost a second finalizer, and the first one's hand-over, on every output of every run."""
+        self.memory_info = memory_info
 
     def release(self) -> None:
         """Give the buffer back to its allocator now rather than when the tensor is collected."""
