@@ -50,7 +50,8 @@ class RemoteAllocator(RemoteHandle):
 
     def adopt(self, handle: int, nbytes: int, shm=None, conn=None) -> Buffer:
         """A Buffer for a buffer the worker made in this allocator (an allocation, or a Compute's output),
-        mapped here when it lies in shared memory (`shm`, a ShmSlice)."""
+        mapped here when it lies in shared memory (`shm`: its `region` and `offset`, a ShmSlice's or a kept
+        call's Placed record's)."""
         conn = conn or self.link.current
         region = conn.map_region(shm.region) if shm is not None else None
         if region is not None:

@@ -214,10 +214,8 @@ class RemoteComputeInfo(RemoteHandle):
         """Output i of a kept call: an array over its reply, or one it left in a new buffer of the worker's."""
         if type(value) is not Placed:
             return Tensor.trusted(value.shape, value.dtype, HOST_MEMORY, value.nbytes, host=value)
-        shm = common_pb2.ShmSlice(region=value.region, offset=value.offset, nbytes=value.mapped) \
-            if value.region else None
-        return self._in_buffer(value.shape, value.dtype, value.nbytes, value.handle, shm, allocator, conn,
-                               i not in leave)
+        return self._in_buffer(value.shape, value.dtype, value.nbytes, value.handle, value if value.region else None,
+                               allocator, conn, i not in leave)
 
     def _request(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, keep: Sequence[int],
                  targets: Mapping[int, Tensor], staged: list[Buffer],
@@ -256,7 +254,9 @@ class RemoteComputeInfo(RemoteHandle):
 
     def _in_buffer(self, shape, dtype, nbytes: int, handle: int, shm, allocator: RemoteAllocator, conn,
                    fetch: bool) -> Tensor:
-        """An output the worker left in a new buffer of `allocator` (`handle`; mapped here where `shm` says)."""
+        """An output the worker left in a new buffer of `allocator` (`handle`; mapped here where `shm` says: a
+        ShmSlice, or a kept call's Placed record). `shape`, `dtype` and `nbytes` were checked already (a reply's
+        desc, a kept call's records)."""
         buffer = allocator.adopt(handle, nbytes, shm, conn)
         host = None
         if buffer.region is None and fetch:
@@ -265,7 +265,7 @@ class RemoteComputeInfo(RemoteHandle):
             # reads by handle. Outputs the caller leaves there (bound in the worker) are not fetched.
             host = np.empty(shape, dtype)
             allocator.read(buffer, host.reshape(-1).view(np.uint8))
-        return Tensor(shape, dtype, allocator.memory_info, buffer=buffer, host=host, allocator=allocator)
+        return Tensor.trusted(shape, dtype, allocator.memory_info, nbytes, buffer=buffer, host=host, allocator=allocator)
 
 
 class SteadyCompute:

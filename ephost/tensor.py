@@ -38,19 +38,27 @@ class Tensor:
         self._buffer = buffer
         self._host = host
         self._finalizer = None
-        if buffer is not None and allocator is not None:
-            self._finalizer = weakref.finalize(self, _free_quietly, allocator, buffer)
-            self._finalizer.atexit = False
+        if allocator is not None:
+            self._free_with(allocator)
 
     @classmethod
     def trusted(cls, shape: tuple[int, ...], dtype: np.dtype, memory_info: MemoryInfo, nbytes: int, *,
-                buffer: Buffer | None = None, host: np.ndarray | None = None) -> "Tensor":
+                buffer: Buffer | None = None, host: np.ndarray | None = None, allocator=None) -> "Tensor":
         """A tensor whose shape, dtype and size were checked already (by desc_from_proto, or as a numpy
-        array's own): the constructor without its checks, for the paths every Compute takes."""
+        array's own): the constructor without its checks, for the paths every Compute takes. With `allocator`,
+        it frees its buffer there as the constructor's does."""
         tensor = cls.__new__(cls)
         tensor.shape, tensor.dtype, tensor.nbytes, tensor.memory_info = shape, dtype, nbytes, memory_info
         tensor._buffer, tensor._host, tensor._finalizer = buffer, host, None
+        if allocator is not None:
+            tensor._free_with(allocator)
         return tensor
+
+    def _free_with(self, allocator) -> None:
+        """Have the buffer (where there is one) freed in `allocator` when this tensor goes."""
+        if self._buffer is not None:
+            self._finalizer = weakref.finalize(self, _free_quietly, allocator, self._buffer)
+            self._finalizer.atexit = False
 
     # --- construction (ORT: OrtValue.ortvalue_from_numpy, OrtValue.ortvalue_from_shape_and_type) ----
 
@@ -76,9 +84,11 @@ class Tensor:
 
     @classmethod
     def empty(cls, shape, dtype, allocator) -> "Tensor":
-        shape = checked_shape(shape)
-        buffer = allocator.alloc(nbytes_of(shape, np.dtype(dtype)))
-        return cls(shape, dtype, allocator.memory_info, buffer=buffer, allocator=allocator)
+        shape, dtype = checked_shape(shape), np.dtype(dtype)
+        elem_type_of(dtype)  # checked before anything is allocated
+        nbytes = nbytes_of(shape, dtype)
+        return cls.trusted(shape, dtype, allocator.memory_info, nbytes, buffer=allocator.alloc(nbytes),
+                           allocator=allocator)
 
     # --- access -----------------------------------------------------------------------------------
 

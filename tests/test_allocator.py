@@ -105,6 +105,10 @@ def test_tensors_allocate_and_free_through_the_allocator(host_allocator):
     assert host_allocator.flush_frees()
     assert host_allocator.get_stats()["InUse"] == 0
 
+    with pytest.raises(ephost.EpInvalidArgument, match="no ONNX tensor element type"):
+        Tensor.empty((8,), np.dtype([("a", np.int32)]), host_allocator)  # refused before anything is allocated
+    assert host_allocator.get_stats()["NumAllocs"] == 2
+
 
 def test_a_numpy_view_keeps_its_tensor_alive(host_allocator):
     view = Tensor.from_numpy(np.arange(10, dtype=np.int32), host_allocator).numpy()
