@@ -133,7 +133,7 @@ class NodeComputeInfo(Protocol):
                 leave: Sequence[int] = ()) -> list[Any]: ...
 
 
-# What kernel_ran calls in the Compute under way (the worker sets it around a fast-lane call's compute; None: none)
+# What kernel_ran calls (set by the worker on each fast-lane connection's thread; None: nothing to call)
 KERNEL_RAN: ContextVar[Callable[[], None] | None] = ContextVar("ephost_kernel_ran", default=None)
 
 

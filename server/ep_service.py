@@ -3,7 +3,7 @@ Compute over graph values that stay in this worker's memory between partitions."
 from __future__ import annotations
 
 from ephost.errors import EpInvalidArgument, EpNotFound
-from ephost.eps.base import KERNEL_RAN, FusedGraph, capability
+from ephost.eps.base import FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
 from ephost.server.kept_calls import KeptReply, KeptRequest
@@ -75,7 +75,7 @@ class EpService(Servicer):
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
         keep = tuple(request.keep) if request.keep else ()
-        outputs = _compute(call, info, inputs, allocator, keep, into)
+        outputs = info.compute(inputs, allocator, keep, into=into) if into else info.compute(inputs, allocator, keep)
         counts = call.counts = {"compute_inputs_resident": resident,
                                 "compute_inputs_transferred": len(inputs) - resident,
                                 "compute_input_bytes_resident": bytes_here,
@@ -97,8 +97,11 @@ class EpService(Servicer):
         keep = kept.keep
         if written is not None:
             written()
-        into = kept.into_tensors(handles, client) if kept.into else None
-        outputs = _compute(call, info, inputs, allocator, keep, into)
+        if kept.into:
+            into = kept.into_tensors(handles, client)
+            outputs = info.compute(inputs, allocator, keep, into=into)
+        else:
+            into, outputs = None, info.compute(inputs, allocator, keep)
         _ran(call, counts)
         arrays = kept.output_arrays(outputs)
         if arrays is None:
@@ -158,20 +161,8 @@ class EpService(Servicer):
         return common_pb2.Empty()
 
 
-def _compute(call, info, inputs: list, allocator, keep: tuple, into) -> list:
-    """The partition's compute; where the call has an early wake (Call.ran), the EP may wake its caller from
-    inside it, as its kernel ends (ephost.eps.base.kernel_ran), rather than after its outputs are made."""
-    token = KERNEL_RAN.set(call.wake) if call.ran is not None else None
-    try:
-        return info.compute(inputs, allocator, keep, into=into) if into else info.compute(inputs, allocator, keep)
-    finally:
-        if token is not None:
-            KERNEL_RAN.reset(token)
-
-
 def _ran(call, counts: dict[str, int]) -> None:
-    """A Compute's EP has run: its caller woken now where it sleeps for the reply and the EP did not wake it
-    already (Call.wake, the fast lane's early wake), and that counted."""
-    call.wake()
-    if call.woken:
+    """A Compute's EP has run: its caller woken now where it sleeps for the reply (Call.ran, the fast lane's early
+    wake), and that counted."""
+    if call.ran is not None and call.ran():
         counts["early_wakes"] = 1

@@ -31,6 +31,7 @@ from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, METHODS, PACKET, REPLY_R
                              TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame, send_parts,
                              send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
+from ephost.eps.base import KERNEL_RAN
 from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
 
@@ -146,12 +147,17 @@ class LaneServer:
         reader = FrameReader(peer.conn, spin_s=self._spin_s, slots=peer.slots)
         dispatch = self._dispatch
         kept = KeptCalls()
-        # A Compute, whole or kept, wakes its caller as its EP finishes where the caller sleeps (lane_slots.py).
-        ran = peer.slots.wake_early if peer.slots is not None else None
+        # A Compute, whole or kept, wakes its caller as its EP finishes where the caller sleeps (lane_slots.py):
+        # as its kernel ends, where the EP says so (kernel_ran, for this thread), else as compute returns (Call.ran).
+        ran = _EarlyWake(peer.slots) if peer.slots is not None else None
+        if ran is not None:
+            KERNEL_RAN.set(ran)
         while True:
             frame = reader.read()
             if frame is None:
                 return
+            if ran is not None:
+                ran.woken = False  # a new call
             if (frame.method == KEPT or frame.method == KEPT_WRITING) and self._kept:
                 self._serve_kept(peer, frame, kept, reader, ran)
                 continue
@@ -250,6 +256,24 @@ class LaneServer:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+class _EarlyWake:
+    """A connection's early wake (lane_slots.Slots.wake_early), written at most once a call: asked for by the
+    EP as its kernel ends (ephost.eps.base.kernel_ran) and by the handler as compute returns (Call.ran); True
+    where the call's caller was woken. Set for the connection's thread once, not around each compute (a context
+    variable set and reset per call cost a tiny model's call more than the EP's asking does)."""
+
+    __slots__ = ("_wake_early", "woken")
+
+    def __init__(self, slots: lane_slots.Slots):
+        self._wake_early = slots.wake_early
+        self.woken = False
+
+    def __call__(self) -> bool:
+        if not self.woken:  # a caller that polled as the kernel ended may be asleep by the time compute returns
+            self.woken = self._wake_early()
+        return self.woken
 
 
 def _inputs_written(reader: FrameReader, count: int, deadline: float | None) -> None:

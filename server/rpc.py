@@ -60,14 +60,6 @@ class Call:
     # What a handler calls as soon as its EP has run, before it makes the reply (None: nothing): a lane call's
     # early wake (ephost/lane_slots.py), which wakes a caller asleep for the reply and says whether it did.
     ran: Callable[[], bool] | None = None
-    woken: bool = False  # `ran` woke the caller
-
-    def wake(self) -> None:
-        """The EP has run: `ran` called once, however often this is (by the EP, ephost.eps.base.kernel_ran, then
-        by the handler as compute returns)."""
-        ran, self.ran = self.ran, None
-        if ran is not None and ran():
-            self.woken = True
 
     def time_remaining(self) -> float | None:
         """Seconds left, capped where threading's waits still take them (a deadline years away is no deadline

@@ -1,6 +1,7 @@
 """What tests share that is not a fixture: workers started by hand, a raw wire client, session options."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -114,6 +115,24 @@ def in_threads(work, n: int) -> list[tuple[int, Exception]]:
     for t in threads:
         t.join(60)
     return errors
+
+
+@contextlib.contextmanager
+def compiled(model, inputs: tuple[str, ...], outputs: tuple[str, ...]):
+    """The whole model compiled as one partition by the onnxruntime EP in this process, released after."""
+    from ephost.eps.base import FusedGraph
+    from ephost.eps.onnxruntime import OrtEpFactory
+    from ephost.graph import GraphIndex, prepare_model
+    index = GraphIndex.of(prepare_model(model))
+    factory = OrtEpFactory()
+    ep = factory.create_ep([0], {})
+    try:
+        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), inputs, outputs)])
+        yield info
+        ep.release_node_compute_infos([info])
+    finally:
+        factory.release_ep(ep)
+        factory.close()
 
 
 def make_env(transport: str = "fast_lane") -> ephost.Environment:

@@ -1,5 +1,4 @@
 """The onnxruntime EP: ONNX Runtime and its plugin EP libraries (OpenVINO's) inside a worker."""
-import contextlib
 
 import numpy as np
 import onnx
@@ -10,13 +9,11 @@ from onnx import helper, numpy_helper
 import ephost
 from ephost import InferenceSession
 from ephost.errors import EpError
-from ephost.eps.base import FusedGraph
 from ephost.eps.onnxruntime import OrtEpFactory, max_ir_version, readable_model
-from ephost.graph import GraphIndex, prepare_model
 from ephost.run_command import bundled_input, bundled_model
 from ephost.types import DeviceMemoryType
 import models
-from helpers import options_for, worker_stats
+from helpers import compiled, options_for, worker_stats
 
 try:
     import onnxruntime_ep_openvino as OPENVINO
@@ -30,21 +27,6 @@ def ort_env():
     with ephost.Environment() as env:
         env.register_execution_provider_library("ort", "onnxruntime")
         yield env
-
-
-@contextlib.contextmanager
-def compiled(model: onnx.ModelProto, inputs: tuple[str, ...], outputs: tuple[str, ...]):
-    """The whole model compiled as one partition by the onnxruntime EP in this process, released after."""
-    index = GraphIndex.of(prepare_model(model))
-    factory = OrtEpFactory()
-    ep = factory.create_ep([0], {})
-    try:
-        (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), inputs, outputs)])
-        yield info
-        ep.release_node_compute_infos([info])
-    finally:
-        factory.release_ep(ep)
-        factory.close()
 
 
 def test_devices_are_what_onnx_runtime_reports(ort_env):
@@ -395,38 +377,3 @@ def test_an_output_of_symbolic_shape_kept_in_the_allocator_is_copied_there_once(
         factory.release_allocator(allocator)
         factory.close()
 
-
-def test_the_ep_says_its_kernel_ran_from_inside_compute_and_the_worker_wakes_its_caller_once():
-    """The early wake, sooner (ephost.eps.base.kernel_ran): a worker wakes a caller asleep for a Compute's reply
-    as the EP's kernel ends, before the EP makes its outputs (copies, tensors) rather than after. Each path of
-    the ORT EP's compute calls it inside compute (a plain run: outputs of symbolic shape; a new IOBinding; a
-    steady one), and the worker's call wakes its caller once however often it is asked to (a second wake would
-    end the caller's next sleep at once) and counts it once. Outside a worker's call it does nothing."""
-    from ephost.eps.base import kernel_ran
-    from ephost.server.ep_service import _compute, _ran
-    from ephost.server.rpc import Call
-
-    kernel_ran()  # no call under way: nothing to wake, nothing raised
-
-    def dims(*shape):
-        return helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(shape)), \
-            helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, list(shape))
-
-    for shape in ((2, 3), ("n", 3)):  # known output shapes: a binding, then a steady one; symbolic: plain runs
-        x, y = dims(*shape)
-        model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"], name="neg")], "g", [x],
-                                                    [y]), opset_imports=[helper.make_opsetid("", 18)])
-        with compiled(model, ("x",), ("y",)) as info:
-            for k in range(3):
-                woken = []
-                call = Call(None, ran=lambda: woken.append(k) is None)
-                array = np.full((2, 3), k, np.float32)
-                (out,) = _compute(call, info, [ephost.Tensor.from_numpy(array)], None, (), None)
-                inside = len(woken)
-                counts = {}
-                _ran(call, counts)
-                assert (inside, len(woken), counts) == (1, 1, {"early_wakes": 1}), (shape, k)
-                np.testing.assert_array_equal(out.numpy(), -array)
-            (out,) = _compute(Call(None), info, [ephost.Tensor.from_numpy(np.ones((2, 3), np.float32))], None, (),
-                              None)  # no early wake (gRPC, a caller that polls): compute as it is
-            np.testing.assert_array_equal(out.numpy(), -np.ones((2, 3), np.float32))
