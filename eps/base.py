@@ -141,8 +141,8 @@ def kernel_ran() -> None:
     """Say, from inside NodeComputeInfo.compute, that the partition's kernel has run and what is left is making
     its outputs (copies, tensors). A worker then wakes a caller asleep for the reply at once rather than as
     compute returns, so that the caller's wake-up (tens of microseconds on a virtual machine) overlaps that work
-    and the reply's making (ephost/lane_slots.py, the early wake). Optional; where no caller waits so (in
-    process, over gRPC, a caller that polls) and after its first call in a compute, it does nothing."""
+    and the reply's making (ephost/lane_slots.py, the early wake). Optional; where no caller sleeps so (in
+    process, over gRPC, a caller that polls), and once the caller was woken, it does nothing."""
     hook = KERNEL_RAN.get()
     if hook is not None:
         hook()

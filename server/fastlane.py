@@ -261,8 +261,7 @@ class LaneServer:
 class _EarlyWake:
     """A connection's early wake (lane_slots.Slots.wake_early), written at most once a call: asked for by the
     EP as its kernel ends (ephost.eps.base.kernel_ran) and by the handler as compute returns (Call.ran); True
-    where the call's caller was woken. Set for the connection's thread once, not around each compute (a context
-    variable set and reset per call cost a tiny model's call more than the EP's asking does)."""
+    where the call's caller was woken. Set for the connection's thread once, not around each compute."""
 
     __slots__ = ("_wake_early", "woken")
 
