@@ -265,7 +265,8 @@ class RemoteComputeInfo(RemoteHandle):
             # reads by handle. Outputs the caller leaves there (bound in the worker) are not fetched.
             host = np.empty(shape, dtype)
             allocator.read(buffer, host.reshape(-1).view(np.uint8))
-        return Tensor.trusted(shape, dtype, allocator.memory_info, nbytes, buffer=buffer, host=host, allocator=allocator)
+        return Tensor.trusted(shape, dtype, allocator.memory_info, nbytes, buffer=buffer, host=host,
+                              allocator=allocator)
 
 
 class SteadyCompute:
