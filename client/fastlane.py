@@ -476,6 +476,11 @@ class KeptRepeat:
     def __init__(self, lane: FastLane, conn: _Connection, key: Hashable, kept: _Kept, method: Method):
         self._lane, self._conn, self._key, self._kept, self._method = lane, conn, key, kept, method
 
+    @property
+    def outputs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """The types and shapes of the outputs that come back as the call was kept, in order."""
+        return [(shape, dtype) for shape, dtype, *_ in self._kept.outputs]
+
     def __call__(self, parts: list, nbytes: int, timeout: float, write: Callable[[], None] | None = None):
         """What call_kept returns for a repeat (the outputs that came back, or the whole reply); None where the
         call does not repeat now (another connection, the worker let it go, or the connection is in a call of

@@ -190,10 +190,12 @@ class RemoteComputeInfo(RemoteHandle):
         kinds not), and the sizes they take."""
         return tuple((len(layout[i][0]), layout[i][1]) for i in large), [inputs[i].nbytes for i in large]
 
-    def steady(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None) -> "SteadyCompute | None":
+    def steady(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None,
+               outputs: Sequence[Any]) -> "SteadyCompute | None":
         """The Compute of `inputs` (tensors in this process's memory, every output to come back) as this thread
         just made it, held to be repeated with other arrays of the same types and shapes (client/steady.py);
-        None where it is not a kept call on this thread's fast lane."""
+        None where it is not a kept call on this thread's fast lane, or where its `outputs` are not of the types
+        and shapes it was kept with (the worker answers it whole: outputs of a data-dependent shape)."""
         conn = self.link.current
         kept = self._kept_inputs(inputs) if conn is not None and conn.lane is not None and conn.kept_calls else None
         if kept is None:
@@ -204,7 +206,8 @@ class RemoteComputeInfo(RemoteHandle):
         kinds, sizes = self._kinds(inputs, layout, large)
         buffers = self._staging.buffers(kinds, sizes) if large else ()
         repeat = conn.lane.repeater(COMPUTE, self._key(allocator, layout, _NO_TARGETS, ()))
-        if repeat is None:
+        if repeat is None or repeat.outputs != [(getattr(v, "shape", None), getattr(v, "dtype", None))
+                                                for v in outputs]:
             return None
         return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in large],
                              (self._staging, kinds, buffers), large, self._stager,
@@ -286,10 +289,10 @@ class SteadyCompute:
         self._small, self._staged, self._large, self._stager = small, staged, large, stager
         self._handles, self._nbytes = handles, nbytes
 
-    def __call__(self, arrays: Sequence[np.ndarray], timeout: float | None) -> list[Any] | None:
-        """The outputs: arrays over the reply where it is a kept call's (what the session hands out, made no
-        tensor of on the way), else as compute returns them; None where the call no longer repeats (nothing
-        ran)."""
+    def __call__(self, arrays: Sequence[np.ndarray], timeout: float | None) -> tuple[list[Any], bool] | None:
+        """The outputs, and whether they are as the call was kept: arrays over the reply where it is a kept
+        call's (what the session hands out, made no tensor of on the way; True), else as compute returns them
+        (False: of other types or shapes); None where the call no longer repeats (nothing ran)."""
         info = self._info
         link = info.link
         # The staging buffers are still this thread's for these inputs (a larger input of their kinds, since,
@@ -306,9 +309,10 @@ class SteadyCompute:
         result = link.run(lambda c: self._repeat(parts, self._nbytes, timeout or c.timeout_s, write), conn=self._conn)
         if result is None:
             return None
-        outputs = result if isinstance(result, list) else info.kept_outputs(result, self._allocator, self._conn)
+        kept = isinstance(result, list)
+        outputs = result if kept else info.kept_outputs(result, self._allocator, self._conn)
         link.between_calls()
-        return outputs
+        return outputs, kept
 
 
 class RemoteEp(RemoteHandle):

@@ -37,7 +37,7 @@ from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 from ephost.client.profiler import Profiler
 from ephost.client.runner import PartitionRunner
-from ephost.client.steady import SteadyRun, signature
+from ephost.client.steady import SteadyRun, signature, steady_plan
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,7 @@ class InferenceSession:
         self._entries: list[tuple[list[EpDevice], dict[str, str]]] = []
         self._async: ThreadPoolExecutor | None = None
         self._steady = threading.local()  # each thread's steady run (client/steady.py), and its last feeds
+        self._steady_plan: tuple[list[Partition] | None, bool] = (None, False)  # a plan, and whether it makes them
         self.profiler = Profiler(bool(options.enable_profiling), options.profile_file_prefix)
         self._runner = PartitionRunner(env, self._failures, self.profiler, self._link_of, self._constants,
                                        self._external)
@@ -429,13 +430,19 @@ class InferenceSession:
             run_options: Any = None) -> list[Any]:
         """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays or
         ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker)."""
+        record = None
         if run_options is None:
             outputs = self._run_steady(output_names, input_feed)
             if outputs is not None:
                 return outputs
-        outputs = [to_python(v) for v in self._execute(output_names, input_feed, run_options)]
-        if run_options is None:
-            self._keep_steady(output_names, input_feed)
+            record = self._steady_record(input_feed)
+        outputs = [to_python(v) for v in self._execute(output_names, input_feed, run_options, record=record)]
+        if record is not None:
+            local = self._steady
+            local.run = SteadyRun.of(self._partitions, output_names, self._output_names(output_names), local.last,
+                                     record)
+            if local.run is None:  # (a plan or a call that makes none: tried again every other run, not every run)
+                local.last = None
         return outputs
 
     def _run_steady(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any] | None:
@@ -447,35 +454,41 @@ class InferenceSession:
         if arrays is None:
             return None
         timeout = _deadline(self._timeout)
-        try:
-            outputs = steady.compute(arrays, timeout)
-        except EpError as error:  # as the general path's Compute: the failure policy's to answer
+        outcome = steady.run(arrays, timeout)
+        if outcome is None:  # it no longer repeats (nothing ran): the general path, which makes a new one
             self._steady.run = None
-            self._failures.counters["runs"] += 1
-            outputs = self._runner.recover(next(self._runs), steady.partition, steady.tensors(arrays), error,
-                                           timeout)
-        else:
-            if outputs is None:  # it no longer repeats (nothing ran): the general path, which makes a new one
-                self._steady.run = None
-                return None
-            self._failures.counters["runs"] += 1
-            next(self._runs)
-        return [to_python(outputs[i]) for i in steady.picks]
+            return None
+        self._failures.counters["runs"] += 1
+        run = next(self._runs)
+        values, done = outcome.values, outcome.done
+        if outcome.held:  # every value an array
+            return [values[i] for i in steady.picks]
+        self._steady.run = None
+        if outcome.error is not None:  # as the general path's Compute: the failure policy's to answer
+            values.extend(self._runner.recover(run, steady.steps[done].partition, steady.inputs(values, done),
+                                               outcome.error, timeout))
+            done += 1
+        # The rest of the run on the general path, from where the steady run stopped
+        names = self._output_names(output_names)
+        return [to_python(v) for v in self._runner.run(run, steady.named(values), names, timeout, {}, {}, done)]
 
-    def _keep_steady(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> None:
-        """After a run on the general path: the calling thread's steady run, made where this run's feeds have
-        the types and shapes of the one before it on this thread, and the plan makes one (client/steady.py)."""
-        if len(self._partitions) != 1 or self.profiler.enabled or self._empty_optionals \
-                or not hasattr(self._partitions[0].compute_info, "steady"):  # (an EP in process: none)
-            return
+    def _steady_record(self, input_feed: Mapping[str, Any]) -> list | None:
+        """Before a run on the general path: a list for the runner to record the partitions' calls in, where
+        this run's feeds have the types and shapes of the one before it on this thread and the plan makes steady
+        runs (client/steady.py); else None."""
+        if self.profiler.enabled or self._empty_optionals:
+            return None
+        partitions = self._partitions
+        if self._steady_plan[0] is not partitions:
+            self._steady_plan = (partitions, steady_plan(partitions))
+        if not self._steady_plan[1]:
+            return None
         local = self._steady
         feeds = signature(input_feed)
         if feeds is None or feeds != getattr(local, "last", None):
             local.last = feeds
-            return
-        local.run = SteadyRun.of(self._partitions, output_names, self._output_names(output_names), input_feed, feeds)
-        if local.run is None:  # (a plan or a call that makes none: tried again every other run, not every run)
-            local.last = None
+            return None
+        return []
 
     def run_async(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
                   callback: Callable[[list[Any] | None, Any, str], None], user_data: Any = None,
@@ -536,9 +549,9 @@ class InferenceSession:
 
     def _execute(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any,
                  placed: Mapping[str, MemoryInfo | None] | None = None,
-                 targets: Mapping[str, Tensor] | None = None) -> list[Any]:
-        """One run: the requested outputs, in order, as graph values (see PartitionRunner.run for `placed` and
-        `targets`)."""
+                 targets: Mapping[str, Tensor] | None = None, record: list | None = None) -> list[Any]:
+        """One run: the requested outputs, in order, as graph values (see PartitionRunner.run for `placed`,
+        `targets` and `record`)."""
         if self._closed:
             raise EpFailedPrecondition("the session is closed")
         names = self._output_names(output_names)
@@ -546,7 +559,8 @@ class InferenceSession:
         timeout = _deadline(run_options.compute_timeout_s if run_options is not None
                             and run_options.compute_timeout_s is not None else self._timeout)
         self._failures.counters["runs"] += 1
-        return self._runner.run(next(self._runs), values, names, timeout, placed or {}, targets or {})
+        return self._runner.run(next(self._runs), values, names, timeout, placed or {}, targets or {},
+                                record=record)
 
     @property
     def environment(self):

@@ -1,22 +1,28 @@
 """A session's steady run: a run made again as the last one went, without the general path's walk.
 
-Where a session is one partition in a worker on this host (the whole model on one EP), its Compute a kept call on
-the calling thread's fast lane, and a run is fed numpy arrays of the types and shapes the last run had and asks
-for the same outputs, nothing the general path works out (the feeds checked against the model's types, the
-runner's walk of the plan, the partition's call key and staging, the connection's lookups) changes from run to
-run but the arrays. That path's Python, on the caches a small CNN's run leaves cold, cost about as much as the
-rest of the lane (squeezenet, 2026-11-26: a session's run 160-232 µs over ORT in process, the bare kept call
-130-152). A SteadyRun keeps what the general path found, for one thread (a lane connection is its thread's), and
-repeats it while the session's plan, the partition's compute and the call's connection, kept call and staging
-buffers stay those it was made with; any other run takes the general path. A failed call goes to the failure
-policy as the general path's does (the session's part).
+Where every partition of a session's plan runs in a worker on this host or in this process, none leaves a value
+in a worker for a later one (`keep`), each remote partition's Compute is a kept call on the calling thread's fast
+lane, and a run is fed numpy arrays of the types and shapes the last run had and asks for the same outputs,
+nothing the general path works out (the feeds checked against the model's types, the runner's walk of the plan,
+each partition's call key and staging, the connection's lookups) changes from run to run but the arrays. That
+path's Python, on the caches a small CNN's run leaves cold, cost about as much as the rest of the lane
+(squeezenet, 2026-11-26: a session's run 160-232 µs over ORT in process, the bare kept call 130-152); on a plan
+of many small partitions it is paid at every partition call. A SteadyRun keeps what a general run found, for one
+thread (a lane connection is its thread's): one step per partition, in the plan's order, each reading its inputs
+from the run's feeds and the steps before it by position, and repeats them while the session's plan, each
+partition's compute and the calls' connections, kept calls and staging buffers stay those it was made with.
+
+A step whose call no longer repeats, fails, or whose outputs come back of other types or shapes hands the rest of
+the run to the general path (its outputs so far, what failed: `Outcome`); the session then makes a new steady run
+when the runs settle again.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from ephost.errors import EpError
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, is_plain_dtype
 from ephost.client.planner import Partition
@@ -33,48 +39,124 @@ def signature(input_feed: Mapping[str, Any]) -> tuple | None:
     return tuple(out)
 
 
+def steady_plan(partitions: list[Partition]) -> bool:
+    """Whether a plan can make steady runs: no partition leaves a value in its worker for a later one, and at
+    least one runs in a worker (a plan all in process gains little, and keeps the general path's checks)."""
+    return all(not p.keep for p in partitions) and any(hasattr(p.compute_info, "steady") for p in partitions)
+
+
+def tensors(arrays: Sequence[np.ndarray]) -> list[Tensor]:
+    """Arrays as the general path hands them to a partition."""
+    return [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in arrays]
+
+
+class InProcessStep:
+    """A partition in this process made again: its Compute with the arrays as tensors, its outputs as arrays
+    where they are of the types and shapes the general run saw (what a later step's kept call was made for)."""
+
+    __slots__ = ("_partition", "_outputs")
+
+    def __init__(self, partition: Partition, outputs: Sequence[tuple[np.dtype, tuple[int, ...]]]):
+        self._partition, self._outputs = partition, outputs
+
+    @classmethod
+    def of(cls, partition: Partition, outputs: Sequence[Any]) -> "InProcessStep | None":
+        arrays = [_array(v) for v in outputs]
+        if any(a is None for a in arrays):
+            return None
+        return cls(partition, [(a.dtype, a.shape) for a in arrays])
+
+    def __call__(self, arrays: list[np.ndarray], timeout: float | None) -> tuple[list, bool]:
+        p = self._partition
+        outputs = p.compute_info.compute(tensors(arrays), p.allocator, (), timeout)
+        if len(outputs) != len(self._outputs):
+            return outputs, False
+        out = []
+        for value, (dtype, shape) in zip(outputs, self._outputs):
+            array = _array(value)
+            if array is None or array.dtype != dtype or array.shape != shape:
+                return outputs, False
+            out.append(array)
+        return out, True
+
+
+def _array(value: Any) -> np.ndarray | None:
+    """A tensor's C-contiguous host array of a plain type, without a copy; else None."""
+    array = value.local_array() if type(value) is Tensor else None
+    if array is None or not array.flags.c_contiguous or not is_plain_dtype(array.dtype):
+        return None
+    return array
+
+
+class Step(NamedTuple):
+    """One partition of a steady run: `compute(arrays, timeout)` gives (outputs, as made: arrays of the types and
+    shapes the run was made with) or None where its call no longer repeats (nothing ran); `sources` are the
+    positions of its inputs among the run's values (the feeds, then each step's outputs, in order)."""
+
+    partition: Partition
+    info: Any  # the partition's compute info it was made for (the failure policy may move a partition)
+    compute: Callable[[list[np.ndarray], float | None], tuple[list, bool] | None]
+    sources: tuple[int, ...]
+
+
+class Outcome(NamedTuple):
+    """How a steady run went: the run's values (the feeds, then the outputs of the steps `done`), and where a
+    step did not go as made, its error (None: it did not repeat, or its outputs were not as made: the general
+    path goes on from step `done`). `held`: every step went as made."""
+
+    values: list
+    done: int
+    error: EpError | None
+    held: bool
+
+
 class SteadyRun:
-    """One thread's steady run of a session (see above): what a run must be to be one (`arrays`), and the
-    partition's call made again (`compute`)."""
+    """One thread's steady run of a session (see above): what a run must be to be one (`arrays`), and its
+    partitions' calls made again (`run`)."""
 
-    __slots__ = ("partitions", "partition", "compute", "picks", "_info", "_feeds", "_asked")
+    __slots__ = ("partitions", "steps", "picks", "_names", "_feeds", "_asked")
 
-    def __init__(self, partitions: list[Partition], compute, feeds: Sequence[tuple[str, np.dtype, tuple]],
-                 asked: Sequence[str] | None, picks: list[int]):
+    def __init__(self, partitions: list[Partition], steps: list[Step], names: list[str],
+                 feeds: Sequence[tuple[str, np.dtype, tuple]], asked: Sequence[str] | None, picks: list[int]):
         self.partitions = partitions  # the session's plan it was made in (a new plan is a new list)
-        self.partition = partitions[0]
-        # The partition's outputs from the feeds (in its input order) and the call's timeout: a list, or None where
-        # the call no longer repeats (RemoteComputeInfo.steady's SteadyCompute)
-        self.compute = compute
-        self.picks = picks  # the positions among them of the outputs the run asks for, in its order
-        self._info = self.partition.compute_info
-        self._feeds = feeds  # in the partition's input order
+        self.steps = steps
+        self.picks = picks  # the positions among the run's values of the outputs the run asks for, in its order
+        self._names = names  # the run's values' names, by position
+        self._feeds = feeds  # (name, dtype, shape), in the order of the run's values
         self._asked = asked  # the output names the run asked for, as given
 
     @classmethod
     def of(cls, partitions: list[Partition], output_names: Sequence[str] | None, names: Sequence[str],
-           input_feed: Mapping[str, Any], feeds: tuple) -> "SteadyRun | None":
+           feeds: tuple, record: Sequence[tuple[Partition, list, list]]) -> "SteadyRun | None":
         """The steady run of a run that just went the general path (`names`: the outputs it gave, `feeds`: its
-        signature), where there is one."""
-        if len(partitions) != 1:
+        signature, `record`: each partition it ran, with its inputs and outputs, in order), where there is one."""
+        if len(record) != len(partitions) or any(r[0] is not p for r, p in zip(record, partitions)):
             return None
-        p = partitions[0]
-        steady = getattr(p.compute_info, "steady", None)
-        if steady is None or p.keep or set(input_feed) != set(p.graph.inputs) \
-                or not set(names) <= set(p.graph.outputs):
+        position = {name: i for i, (name, _, _) in enumerate(feeds)}
+        value_names = [name for name, _, _ in feeds]
+        steps = []
+        for p, inputs, outputs in record:
+            try:
+                sources = tuple(position[v] for v in p.graph.inputs)
+            except KeyError:  # an input the run did not feed (an initializer the graph lets it override)
+                return None
+            steady = getattr(p.compute_info, "steady", None)
+            compute = steady(inputs, p.allocator, outputs) if steady is not None else InProcessStep.of(p, outputs)
+            if compute is None:
+                return None
+            steps.append(Step(p, p.compute_info, compute, sources))
+            for v in p.graph.outputs:
+                position[v] = len(value_names)
+                value_names.append(v)
+        if any(n not in position for n in names):  # a constant output
             return None
-        by_name = {name: (name, dtype, shape) for name, dtype, shape in feeds}
-        compute = steady(cls.tensors([input_feed[v] for v in p.graph.inputs]), p.allocator)
-        if compute is None:
-            return None
-        return cls(partitions, compute, [by_name[v] for v in p.graph.inputs],
-                   None if output_names is None else list(output_names), [p.graph.outputs.index(n) for n in names])
+        return cls(partitions, steps, value_names, list(feeds), None if output_names is None else list(output_names),
+                   [position[n] for n in names])
 
     def arrays(self, partitions: list[Partition], output_names: Sequence[str] | None,
                input_feed: Mapping[str, Any]) -> list[np.ndarray] | None:
-        """The feeds in the partition's input order, where this run is one this steady run makes; else None."""
-        if partitions is not self.partitions or self.partition.compute_info is not self._info \
-                or len(input_feed) != len(self._feeds):
+        """The feeds in the run's order, where this run is one this steady run makes; else None."""
+        if partitions is not self.partitions or len(input_feed) != len(self._feeds):
             return None
         if output_names is None:
             if self._asked is not None:
@@ -90,7 +172,31 @@ class SteadyRun:
             arrays.append(value)
         return arrays
 
-    @staticmethod
-    def tensors(arrays: list[np.ndarray]) -> list[Tensor]:
-        """The feeds as the general path hands them to a partition (for the failure policy)."""
-        return [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in arrays]
+    def run(self, arrays: list[np.ndarray], timeout: float | None) -> Outcome | None:
+        """The steps made again from the feeds; None where the first did not repeat (nothing ran)."""
+        values = arrays
+        for done, step in enumerate(self.steps):
+            ins = [values[i] for i in step.sources]
+            if step.partition.compute_info is not step.info:
+                made = None  # the partition was moved (to the CPU fallback)
+            else:
+                try:
+                    made = step.compute(ins, timeout)
+                except EpError as error:
+                    return Outcome(values, done, error, False)
+            if made is None:
+                return None if done == 0 else Outcome(values, done, None, False)
+            outputs, held = made
+            values.extend(outputs)
+            if not held:
+                return Outcome(values, done + 1, None, False)
+        return Outcome(values, len(self.steps), None, True)
+
+    def inputs(self, values: list, step: int) -> list:
+        """The inputs of a step, from the run's values, as the general path hands them to its partition."""
+        return [v if isinstance(v, Tensor) else tensors([v])[0] for v in (values[i] for i in self.steps[step].sources)]
+
+    def named(self, values: list) -> dict[str, Any]:
+        """The run's values by name, as the general path holds them (to go on from where the steady run stopped)."""
+        return {name: v if isinstance(v, Tensor) or type(v) is not np.ndarray else tensors([v])[0]
+                for name, v in zip(self._names, values)}

@@ -31,20 +31,25 @@ def expected(f: dict[str, np.ndarray]) -> np.ndarray:
 
 
 class Computes:
-    """Counts the Computes a session's one partition makes through its compute info (the general path's way
-    to a worker; a steady run goes to the kept call it made)."""
+    """Counts the Computes each partition of a session makes through its compute info (the general path's way
+    to a worker; a steady run goes to the kept call it made, and to an in-process partition's compute info):
+    `counts`, in the plan's order; `count`, the first's."""
 
     def __init__(self, session: InferenceSession):
-        (partition,) = session._runner.partitions
-        self.info = partition.compute_info
-        self.count = 0
-        compute = self.info.compute
+        partitions = session._runner.partitions
+        self.counts = [0] * len(partitions)
+        for i, partition in enumerate(partitions):
+            partition.compute_info.compute = self._counted(i, partition.compute_info.compute)
 
+    def _counted(self, i, compute):
         def counted(*args, **kwargs):
-            self.count += 1
+            self.counts[i] += 1
             return compute(*args, **kwargs)
+        return counted
 
-        self.info.compute = counted
+    @property
+    def count(self) -> int:
+        return self.counts[0]
 
 
 @pytest.fixture(scope="module")
@@ -159,4 +164,131 @@ def test_a_worker_that_dies_in_a_steady_run_is_answered_by_the_failure_policy(po
             assert env.registration("w").link.wait_healthy(10)
             for _ in range(2):  # (the new worker's 4th Compute would die too)
                 check(s, feeds(rng))
+            assert s.failure_counters["runs"] == 6
+
+
+CHAIN = ["Relu", "Neg"] * 4
+
+
+def chain_expected(x: np.ndarray, ops) -> np.ndarray:
+    for op in ops:
+        x = np.maximum(x, 0) if op == "Relu" else -x
+    return x
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """Two reference workers, one taking Relu, the other Neg, and one taking NonZero and Cast."""
+    with ephost.Environment() as environment:
+        for name, ops in (("relu", "Relu"), ("neg", "Neg"), ("nz", "NonZero,Cast")):
+            environment.register_execution_provider_library(name, "reference", {"ops": ops})
+        yield environment
+
+
+def test_a_plan_of_partitions_in_two_workers_is_made_again_step_by_step(workers):
+    """A chain alternating between two workers (8 partitions): from the third run on, each partition's kept
+    call is made again straight, the next reading the last one's outputs, and every result is right."""
+    rng = np.random.default_rng(5)
+    with InferenceSession(models.chain(CHAIN), options_for(workers, "relu", "neg"), env=workers) as s:
+        assert len(s.get_provider_graph_assignment_info()) == len(CHAIN)
+        computes = Computes(s)
+        for _ in range(6):
+            x = rng.standard_normal(4).astype(np.float32)
+            (y,) = s.run(None, {"x": x})
+            np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
+        assert computes.counts == [2] * len(CHAIN), "runs after the second went the general path"
+        assert s.failure_counters["runs"] == 6
+
+
+def test_a_steady_run_makes_partitions_in_process_again_between_those_in_a_worker(workers):
+    """A worker taking Relu, the CPU fallback (in this process) the Neg nodes between: the steady run goes
+    straight to the worker's kept calls and to the fallback's compute, and every result is right."""
+    rng = np.random.default_rng(6)
+    with InferenceSession(models.chain(CHAIN), options_for(workers, "relu"), env=workers) as s:
+        assigned = [a.ep_name for a in s.get_provider_graph_assignment_info()]
+        assert assigned[1] != assigned[0] and len(assigned) == len(CHAIN), assigned
+        computes = Computes(s)
+        for _ in range(6):
+            x = rng.standard_normal(4).astype(np.float32)
+            (y,) = s.run(None, {"x": x})
+            np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
+        assert computes.counts[0::2] == [2] * 4, "the worker's partitions went the general path"
+        assert computes.counts[1::2] == [6] * 4
+
+
+def nonzero_model():
+    """x -> Relu (worker) -> NonZero, Cast (another) -> Neg (a third): y's length is the count of x's positive
+    elements, known only as the middle partition runs."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("NonZero", ["r"], ["i"], name="nonzero"),
+             helper.make_node("Cast", ["i"], ["c"], name="cast", to=1),
+             helper.make_node("Neg", ["c"], ["y"], name="neg")]
+    return models.model(nodes, [models.tensor("x", [6])], [models.tensor("y", [1, "n"])])
+
+
+def test_a_step_whose_outputs_change_shape_hands_the_rest_of_the_run_to_the_general_path(workers):
+    """The middle partition's output takes another shape (as many positions as x has positive elements): the
+    steady run stops there and the general path runs the rest with what it made; every result is right. The
+    worker answers that call whole while its outputs are not of the shape it was kept with, so runs of the new
+    shape make no steady run; runs of the first shape make one again."""
+    with InferenceSession(nonzero_model(), options_for(workers, "relu", "nz", "neg"), env=workers) as s:
+        assert [a.registration for a in s.get_provider_graph_assignment_info()] == ["relu", "nz", "neg"]
+        computes = Computes(s)
+        two = np.array([1, -1, 2, -2, -3, -4], np.float32)
+        three = np.array([1, -1, 2, -2, 3, -4], np.float32)
+
+        def run(x):
+            (y,) = s.run(None, {"x": x})
+            np.testing.assert_array_equal(y, -np.flatnonzero(x > 0).astype(np.float32)[None, :])
+
+        for _ in range(3):
+            run(two)
+        assert computes.counts == [2, 2, 2]
+        run(three)  # the steady run's: its middle step came back whole, the last partition went the general way
+        assert computes.counts == [2, 2, 3]
+        for _ in range(4):
+            run(three)
+        assert computes.counts == [6, 6, 7]
+        for _ in range(4):  # the first of them (feeds as the run before) makes a steady run again
+            run(two)
+        assert computes.counts == [7, 7, 8], "runs of the first shape made no steady run again"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
+def test_a_worker_that_dies_in_a_middle_step_is_answered_by_the_failure_policy(policy):
+    """The worker of a chain's middle partitions dies (a real SIGSEGV) in a steady run: the run fails with
+    EpWorkerCrashed (raise), or the partition is made again on the restarted worker (retry) or on the CPU
+    fallback (fallback) and the rest of the run goes the general path, with the right result; the runs after
+    it are right."""
+    rng = np.random.default_rng(7)
+    ops = ["Relu", "Neg", "Relu"]
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("relu", "reference", {"ops": "Relu"})
+        env.register_execution_provider_library("neg", "chaos", {
+            "wrap": "reference", "ops": "Neg", "fault": "segfault", "at": "compute", "after": "4"})
+        options = options_for(env, "relu", "neg")
+        options.ep_failure_policy = policy
+        with InferenceSession(models.chain(ops), options, env=env) as s:
+            computes = Computes(s)
+
+            def run():
+                x = rng.standard_normal(4).astype(np.float32)
+                (y,) = s.run(None, {"x": x})
+                np.testing.assert_array_equal(y, chain_expected(x, ops))
+
+            for _ in range(3):
+                run()
+            assert computes.counts == [2, 2, 2], "the third run was not a steady one"
+            if policy == "raise":  # the middle partition's 4th Compute, the second steady run's
+                with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
+                    s.run(None, {"x": rng.standard_normal(4).astype(np.float32)})
+            else:
+                run()
+            # The first step was steady; the middle one through its compute info only as retried on the new
+            # worker; the last through the general path where the run went on
+            assert computes.counts == [2, 3 if policy == "retry" else 2, 2 if policy == "raise" else 3]
+            assert env.registration("neg").link.wait_healthy(10)
+            for _ in range(2):
+                run()
             assert s.failure_counters["runs"] == 6
