@@ -2,6 +2,8 @@
 kept call, and the general path wherever anything it was made with changed."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -38,12 +40,14 @@ class Computes:
     def __init__(self, session: InferenceSession):
         partitions = session._runner.partitions
         self.counts = [0] * len(partitions)
+        self._lock = threading.Lock()  # threads' runs count too
         for i, partition in enumerate(partitions):
             partition.compute_info.compute = self._counted(i, partition.compute_info.compute)
 
     def _counted(self, i, compute):
         def counted(*args, **kwargs):
-            self.counts[i] += 1
+            with self._lock:
+                self.counts[i] += 1
             return compute(*args, **kwargs)
         return counted
 
@@ -292,3 +296,20 @@ def test_a_worker_that_dies_in_a_middle_step_is_answered_by_the_failure_policy(p
             for _ in range(2):
                 run()
             assert s.failure_counters["runs"] == 6
+
+
+def test_eight_threads_run_one_chain_each_with_its_own_steady_run(workers):
+    """Eight threads running one session whose chain alternates between two workers: each thread's steady run
+    goes on its own lane connections, and every result is its own."""
+    with InferenceSession(models.chain(CHAIN), options_for(workers, "relu", "neg"), env=workers) as s:
+        computes = Computes(s)
+
+        def work(seed):
+            rng = np.random.default_rng(seed)
+            for _ in range(20):
+                x = rng.standard_normal(4).astype(np.float32)
+                (y,) = s.run(None, {"x": x})
+                np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
+
+        assert in_threads(work, 8) == []
+        assert computes.counts == [16] * len(CHAIN), "the threads' runs after their second were not steady"
