@@ -1,5 +1,5 @@
-"""A session's steady run (client/steady.py): a run made again as the last one went, straight to the partition's
-kept call, and the general path wherever anything it was made with changed."""
+"""A session's steady run (client/steady.py): a run made again as the last one went, straight to its partitions'
+kept calls, and the general path wherever anything it was made with changed."""
 from __future__ import annotations
 
 import threading
