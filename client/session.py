@@ -437,7 +437,7 @@ class InferenceSession:
                 return outputs
             record = self._steady_record(input_feed)
         outputs = [to_python(v) for v in self._execute(output_names, input_feed, run_options, record=record)]
-        if record is not None:
+        if record is not None:  # this run's feeds are those of the last run on this thread (local.last)
             local = self._steady
             local.run = SteadyRun.of(self._partitions, output_names, self._output_names(output_names), local.last,
                                      record)

@@ -24,7 +24,8 @@ import numpy as np
 
 from ephost.errors import EpError
 from ephost.tensor import Tensor
-from ephost.types import HOST_MEMORY, is_plain_dtype
+from ephost.types import is_plain_dtype
+from ephost.values import as_value
 from ephost.client.planner import Partition
 
 
@@ -45,11 +46,6 @@ def steady_plan(partitions: list[Partition]) -> bool:
     return all(not p.keep for p in partitions) and any(hasattr(p.compute_info, "steady") for p in partitions)
 
 
-def tensors(arrays: Sequence[np.ndarray]) -> list[Tensor]:
-    """Arrays as the general path hands them to a partition."""
-    return [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in arrays]
-
-
 class InProcessStep:
     """A partition in this process made again: its Compute with the arrays as tensors, its outputs as arrays
     where they are of the types and shapes the general run saw (what a later step's kept call was made for)."""
@@ -68,7 +64,7 @@ class InProcessStep:
 
     def __call__(self, arrays: list[np.ndarray], timeout: float | None) -> tuple[list, bool]:
         p = self._partition
-        outputs = p.compute_info.compute(tensors(arrays), p.allocator, (), timeout)
+        outputs = p.compute_info.compute([as_value(a) for a in arrays], p.allocator, (), timeout)
         if len(outputs) != len(self._outputs):
             return outputs, False
         out = []
@@ -194,9 +190,8 @@ class SteadyRun:
 
     def inputs(self, values: list, step: int) -> list:
         """The inputs of a step, from the run's values, as the general path hands them to its partition."""
-        return [v if isinstance(v, Tensor) else tensors([v])[0] for v in (values[i] for i in self.steps[step].sources)]
+        return [as_value(values[i]) for i in self.steps[step].sources]
 
     def named(self, values: list) -> dict[str, Any]:
         """The run's values by name, as the general path holds them (to go on from where the steady run stopped)."""
-        return {name: v if isinstance(v, Tensor) or type(v) is not np.ndarray else tensors([v])[0]
-                for name, v in zip(self._names, values)}
+        return {name: as_value(v) for name, v in zip(self._names, values)}
