@@ -213,6 +213,32 @@ class RemoteComputeInfo(RemoteHandle):
                              (self._staging, kinds, buffers), large, self._stager,
                              struct.pack(f"<{len(buffers)}Q", *(b.handle for b in buffers)), 8 * len(buffers) + nbytes)
 
+    def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None,
+                     outputs: Sequence[Any]) -> "BoundCompute | None":
+        """The Compute of `inputs` (small tensors in this process's memory, or this worker's, named by handle) as
+        this thread's fast lane keeps it, held to be repeated with inputs of the same kinds, types and shapes, or
+        of any shapes where it is kept with `keep_shapes` (call_kept's `shaped`: a loop's call, whose shapes change
+        every step): a session's steady IOBinding run (client/steady.py). Its outputs in this worker's memory
+        (`outputs`, as the call just made them) are left there again. None where the call is not kept on this
+        thread's lane."""
+        conn = self.link.current
+        kept = self._kept_inputs(inputs) if conn is not None and conn.lane is not None and conn.kept_calls else None
+        if kept is None or kept[3]:  # large inputs go through staging buffers, whose sizes follow the shapes
+            return None
+        layout = kept[0]
+        placed = tuple(i for i, v in enumerate(outputs) if type(v) is Tensor and owned(v.buffer, self.link))
+        if placed and allocator is None:
+            return None
+        # Kept whatever its shapes first: a call kept with these shapes may be one step of a loop whose shapes grow
+        key = self._key(allocator, layout, _NO_TARGETS, placed)
+        repeat, shapes = conn.lane.repeater(COMPUTE, _general(key)[0]), None
+        if repeat is None:
+            repeat, shapes = conn.lane.repeater(COMPUTE, key), [shape for shape, *_ in layout]
+            if repeat is None:
+                return None
+        return BoundCompute(self, conn, repeat, allocator, [(len(shape), dtype, len(rest) > 0)
+                                                            for shape, dtype, *rest in layout], shapes, placed)
+
     def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
         """Output i of a kept call: an array over its reply, or one it left in a new buffer of the worker's."""
         if type(value) is not Placed:
@@ -313,6 +339,60 @@ class SteadyCompute:
         outputs = result if kept else info.kept_outputs(result, self._allocator, self._conn)
         link.between_calls()
         return outputs, kept
+
+
+class BoundCompute:
+    """A partition's kept Compute as one thread made it (RemoteComputeInfo.bound_steady): called with tensors of
+    the kinds (small ones in this process's memory, or the worker's, by handle), types and ranks it was made with,
+    and of its shapes where it was not kept with `keep_shapes`, it sends what call_kept sends in a repeat of it
+    (the inputs' dimensions where it was, the worker's tensors' handles, the small ones' bytes), having looked
+    nothing up again. Valid while the worker and the thread's connection are the ones it was made with, and the
+    call is kept there."""
+
+    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_kinds", "_shapes", "placed", "_dims", "_handles")
+
+    def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None,
+                 kinds: list[tuple[int, np.dtype, bool]], shapes: list[tuple[int, ...]] | None,
+                 placed: tuple[int, ...]):
+        """`kinds`: each input's (rank, dtype, named by handle); `shapes`: each input's shape, None where the call
+        was kept with `keep_shapes`; `placed`: the outputs left in the worker."""
+        self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
+        self._kinds, self._shapes, self.placed = kinds, shapes, placed
+        self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in kinds)}Q") if shapes is None else None
+        self._handles = struct.Struct(f"<{sum(1 for *_, named in kinds if named)}Q")
+
+    def __call__(self, inputs: Sequence[Any], timeout: float | None) -> list[Any] | None:
+        """The outputs (those in `placed` as tensors in the worker's memory); None where the inputs are not as it
+        was made with, or the call no longer repeats (nothing ran then)."""
+        info, shapes = self._info, self._shapes
+        link = info.link
+        if link.conn is not self._conn:
+            return None
+        dims, handles, parts, nbytes = [], [], [], 0
+        for i, (value, (rank, dtype, named)) in enumerate(zip(inputs, self._kinds)):
+            if type(value) is not Tensor or value.dtype != dtype or len(value.shape) != rank \
+                    or (shapes is not None and value.shape != shapes[i]) or owned(value.buffer, link) != named:
+                return None
+            dims += value.shape
+            if named:
+                handles.append(value.buffer.handle)
+                continue
+            array = value.local_array()
+            if array is None or value.nbytes >= INLINE_LIMIT:
+                return None
+            parts.append(array)
+            nbytes += value.nbytes
+        head = self._handles.pack(*handles) if shapes is not None else \
+            self._dims.pack(*dims) + self._handles.pack(*handles)
+        if head:
+            parts.insert(0, head)
+            nbytes += len(head)
+        result = link.run(lambda c: self._repeat(parts, nbytes, timeout or c.timeout_s), conn=self._conn)
+        if result is None:
+            return None
+        outputs = info.kept_outputs(result, self._allocator, self._conn, _NO_TARGETS, self.placed, self.placed)
+        link.between_calls()
+        return outputs
 
 
 class RemoteEp(RemoteHandle):

@@ -37,7 +37,7 @@ from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 from ephost.client.profiler import Profiler
 from ephost.client.runner import PartitionRunner
-from ephost.client.steady import SteadyRun, signature, steady_plan
+from ephost.client.steady import SteadyBinding, SteadyRun, signature, steady_plan
 
 log = logging.getLogger(__name__)
 
@@ -528,14 +528,51 @@ class InferenceSession:
         they were bound. Outputs bound to an EP's memory are left there by the partition that makes them."""
         if iobinding.session is not self:
             raise EpInvalidArgument("the IOBinding belongs to another session; make one with session.io_binding()")
+        if run_options is None and self._run_bound_steady(iobinding):
+            return
         outputs = iobinding.bound_outputs()
         if not outputs:
             raise EpInvalidArgument("no output is bound; bind_output(name, ...) at least one")
         placed = {n: b.memory for n, b in outputs.items() if b.memory != HOST_MEMORY}
         targets = {n: b.tensor for n, b in outputs.items() if b.tensor is not None}
         names = list(outputs)
-        results = self._execute(names, iobinding.bound_inputs(), run_options, placed, targets)
+        # A plan of one partition, no output written into a bound tensor: a steady run may be made of this one
+        record = [] if run_options is None and not targets and len(self._partitions) == 1 \
+            and not self.profiler.enabled and not self._empty_optionals else None
+        results = self._execute(names, iobinding.bound_inputs(), run_options, placed, targets, record=record)
         iobinding.set_results(dict(zip(names, results)))
+        if record is not None:
+            self._steady.binding = SteadyBinding.of(self._partitions, iobinding, names, record)
+
+    def _run_bound_steady(self, iobinding: IOBinding) -> bool:
+        """Run with `iobinding` as the calling thread's steady IOBinding run makes it (client/steady.py,
+        SteadyBinding), where it does; False where it does not (nothing ran)."""
+        steady = getattr(self._steady, "binding", None)
+        if steady is None or self._closed or self.profiler.enabled:
+            return False
+        inputs = steady.inputs(self._partitions, iobinding)
+        if inputs is None:
+            return False
+        checks = self._feed_checks
+        for name, value in zip(steady.names, inputs):  # as the general path checks them: its errors, not an EP's
+            check = checks.get(name)
+            if check is not None:
+                check(value)
+        timeout = _deadline(self._timeout)
+        run = next(self._runs)
+        try:
+            outputs = steady.compute(inputs, timeout)
+        except EpError as error:  # as the general path's Compute: the failure policy's to answer
+            self._steady.binding = None
+            self._failures.counters["runs"] += 1
+            outputs = self._runner.recover(run, steady.partition, inputs, error, timeout)
+        else:
+            if outputs is None:  # it no longer repeats so (nothing ran): the general path, which makes a new one
+                self._steady.binding = None
+                return False
+            self._failures.counters["runs"] += 1
+        iobinding.set_results(steady.results(outputs))
+        return True
 
     def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
         known = self._output_names_known

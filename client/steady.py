@@ -15,9 +15,13 @@ partition's compute and the calls' connections, kept calls and staging buffers s
 A step whose call no longer repeats, fails, or whose outputs come back of other types or shapes hands the rest of
 the run to the general path (its outputs so far, what failed: `Outcome`); the session then makes a new steady run
 when the runs settle again.
+
+A SteadyBinding does the same for a thread's IOBinding runs of a plan of one partition: a loop whose state stays
+bound in the worker, a new tensor there every step, whose shapes may grow every step (a decoding loop's).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -195,3 +199,71 @@ class SteadyRun:
     def named(self, values: list) -> dict[str, Any]:
         """The run's values by name, as the general path holds them (to go on from where the steady run stopped)."""
         return {name: as_value(v) for name, v in zip(self._names, values)}
+
+
+class SteadyBinding:
+    """One thread's steady IOBinding run: a plan of one partition whose Compute the thread's fast lane keeps
+    (RemoteComputeInfo.bound_steady), run with one binding whose outputs stay bound as they were. A loop that
+    keeps its state in the worker is one: the state, left there and bound as the next step's input, is a new
+    tensor of the worker's every step (a SteadyRun takes arrays), and a decoding loop's grows every step, a call
+    the lane then keeps with `keep_shapes`. A run whose bound inputs are of the kinds, types and ranks (and, where
+    the call was kept with its shapes, the shapes) of the run it was made from goes straight to the kept call
+    (`inputs`, then `compute`), its outputs to the binding labelled as the general path labels them
+    (`results`)."""
+
+    __slots__ = ("partitions", "partition", "info", "compute", "names", "_binding", "_generation", "_outputs",
+                 "_labels")
+
+    def __init__(self, partitions: list[Partition], compute, binding, outputs: list[str], labels: list):
+        self.partitions = partitions  # the session's plan it was made in (a new plan is a new list)
+        self.partition = partitions[0]
+        self.info = self.partition.compute_info  # moved by the failure policy: no longer this steady run's
+        self.compute = compute
+        self.names = self.partition.graph.inputs  # the bound inputs, in the order the partition takes them
+        self._binding = weakref.ref(binding)  # not kept alive here: its outputs (a worker's memory) with it
+        self._generation = binding.output_generation
+        self._outputs = outputs  # the bound outputs' names, in the binding's order
+        self._labels = labels  # each bound output's (position among the partition's, (raw, label) or None)
+
+    @classmethod
+    def of(cls, partitions: list[Partition], binding, outputs: list[str],
+           record: Sequence[tuple[Partition, list, list]]) -> "SteadyBinding | None":
+        """The steady run of a binding's run that just went the general path (`outputs`: the bound outputs' names,
+        `record`: what the runner recorded), where there is one."""
+        if len(partitions) != 1 or len(record) != 1 or record[0][0] is not partitions[0]:
+            return None
+        p, inputs, made = record[0]
+        bound = getattr(p.compute_info, "bound_steady", None)
+        compute = bound(inputs, p.allocator, made) if bound is not None else None
+        if compute is None or any(n not in p.graph.outputs for n in outputs):
+            return None
+        raw = p.allocator.memory_info if p.allocator is not None else None
+        labels = []  # an output left in the worker is labelled as the general path labelled the one it made
+        for name in outputs:
+            i = p.graph.outputs.index(name)
+            labels.append((i, (raw, made[i].memory_info) if i in compute.placed else None))
+        return cls(partitions, compute, binding, list(outputs), labels)
+
+    def inputs(self, partitions: list[Partition], binding) -> list | None:
+        """The binding's inputs in the partition's order, where this run is one this steady run makes (the same
+        plan, partition, binding and bound outputs, and every input bound); else None."""
+        if partitions is not self.partitions or self.partition.compute_info is not self.info \
+                or self._binding() is not binding or binding.output_generation != self._generation:
+            return None
+        bound = binding.bound_inputs()
+        if len(bound) != len(self.names):
+            return None
+        try:
+            return [bound[n] for n in self.names]
+        except KeyError:
+            return None
+
+    def results(self, outputs: Sequence[Any]) -> dict[str, Any]:
+        """The bound outputs' values by name, from the partition's outputs (labelled in place)."""
+        out = {}
+        for name, (i, label) in zip(self._outputs, self._labels):
+            value = outputs[i]
+            if label is not None and type(value) is Tensor and value.memory_info is label[0]:
+                value.relabel(label[1])
+            out[name] = value
+        return out

@@ -35,8 +35,8 @@ from ephost.graph import BUILTIN_DOMAINS
 from ephost.external_data import ExternalData, has_external_data, on_disk
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpNotFound
 from ephost.tensor import Tensor
-from ephost.types import (HOST_MEMORY, EpDeviceInfo, HardwareDevice, HardwareDeviceType, dtype_of, is_plain_dtype,
-                          nbytes_of)
+from ephost.types import (HOST_MEMORY, EpDeviceInfo, HardwareDevice, HardwareDeviceType, checked_shape, dtype_of,
+                          is_plain_dtype, nbytes_of)
 from ephost.values import as_value
 
 log = logging.getLogger(__name__)
@@ -143,11 +143,17 @@ def _kept_in(result: np.ndarray, allocator) -> Any:
     """An output ORT allocated (its shape known only as it ran) that the caller keeps in `allocator` (a decoding
     loop's state, bound to a device and fed back): copied once, from ORT's memory into a buffer of the allocator,
     where the caller would otherwise copy it again (a worker's place_output, an IOBinding's bound output)."""
-    tensor = Tensor.empty(result.shape, result.dtype, allocator)
-    array = tensor.local_array()
-    if array is None:  # memory this process cannot write: the caller copies it there
-        tensor.release()
+    shape, nbytes = checked_shape(result.shape), result.nbytes
+    buffer = allocator.alloc(nbytes)
+    # Written through the buffer's own view, made once and kept with it: the next step that reads the buffer (a
+    # loop's state fed back) finds the view made.
+    view = buffer.host_view()
+    if view is None:  # memory this process cannot write: the caller copies it there
+        allocator.free(buffer)
         return as_value(result.copy())
+    array = view[:nbytes].view(result.dtype).reshape(shape)
+    tensor = Tensor.trusted(shape, result.dtype, allocator.memory_info, nbytes, buffer=buffer, host=array,
+                            allocator=allocator)
     np.copyto(array, result)
     return tensor
 

@@ -103,8 +103,11 @@ class _Views:
             return seen[1], entry
         tensor, _ = buffer_tensor(client, handle, shape, dtype, nbytes,
                                   lambda: f"a kept call's {what} ({nbytes} bytes)")
-        array = tensor.local_array()
-        if array is not None:
+        # The buffer's own view, made once per buffer: a loop's state, a new buffer each step, was written
+        # through it by the EP that made it (eps/onnxruntime.py, _kept_in), so its view is made already.
+        view = entry.buffer.host_view()
+        if view is not None:
+            array = view[:nbytes].view(dtype).reshape(shape)
             tensor = Tensor.trusted(shape, dtype, tensor.memory_info, nbytes, buffer=entry.buffer, host=array)
             if len(self._seen) >= _VIEWED:  # a loop naming a new buffer each step: nothing to find again
                 self._seen.clear()

@@ -313,3 +313,193 @@ def test_eight_threads_run_one_chain_each_with_its_own_steady_run(workers):
 
         assert in_threads(work, 8) == []
         assert computes.counts == [16] * len(CHAIN), "the threads' runs after their second were not steady"
+
+
+# --- steady IOBinding runs: a decoding loop (client/steady.py, SteadyBinding) -------------------------------
+
+WIDTH = 16
+
+
+def decoding(width: int = WIDTH):
+    from bench.data_plane import decoding_model  # the bench's decoding loop runs the same step
+    return decoding_model(width)
+
+
+def rows(seed: int, steps: int, width: int = WIDTH) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((steps, 1, 1, width)).astype(np.float32)
+
+
+class Loop:
+    """A decoding loop through one IOBinding, as an application that keeps its state on the device runs it (the
+    present bound to the worker's memory and bound as the next step's past), checked step by step against ORT's
+    own loop in process."""
+
+    def __init__(self, session, env, registration: str, width: int = WIDTH):
+        self.session, self.width = session, width
+        self.device = next(d for d in env.get_ep_devices() if d.registration_name == registration)
+        self.binding = session.io_binding()
+        self.binding.bind_cpu_input("past", np.zeros((1, 0, width), np.float32))
+        self.binding.bind_output("present", self.device)
+        self.binding.bind_output("score")
+        self.reference = ort.InferenceSession(decoding(width).SerializeToString(), providers=["CPUExecutionProvider"])
+        self.past = np.zeros((1, 0, width), np.float32)
+
+    def step(self, row: np.ndarray, run_options=None) -> None:
+        self.binding.bind_cpu_input("row", row)
+        self.session.run_with_iobinding(self.binding, run_options)
+        self.past, score = self.reference.run(None, {"past": self.past, "row": row})
+        present, got = self.binding.get_outputs()
+        np.testing.assert_array_equal(present.numpy(), self.past)
+        np.testing.assert_allclose(got.numpy(), score, rtol=1e-5)
+        self.binding.bind_ortvalue_input("past", present)
+
+
+def test_a_decoding_loop_goes_straight_to_the_call_kept_whatever_its_shapes(env):
+    """A loop whose state grows a row a step: once the lane kept a step's call whatever its shapes, every later
+    step goes straight to it (no Compute through the partition's compute info), its present left in
+    the worker and labelled with the device's memory as the general path labels it, every result ORT's. A new
+    binding's loop makes its own steady run after its first two steps (its first past is the application's)."""
+    from ephost.client.fastlane import MISSES
+    steps = 16
+    with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        loop = Loop(s, env, "ort")
+        for row in rows(1, steps):
+            loop.step(row)
+        # The general path: the MISSES + 1 steps whose calls were kept (the last whatever its shapes)
+        assert computes.count == MISSES + 1
+        present = loop.binding.get_outputs()[0]
+        assert present.memory_info == loop.device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE)
+        assert present.buffer is not None and present.buffer.owner is not None, "the present came back"
+        second = Loop(s, env, "ort")
+        for row in rows(2, steps):
+            second.step(row)
+        assert computes.count == MISSES + 1 + 2
+        assert s.failure_counters["runs"] == 2 * steps
+
+
+def test_a_loop_of_one_shape_bound_in_the_worker_goes_straight_to_its_kept_call(env):
+    """A loop whose state keeps its shape (an output bound to the worker's memory and bound as the next step's
+    input): from the third step on, straight to the call the lane kept with those shapes, every result right."""
+    model = models.model([helper.make_node("Neg", ["x"], ["y"], name="neg")], [models.tensor("x", [4, 8])],
+                         [models.tensor("y", [4, 8])])
+    x0 = np.random.default_rng(6).standard_normal((4, 8)).astype(np.float32)
+    with InferenceSession(model, options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        binding = s.io_binding()
+        binding.bind_cpu_input("x", x0)
+        binding.bind_output("y", next(d for d in env.get_ep_devices() if d.registration_name == "ort"))
+        for step in range(1, 11):
+            s.run_with_iobinding(binding)
+            (y,) = binding.get_outputs()
+            assert y.buffer is not None and y.buffer.owner is not None, "the output came back"
+            np.testing.assert_array_equal(y.numpy(), x0 * (-1) ** step)
+            binding.bind_ortvalue_input("x", y)
+        assert computes.count == 2, "steps after the second did not repeat the kept call straight"
+
+
+def test_a_steady_binding_run_gives_way_where_the_binding_or_the_run_differs(env):
+    """An output bound elsewhere, run options, another binding of the session, a past of another rank, or one
+    in the application's memory: the general path, every result right; the loop's steady run serves it again
+    once a step like its own is run twice more."""
+    from ephost.client.fastlane import MISSES
+    with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        loop = Loop(s, env, "ort")
+        data = iter(rows(3, 40))
+        for _ in range(MISSES + 3):
+            loop.step(next(data))
+        steady = computes.count
+        loop.step(next(data))
+        assert computes.count == steady, "not a steady run"
+
+        def general(step) -> None:
+            before = computes.count
+            step()
+            assert computes.count == before + 1
+
+        general(lambda: loop.step(next(data), RunOptions(compute_timeout_s=30)))
+        loop.binding.bind_output("present", "cpu")  # the present comes back: the next past is the application's
+        general(lambda: loop.step(next(data)))
+        assert loop.binding.get_outputs()[0].buffer is None
+        loop.binding.bind_output("present", loop.device)
+        general(lambda: loop.step(next(data)))  # a past in the application's memory
+        other = Loop(s, env, "ort")
+        general(lambda: other.step(next(data)))
+        for _ in range(2):  # the loop's own kind again: a general step, which makes a steady run again
+            loop.step(next(data))
+        before = computes.count
+        loop.step(next(data))
+        assert computes.count == before, "the loop's steady run was not made again"
+
+
+def test_a_steady_binding_run_checks_its_inputs_as_the_general_path_does(env):
+    """A row of another width (the model fixes it) in a steady run: the general path's EpInvalidArgument,
+    nothing sent; the loop goes on steady."""
+    from ephost.client.fastlane import MISSES
+    with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        loop = Loop(s, env, "ort")
+        data = iter(rows(4, 20))
+        for _ in range(MISSES + 3):
+            loop.step(next(data))
+        before, runs = computes.count, s.failure_counters["runs"]
+        loop.binding.bind_cpu_input("row", np.zeros((1, 1, WIDTH + 1), np.float32))
+        with pytest.raises(ephost.EpInvalidArgument, match="expects 16 along axis 2"):
+            s.run_with_iobinding(loop.binding)
+        assert s.failure_counters["runs"] == runs
+        loop.step(next(data))
+        assert computes.count == before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
+def test_a_worker_that_dies_in_a_steady_binding_run_is_answered_by_the_failure_policy(policy):
+    """The worker's EP dies (a real SIGSEGV) in a decoding loop's steady step: the step fails with
+    EpWorkerCrashed naming the call (raise), or is made again on the restarted worker (retry) or on the CPU
+    fallback (fallback), the state it was bound to read from the shared memory the dead worker left mapped
+    here; the loop goes on from there (after `raise`, from the state the failed step was bound to) with the right
+    results."""
+    from ephost.client.fastlane import MISSES
+    steady = MISSES + 1  # the steps through the general path before the loop's steady run
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "chaos", {
+            "wrap": "onnxruntime", "fault": "segfault", "at": "compute", "after": str(steady + 2),
+            "intra_op_num_threads": "1"})
+        options = options_for(env, "w")
+        options.ep_failure_policy = policy
+        with InferenceSession(decoding(), options, env=env) as s:
+            computes = Computes(s)
+            loop = Loop(s, env, "w")
+            data = iter(rows(5, 30))
+            for _ in range(steady + 1):
+                loop.step(next(data))
+            assert computes.count == steady
+            if policy == "raise":
+                with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
+                    loop.step(next(data))
+            else:
+                loop.step(next(data))
+            # It was a steady step's: through the partition's compute info only as retried on the new worker
+            assert computes.count == steady + (1 if policy == "retry" else 0)
+            assert env.registration("w").link.wait_healthy(10)
+            for _ in range(steady):  # (the new worker's Compute `after` would die too)
+                loop.step(next(data))
+
+
+def test_eight_threads_run_their_own_decoding_loops_steady(env):
+    """Eight threads, each its own binding's loop in one session: each its own steady run on its own lane
+    connection, every result its own."""
+    from ephost.client.fastlane import MISSES
+    steps = 14
+    with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+
+        def work(seed):
+            loop = Loop(s, env, "ort")
+            for row in rows(10 + seed, steps):
+                loop.step(row)
+
+        assert in_threads(work, 8) == []
+        assert computes.count <= 8 * (MISSES + 1), "the threads' loops were not steady"
+        assert s.failure_counters["runs"] == 8 * steps
