@@ -354,6 +354,16 @@ class Loop:
         self.binding.bind_ortvalue_input("past", present)
 
 
+def settled(session, env, seed: int, steps: int):
+    """A Computes of `session`, and a Loop of it run until its steps are steady (MISSES + 3 of them), with the rest
+    of its `steps` rows to come."""
+    from ephost.client.fastlane import MISSES
+    computes, loop, data = Computes(session), Loop(session, env, "ort"), iter(rows(seed, steps))
+    for _ in range(MISSES + 3):
+        loop.step(next(data))
+    return computes, loop, data
+
+
 def test_a_decoding_loop_goes_straight_to_the_call_kept_whatever_its_shapes(env):
     """A loop whose state grows a row a step: once the lane kept a step's call whatever its shapes, every later
     step goes straight to it (no Compute through the partition's compute info), its present left in
@@ -399,16 +409,11 @@ def test_a_loop_of_one_shape_bound_in_the_worker_goes_straight_to_its_kept_call(
 
 
 def test_a_steady_binding_run_gives_way_where_the_binding_or_the_run_differs(env):
-    """An output bound elsewhere, run options, another binding of the session, a past of another rank, or one
-    in the application's memory: the general path, every result right; the loop's steady run serves it again
+    """An output bound elsewhere, run options, another binding of the session, or a past in the application's
+    memory: the general path, every result right; the loop's steady run serves it again
     once a step like its own is run twice more."""
-    from ephost.client.fastlane import MISSES
     with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
-        loop = Loop(s, env, "ort")
-        data = iter(rows(3, 40))
-        for _ in range(MISSES + 3):
-            loop.step(next(data))
+        computes, loop, data = settled(s, env, 3, 40)
         steady = computes.count
         loop.step(next(data))
         assert computes.count == steady, "not a steady run"
@@ -436,13 +441,8 @@ def test_a_steady_binding_run_gives_way_where_the_binding_or_the_run_differs(env
 def test_a_steady_binding_run_checks_its_inputs_as_the_general_path_does(env):
     """A row of another width (the model fixes it) in a steady run: the general path's EpInvalidArgument,
     nothing sent; the loop goes on steady."""
-    from ephost.client.fastlane import MISSES
     with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
-        loop = Loop(s, env, "ort")
-        data = iter(rows(4, 20))
-        for _ in range(MISSES + 3):
-            loop.step(next(data))
+        computes, loop, data = settled(s, env, 4, 20)
         before, runs = computes.count, s.failure_counters["runs"]
         loop.binding.bind_cpu_input("row", np.zeros((1, 1, WIDTH + 1), np.float32))
         with pytest.raises(ephost.EpInvalidArgument, match="expects 16 along axis 2"):
