@@ -151,10 +151,9 @@ def _kept_in(result: np.ndarray, allocator) -> Any:
     if view is None:  # memory this process cannot write: the caller copies it there
         allocator.free(buffer)
         return as_value(result.copy())
-    array = view[:nbytes].view(result.dtype).reshape(shape)
-    tensor = Tensor.trusted(shape, result.dtype, allocator.memory_info, nbytes, buffer=buffer, host=array,
-                            allocator=allocator)
-    np.copyto(array, result)
+    # Not the tensor's own array: a view of it handed out (in process) keeps the tensor, and its buffer, alive
+    tensor = Tensor.trusted(shape, result.dtype, allocator.memory_info, nbytes, buffer=buffer, allocator=allocator)
+    np.copyto(view[:nbytes].view(result.dtype).reshape(shape), result)
     return tensor
 
 

@@ -360,3 +360,29 @@ def test_an_ep_that_makes_new_arrays_still_fills_an_output_bound_in_its_worker(t
         stats = env.get_worker_stats("npu")
         assert stats.compute_outputs_copied == 4
         assert stats.kept_calls == (3 if transport == "fast_lane" else 0)
+
+
+def test_a_view_of_an_output_an_ep_in_process_kept_keeps_it_alive():
+    """An EP in this process (`inproc:`) leaves a decoding step's present, whose shape ORT learns as it runs, in
+    its device's memory: a numpy view of that output keeps its memory, however the tensor and the binding go and
+    whatever the allocator hands out after (as any view of a tensor does)."""
+    from bench.data_plane import decoding_model
+    with ephost.Environment() as environment:
+        environment.register_execution_provider_library("ip", "inproc:onnxruntime", {})
+        device = device_of(environment, "ip")
+        with InferenceSession(decoding_model(4), options_for(environment, "ip"), env=environment) as session:
+            binding = session.io_binding()
+            binding.bind_cpu_input("past", np.ones((1, 2, 4), np.float32))
+            binding.bind_cpu_input("row", np.full((1, 1, 4), 2, np.float32))
+            binding.bind_output("present", device)
+            binding.bind_output("score")
+            session.run_with_iobinding(binding)
+            present = binding.get_outputs()[0]
+            assert present.buffer is not None, "the present was not left in the device's memory"
+            view = present.numpy()
+            del present, binding
+            allocator = environment.allocator_for(device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE))
+            others = [ephost.Tensor.empty((1, 3, 4), np.float32, allocator) for _ in range(4)]
+            for other in others:
+                other.numpy()[:] = -1
+            np.testing.assert_array_equal(view, [[[1] * 4, [1] * 4, [2] * 4]])
