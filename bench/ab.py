@@ -2,11 +2,14 @@
 application process with its own workers, the two taking turns block by block on one workload.
 
     python bench/ab.py REV [tiny|chain|squeezenet|shufflenet|decoding] [--blocks N] [--per N] [--option KEY=VALUE ...]
+                       [--binding]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
 Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
-±65 µs wide). Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes
-what the lane does (README, "Background load").
+±65 µs wide). `--binding` runs the workload through an IOBinding (its feeds bound from the application every run,
+its outputs bound to the application; not the decoding loop, which binds its state in the worker anyway).
+Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes what the
+lane does (README, "Background load").
 
 A change worth 1% of a run does not show in `bench dataplane` on a shared 2-core machine (its ratios swing by
 0.1-0.2 from run to run); the median of the per-block differences of two stacks running side by side, and in
@@ -54,9 +57,9 @@ def checkout(rev: str, into: str) -> str:
     return package
 
 
-def child(workload: str, per: int, options: dict[str, str]) -> None:
+def child(workload: str, per: int, options: dict[str, str], binding: bool = False) -> None:
     """One stack: set up (its EPs registered with `options` too), then a block of `per` timed runs for every line
-    read, its median printed."""
+    read, its median printed (`binding`: runs through an IOBinding)."""
     import numpy as np
     import ephost
     from ephost import InferenceSession
@@ -87,6 +90,15 @@ def child(workload: str, per: int, options: dict[str, str]) -> None:
 
         def run() -> None:
             decode(session, device, rows)
+    elif binding:
+        bound = session.io_binding()
+        for output in session.get_outputs():
+            bound.bind_output(output.name)
+
+        def run() -> None:
+            for name, value in feeds.items():
+                bound.bind_cpu_input(name, value)
+            session.run_with_iobinding(bound)
     else:
         def run() -> None:
             session.run(None, feeds)
@@ -106,20 +118,20 @@ def child(workload: str, per: int, options: dict[str, str]) -> None:
     env.close()
 
 
-def compare(rev: str, workload: str, blocks: int, per: int, options: list[str] = ()) -> dict:
+def compare(rev: str, workload: str, blocks: int, per: int, options: list[str] = (), binding: bool = False) -> dict:
     """Both stacks' medians per block, and where each imported ephost from. Half the blocks are run by stacks
     started base first, half by two new stacks started the other way round: on the chain the stack started
     second ran up to 11 µs per partition call faster than the same code started first (A/A, both pinned alike)."""
     with tempfile.TemporaryDirectory(prefix="ephost-ab-") as scratch:
         package = checkout(rev, scratch)
-        first = _compare(package, scratch, workload, (blocks + 1) // 2, per, ("base", "new"), options)
-        second = _compare(package, scratch, workload, blocks // 2, per, ("new", "base"), options)
+        first = _compare(package, scratch, workload, (blocks + 1) // 2, per, ("base", "new"), options, binding)
+        second = _compare(package, scratch, workload, blocks // 2, per, ("new", "base"), options, binding)
     return {"where": first["where"], "medians": {side: first["medians"][side] + second["medians"][side]
                                                  for side in first["medians"]}}
 
 
 def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, order: tuple[str, str],
-             options: list[str]) -> dict:
+             options: list[str], binding: bool = False) -> dict:
     """Two stacks started in `order` (the revision's from `package`), taking turns for `blocks` blocks."""
     stacks = {}
     for side in order:
@@ -129,7 +141,7 @@ def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, o
             env["PYTHONPATH"] = package
         stacks[side] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--child", workload, "--per", str(per),
-             *(f"--option={o}" for o in options)],
+             *(f"--option={o}" for o in options), *(["--binding"] if binding else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=scratch, env=env)
     try:
         where = {side: p.stdout.readline().strip() for side, p in stacks.items()}
@@ -173,15 +185,18 @@ def main(argv=None) -> None:
     parser.add_argument("--per", type=int, default=0, help="timed runs per block (default: by workload)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", type=_option,
                         help="a registration option for the workload's EPs, in both stacks (repeatable)")
+    parser.add_argument("--binding", action="store_true", help="run through an IOBinding (not the decoding loop)")
     parser.add_argument("--child", metavar="WORKLOAD", choices=WORKLOADS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     per = args.per or (300 if (args.child or args.workload) == "tiny" else 20)
     if args.child:
-        child(args.child, per, dict(o.split("=", 1) for o in args.option))
+        child(args.child, per, dict(o.split("=", 1) for o in args.option), args.binding)
         return
     if not args.rev:
         parser.error("name a git revision to compare the working tree with (HEAD: an A/A, the noise)")
-    result = compare(args.rev, args.workload, args.blocks, per, args.option)
+    if args.binding and args.workload == "decoding":
+        parser.error("the decoding loop binds its state in the worker already: --binding is for the others")
+    result = compare(args.rev, args.workload, args.blocks, per, args.option, args.binding)
     base, new = result["medians"]["base"], result["medians"]["new"]
     scale, unit = {"chain": (1 / 60, "µs per partition call"),
                    "decoding": (1 / DECODING_STEPS, "µs per step")}.get(args.workload, (1, "µs per run"))
@@ -189,7 +204,8 @@ def main(argv=None) -> None:
     wins = sum(d < 0 for d in diffs)
     quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
     print(f"{args.rev}: ephost from {result['where']['base']}; working tree: {result['where']['new']}")
-    with_options = f" ({', '.join(args.option)})" if args.option else ""
+    with_options = f" ({', '.join(args.option + (['through an IOBinding'] if args.binding else []))})" \
+        if args.option or args.binding else ""
     print(f"{args.workload}{with_options}, {args.blocks} blocks of {per}: {args.rev} "
           f"{statistics.median(base) * 1e6 * scale:.1f}, "
           f"working tree {statistics.median(new) * 1e6 * scale:.1f} {unit}; paired difference (working tree - "

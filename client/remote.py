@@ -28,6 +28,7 @@ from ephost.v1 import common_pb2, ep_pb2, factory_pb2
 
 _EMPTY = common_pb2.Empty()
 _NO_TARGETS: Mapping[int, Tensor] = {}  # never written to
+_INLINE, _NAMED, _STAGED = 0, 1, 2  # how a BoundCompute's input travels: its bytes, its handle, staged
 
 
 def _compute_of(conn):
@@ -215,29 +216,35 @@ class RemoteComputeInfo(RemoteHandle):
 
     def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None,
                      outputs: Sequence[Any]) -> "BoundCompute | None":
-        """The Compute of `inputs` (small tensors in this process's memory, or this worker's, named by handle) as
-        this thread's fast lane keeps it, held to be repeated with inputs of the same kinds, types and shapes, or
-        of any shapes where it is kept with `keep_shapes` (call_kept's `shaped`: a loop's call, whose shapes change
-        every step): a session's steady IOBinding run (client/steady.py). Its outputs in this worker's memory
-        (`outputs`, as the call just made them) are left there again. None where the call is not kept on this
-        thread's lane."""
+        """The Compute of `inputs` (tensors in this process's memory, or this worker's, named by handle) as this
+        thread's fast lane keeps it, held to be repeated with inputs of the same kinds, types and shapes (the large
+        ones written into the staging buffers this thread keeps for the call), or of any shapes where it is kept
+        with `keep_shapes` and takes no large input from this process (call_kept's `shaped`: a loop's call, whose
+        shapes change every step): a session's steady IOBinding run (client/steady.py). Its outputs in this
+        worker's memory (`outputs`, as the call just made them) are left there again. None where the call is not
+        kept on this thread's lane."""
         conn = self.link.current
         kept = self._kept_inputs(inputs) if conn is not None and conn.lane is not None and conn.kept_calls else None
-        if kept is None or kept[3]:  # large inputs go through staging buffers, whose sizes follow the shapes
+        if kept is None:
             return None
-        layout = kept[0]
+        layout, _, _, large, _ = kept
         placed = tuple(i for i, v in enumerate(outputs) if type(v) is Tensor and owned(v.buffer, self.link))
         if placed and allocator is None:
             return None
         # Kept whatever its shapes first: a call kept with these shapes may be one step of a loop whose shapes grow
         key = self._key(allocator, layout, _NO_TARGETS, placed)
-        repeat, shapes = conn.lane.repeater(COMPUTE, _general(key)[0]), None
+        repeat = conn.lane.repeater(COMPUTE, _general(key)[0]) if not large else None
+        shapes, staged = None, None
         if repeat is None:
             repeat, shapes = conn.lane.repeater(COMPUTE, key), [shape for shape, *_ in layout]
             if repeat is None:
                 return None
-        return BoundCompute(self, conn, repeat, allocator, [(len(shape), dtype, len(rest) > 0)
-                                                            for shape, dtype, *rest in layout], shapes, placed)
+            if large:
+                kinds, sizes = self._kinds(inputs, layout, large)
+                staged = (self._staging, kinds, self._staging.buffers(kinds, sizes), self._stager)
+        ways = [_STAGED if i in large else _NAMED if rest else _INLINE for i, (_, _, *rest) in enumerate(layout)]
+        return BoundCompute(self, conn, repeat, allocator, [(len(shape), dtype, way) for (shape, dtype, *_), way
+                                                            in zip(layout, ways)], shapes, placed, staged)
 
     def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
         """Output i of a kept call: an array over its reply, or one it left in a new buffer of the worker's."""
@@ -343,51 +350,75 @@ class SteadyCompute:
 
 class BoundCompute:
     """A partition's kept Compute as one thread made it (RemoteComputeInfo.bound_steady): called with tensors of
-    the kinds (small ones in this process's memory, or the worker's, by handle), types and ranks it was made with,
-    and of its shapes where it was not kept with `keep_shapes`, it sends what call_kept sends in a repeat of it
-    (the inputs' dimensions where it was, the worker's tensors' handles, the small ones' bytes), having looked
-    nothing up again. Valid while the worker and the thread's connection are the ones it was made with, and the
-    call is kept there."""
+    the kinds (small ones in this process's memory, large ones written into the thread's staging buffers, or the
+    worker's, named by handle), types and ranks it was made with, and of its shapes where it was not kept with
+    `keep_shapes`, it sends what call_kept sends in a repeat of it (the inputs' dimensions where it was, the
+    handles of the buffers it names, the small ones' bytes), having looked nothing up again. Valid while the
+    worker, the thread's connection and its staging buffers are the ones it was made with, and the call is kept
+    there."""
 
-    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_kinds", "_shapes", "placed", "_dims", "_handles")
+    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_kinds", "_shapes", "placed", "_staged", "_dims",
+                 "_handles")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None,
-                 kinds: list[tuple[int, np.dtype, bool]], shapes: list[tuple[int, ...]] | None,
-                 placed: tuple[int, ...]):
-        """`kinds`: each input's (rank, dtype, named by handle); `shapes`: each input's shape, None where the call
-        was kept with `keep_shapes`; `placed`: the outputs left in the worker."""
+                 kinds: list[tuple[int, np.dtype, int]], shapes: list[tuple[int, ...]] | None,
+                 placed: tuple[int, ...], staged: tuple | None = None):
+        """`kinds`: each input's (rank, dtype, how it travels); `shapes`: each input's shape, None where the call
+        was kept with `keep_shapes`; `placed`: the outputs left in the worker; `staged`: the partition's
+        ThreadStaging, the kinds and buffers it gave (one for each staged input, in order) and the Stager."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
-        self._kinds, self._shapes, self.placed = kinds, shapes, placed
+        self._kinds, self._shapes, self.placed, self._staged = kinds, shapes, placed, staged
         self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in kinds)}Q") if shapes is None else None
-        self._handles = struct.Struct(f"<{sum(1 for *_, named in kinds if named)}Q")
+        self._handles = struct.Struct(f"<{sum(1 for *_, way in kinds if way != _INLINE)}Q")
 
     def __call__(self, inputs: Sequence[Any], timeout: float | None) -> list[Any] | None:
         """The outputs (those in `placed` as tensors in the worker's memory); None where the inputs are not as it
         was made with, or the call no longer repeats (nothing ran then)."""
-        info, shapes = self._info, self._shapes
+        info, shapes, staged = self._info, self._shapes, self._staged
         link = info.link
-        if link.conn is not self._conn:
+        # The staging buffers are still this thread's for these inputs (see SteadyCompute)
+        if link.conn is not self._conn or (staged is not None and not staged[0].holds(staged[1], staged[2])):
             return None
-        dims, handles, parts, nbytes = [], [], [], 0
-        for i, (value, (rank, dtype, named)) in enumerate(zip(inputs, self._kinds)):
-            if type(value) is not Tensor or value.dtype != dtype or len(value.shape) != rank \
-                    or (shapes is not None and value.shape != shapes[i]) or owned(value.buffer, link) != named:
+        dims, handles, parts, nbytes, writes = [], [], [], 0, []
+        buffers = iter(staged[2]) if staged is not None else None
+        for i, (value, (rank, dtype, way)) in enumerate(zip(inputs, self._kinds)):
+            if type(value) is not Tensor or value.dtype != dtype:
                 return None
-            dims += value.shape
-            if named:
+            if shapes is None:
+                if len(value.shape) != rank:
+                    return None
+                dims += value.shape
+            elif value.shape != shapes[i]:
+                return None
+            if owned(value.buffer, link):
+                if way != _NAMED:
+                    return None
                 handles.append(value.buffer.handle)
                 continue
-            array = value.local_array()
-            if array is None or value.nbytes >= INLINE_LIMIT:
+            array = value.local_array() if way != _NAMED else None
+            if array is None:
                 return None
-            parts.append(array)
-            nbytes += value.nbytes
+            if way == _STAGED:
+                buffer = next(buffers)
+                handles.append(buffer.handle)
+                writes.append((buffer, value))
+            elif shapes is None and value.nbytes >= INLINE_LIMIT:  # (a call kept with its shapes keeps its sizes)
+                return None
+            else:
+                parts.append(array)
+                nbytes += value.nbytes
+        write = None
+        if writes:
+            def write():  # once, whichever asks first (the lane overlaps it with the worker's reading the call)
+                while writes:
+                    buffer, tensor = writes.pop()
+                    staged[3].write(buffer, tensor.local_bytes())
         head = self._handles.pack(*handles) if shapes is not None else \
             self._dims.pack(*dims) + self._handles.pack(*handles)
         if head:
             parts.insert(0, head)
             nbytes += len(head)
-        result = link.run(lambda c: self._repeat(parts, nbytes, timeout or c.timeout_s), conn=self._conn)
+        result = link.run(lambda c: self._repeat(parts, nbytes, timeout or c.timeout_s, write), conn=self._conn)
         if result is None:
             return None
         outputs = info.kept_outputs(result, self._allocator, self._conn, _NO_TARGETS, self.placed, self.placed)

@@ -408,6 +408,41 @@ def test_a_loop_of_one_shape_bound_in_the_worker_goes_straight_to_its_kept_call(
         assert computes.count == 2, "steps after the second did not repeat the kept call straight"
 
 
+def test_a_binding_of_large_inputs_writes_them_into_the_staging_buffers_kept_for_its_call(env):
+    """A binding whose input is over the inline limit (bound from the application's memory, its output to the
+    worker's device): from the second run on (its call kept by the first), straight to the kept call, the input
+    written into the staging buffers the thread keeps for it; a larger input of the same kind in a run() since
+    (which replaced those buffers and gave them back) sends the next run the general way, and every result is
+    right."""
+    rng = np.random.default_rng(7)
+    device = next(d for d in env.get_ep_devices() if d.registration_name == "ort")
+    with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        binding = s.io_binding()
+        binding.bind_output("y", device)
+
+        def run(rows: int) -> None:
+            f = feeds(rng, rows)
+            for name, value in f.items():
+                binding.bind_cpu_input(name, value)
+            s.run_with_iobinding(binding)
+            (y,) = binding.get_outputs()
+            assert y.buffer is not None and y.buffer.owner is not None, "the output came back"
+            np.testing.assert_allclose(y.numpy(), expected(f), rtol=1e-4, atol=1e-4)
+
+        for _ in range(6):
+            run(256)
+        assert computes.count == 1, "runs after the first did not go straight to the kept call"
+        f = feeds(rng, 512)  # the same kinds, larger, in a run(): the thread's staging buffers for them replaced
+        np.testing.assert_allclose(s.run(None, f)[0], expected(f), rtol=1e-4, atol=1e-4)
+        before = computes.count
+        run(256)
+        assert computes.count == before + 1, "a steady run wrote into staging buffers it no longer holds"
+        for _ in range(3):
+            run(256)
+        assert computes.count == before + 1
+
+
 def test_a_steady_binding_run_gives_way_where_the_binding_or_the_run_differs(env):
     """An output bound elsewhere, run options, another binding of the session, or a past in the application's
     memory: the general path, every result right; the loop's steady run serves it again
