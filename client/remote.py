@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -43,6 +43,16 @@ def _general(key: tuple) -> tuple[tuple, bytes]:
     dims = [d for shape, *_ in layout for d in shape]
     return ((partition, allocator, tuple((len(shape), *rest) for shape, *rest in layout), placed),
             struct.pack(f"<{len(dims)}Q", *dims))
+
+
+def _write_once(stager: Stager, pending: list[tuple[Buffer, Tensor]]) -> Callable[[], None]:
+    """Writing large inputs into their staging buffers (buffer, tensor), once, whichever path asks first (the lane
+    overlaps it with the worker's reading the call)."""
+    def write() -> None:
+        while pending:
+            buffer, tensor = pending.pop()
+            stager.write(buffer, tensor.local_bytes())
+    return write
 
 
 class RemoteComputeInfo(RemoteHandle):
@@ -139,12 +149,7 @@ class RemoteComputeInfo(RemoteHandle):
         staged, write = {}, None
         if large:
             staged = dict(zip(large, self._staging.buffers(*self._kinds(inputs, layout, large))))
-            pending = [(buffer, inputs[i]) for i, buffer in staged.items()]
-
-            def write():  # written once, whichever path asks first (the lane overlaps it with the worker's reading)
-                while pending:
-                    buffer, tensor = pending.pop()
-                    self._stager.write(buffer, tensor.local_bytes())
+            write = _write_once(self._stager, [(buffer, inputs[i]) for i, buffer in staged.items()])
         # The buffers it names go by handle in every frame: a loop whose input is the last step's output (a new
         # buffer each step) repeats one kept call.
         handles = [staged[i].handle if i in staged else inputs[i].buffer.handle for i in named] if named else []
@@ -407,12 +412,7 @@ class BoundCompute:
             else:
                 parts.append(array)
                 nbytes += value.nbytes
-        write = None
-        if writes:
-            def write():  # once, whichever asks first (the lane overlaps it with the worker's reading the call)
-                while writes:
-                    buffer, tensor = writes.pop()
-                    staged[3].write(buffer, tensor.local_bytes())
+        write = _write_once(staged[3], writes) if writes else None
         head = self._handles.pack(*handles) if shapes is not None else \
             self._dims.pack(*dims) + self._handles.pack(*handles)
         if head:
