@@ -139,22 +139,31 @@ def ort_error(what: str, error: Exception) -> EpError:
     return cls(f"{what}: {error}")
 
 
+def _in_allocator(shape: tuple[int, ...], dtype: np.dtype, nbytes: int, allocator) -> tuple[Tensor, np.ndarray] | None:
+    """A new tensor in a buffer of `allocator` (shape and dtype checked already), and an array over its memory
+    for ORT to write, or None where this process cannot write that memory. The array is the buffer's own view,
+    made once and kept with it: the next step that reads the buffer (a loop's state fed back, a kept call's
+    _Views) finds it made, where a view of the tensor's would be made twice (a view over shared memory costs
+    microseconds, more on a run's cold caches)."""
+    buffer = allocator.alloc(nbytes)
+    view = buffer.host_view()
+    if view is None:
+        allocator.free(buffer)
+        return None
+    # Not the tensor's own array: a view of it handed out (in process) keeps the tensor, and its buffer, alive
+    tensor = Tensor.trusted(shape, dtype, allocator.memory_info, nbytes, buffer=buffer, allocator=allocator)
+    return tensor, view[:nbytes].view(dtype).reshape(shape)
+
+
 def _kept_in(result: np.ndarray, allocator) -> Any:
     """An output ORT allocated (its shape known only as it ran) that the caller keeps in `allocator` (a decoding
     loop's state, bound to a device and fed back): copied once, from ORT's memory into a buffer of the allocator,
     where the caller would otherwise copy it again (a worker's place_output, an IOBinding's bound output)."""
-    shape, nbytes = checked_shape(result.shape), result.nbytes
-    buffer = allocator.alloc(nbytes)
-    # Written through the buffer's own view, made once and kept with it: the next step that reads the buffer (a
-    # loop's state fed back) finds the view made.
-    view = buffer.host_view()
-    if view is None:  # memory this process cannot write: the caller copies it there
-        allocator.free(buffer)
+    made = _in_allocator(checked_shape(result.shape), result.dtype, result.nbytes, allocator)
+    if made is None:  # memory this process cannot write: the caller copies it there
         return as_value(result.copy())
-    # Not the tensor's own array: a view of it handed out (in process) keeps the tensor, and its buffer, alive
-    tensor = Tensor.trusted(shape, result.dtype, allocator.memory_info, nbytes, buffer=buffer, allocator=allocator)
-    np.copyto(view[:nbytes].view(result.dtype).reshape(shape), result)
-    return tensor
+    np.copyto(made[1], result)
+    return made[0]
 
 
 class OrtComputeInfo:
@@ -240,13 +249,12 @@ class OrtComputeInfo:
                 array = target.local_array()
                 address = array.ctypes.data
                 written[i] = target
-            elif allocator is not None and (i in keep or static[2] >= PLACE_BYTES):
+            elif allocator is not None and (i in keep or static[2] >= PLACE_BYTES) and \
+                    (made := _in_allocator(*static, allocator)) is not None:
                 # ORT writes the result straight into a buffer of the allocator (shared memory the client
                 # maps, for a worker's client): it leaves by handle, without a copy.
-                tensor = Tensor.empty(static[0], static[1], allocator)
-                array = tensor.local_array()
+                placed[i], array = made
                 address = array.ctypes.data
-                placed[i] = tensor
             else:
                 # Into memory kept with the binding (bound once), read out after the run: small outputs
                 # travel inline anyway, and an allocation for them would be waste.

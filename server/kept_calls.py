@@ -29,7 +29,7 @@ from ephost.fastlane import KEPT_ID, MAX_KEPT, PLACED
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, checked_desc, desc_to_proto, nbytes_of
 from ephost.server.clients import BufferEntry, ClientState
-from ephost.server.tensors import buffer_tensor, place_output, tally, write_into
+from ephost.server.tensors import fits, place_output, tally, write_into
 from ephost.v1 import common_pb2
 
 
@@ -98,20 +98,21 @@ class _Views:
         """A tensor in the client's buffer `handle` (looked up on every run: a freed one is NOT_FOUND, one too
         small INVALID_ARGUMENT), and the buffer's entry. `key` tells apart the places a call names buffers."""
         entry = client.get("buffer", handle)
+        buffer = entry.buffer
         seen = self._seen.get((key, handle))
-        if seen is not None and seen[0] is entry.buffer and seen[1].shape == shape:
+        if seen is not None and seen[0] is buffer and seen[1].shape == shape:
             return seen[1], entry
-        tensor, _ = buffer_tensor(client, handle, shape, dtype, nbytes,
-                                  lambda: f"a kept call's {what} ({nbytes} bytes)")
+        fits(buffer, nbytes, lambda: f"a kept call's {what} ({nbytes} bytes)")
         # The buffer's own view, made once per buffer: a loop's state, a new buffer each step, was written
-        # through it by the EP that made it (eps/onnxruntime.py, _kept_in), so its view is made already.
-        view = entry.buffer.host_view()
-        if view is not None:
-            array = view[:nbytes].view(dtype).reshape(shape)
-            tensor = Tensor.trusted(shape, dtype, tensor.memory_info, nbytes, buffer=entry.buffer, host=array)
-            if len(self._seen) >= _VIEWED:  # a loop naming a new buffer each step: nothing to find again
-                self._seen.clear()
-            self._seen[(key, handle)] = (entry.buffer, tensor)
+        # through it by the EP that made it (eps/onnxruntime.py, _in_allocator), so its view is made already.
+        view = buffer.host_view()
+        if view is None:
+            return Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer), entry
+        tensor = Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer,
+                                host=view[:nbytes].view(dtype).reshape(shape))
+        if len(self._seen) >= _VIEWED:  # a loop naming a new buffer each step: nothing to find again
+            self._seen.clear()
+        self._seen[(key, handle)] = (buffer, tensor)
         return tensor, entry
 
 

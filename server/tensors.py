@@ -44,9 +44,14 @@ def buffer_tensor(client: ClientState, handle: int, shape: tuple[int, ...], dtyp
     """A tensor (checked already: shape, dtype, size) over the start of one of the client's buffers."""
     entry = client.get("buffer", handle)
     buffer = entry.buffer
+    fits(buffer, nbytes, label)
+    return Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer), entry
+
+
+def fits(buffer: Buffer, nbytes: int, label: Callable[[], str]) -> None:
+    """Raise EpInvalidArgument where `nbytes` (of what `label()` names) do not fit `buffer`."""
     if nbytes > buffer.nbytes:
         raise EpInvalidArgument(f"{label()} does not fit its buffer of {buffer.nbytes} bytes")
-    return Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer), entry
 
 
 def resolve_ref(state: WorkerState, client: ClientState, ref, what: str, *,
