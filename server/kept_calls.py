@@ -106,10 +106,10 @@ class _Views:
         # The buffer's own view, made once per buffer: a loop's state, a new buffer each step, was written
         # through it by the EP that made it (eps/onnxruntime.py, _in_allocator), so its view is made already.
         view = buffer.host_view()
-        if view is None:
-            return Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer), entry
-        tensor = Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer,
-                                host=view[:nbytes].view(dtype).reshape(shape))
+        host = view[:nbytes].view(dtype).reshape(shape) if view is not None else None
+        tensor = Tensor.trusted(shape, dtype, buffer.memory_info, nbytes, buffer=buffer, host=host)
+        if host is None:  # memory this process does not map: nothing made to find again
+            return tensor, entry
         if len(self._seen) >= _VIEWED:  # a loop naming a new buffer each step: nothing to find again
             self._seen.clear()
         self._seen[(key, handle)] = (buffer, tensor)
