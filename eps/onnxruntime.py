@@ -69,7 +69,9 @@ ORT_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 # worker: shared memory its client maps); smaller ones, unless a later partition of the same EP reads them
 # (`keep`), come from ORT's own memory: they travel inline anyway, so an allocation there would be waste.
 PLACE_BYTES = 64 << 10
-# Inputs up to this size are copied into memory kept with the IOBinding rather than bound where they are.
+# Inputs up to this size are copied into memory kept with the IOBinding rather than bound where they are, and
+# outputs kept in the allocator are written there and copied into their buffer after the run, rather than bound
+# in a new buffer every run (binding an output anew and asking its address cost a worker ~8 µs a step).
 COPY_BYTES = 16 << 10
 
 
@@ -156,9 +158,10 @@ def _in_allocator(shape: tuple[int, ...], dtype: np.dtype, nbytes: int, allocato
 
 
 def _kept_in(result: np.ndarray, allocator) -> Any:
-    """An output ORT allocated (its shape known only as it ran) that the caller keeps in `allocator` (a decoding
-    loop's state, bound to a device and fed back): copied once, from ORT's memory into a buffer of the allocator,
-    where the caller would otherwise copy it again (a worker's place_output, an IOBinding's bound output)."""
+    """An output the caller keeps in `allocator` (a decoding loop's state, bound to a device and fed back) that
+    ORT wrote elsewhere (its own memory, the shape known only as it ran; the binding's, a small one): copied once
+    into a buffer of the allocator, where the caller would otherwise copy it again (a worker's place_output, an
+    IOBinding's bound output)."""
     made = _in_allocator(checked_shape(result.shape), result.dtype, result.nbytes, allocator)
     if made is None:  # memory this process cannot write: the caller copies it there
         return as_value(result.copy())
@@ -183,9 +186,6 @@ class OrtComputeInfo:
         self._bindable = not any(self._exotic) and all(o.type.startswith("tensor(") and o.type != "tensor(string)"
                                                        for o in session.get_outputs())
         self._idle: list[_Binding] = []  # list.pop and append are atomic: no lock on the way in or out
-        # Every output of known shape and under PLACE_BYTES: a run without `keep` or `into` writes them all into
-        # the binding's memory, with an allocator or without (a binding can be steady: _steady_run).
-        self._small = all(static is not None and static[2] < PLACE_BYTES for _, static in self._outputs)
         # An output whose shape ORT learns as it runs (ORT allocates it), and none a run with an allocator would
         # have ORT write straight into it: such a run without `keep` or `into` is a plain run (compute).
         self._plain = any(static is None for _, static in self._outputs) and \
@@ -193,8 +193,8 @@ class OrtComputeInfo:
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None, into=None, leave=()) -> list[Any]:
-        if not keep and not into and self._idle and self._idle[-1].steady is not None:
-            out = self._steady_run(inputs)
+        if not into and self._idle and self._idle[-1].steady is not None:
+            out = self._steady_run(inputs, allocator, keep)
             if out is not None:
                 return out
         arrays = local_inputs(self.name, self._inputs, inputs)
@@ -249,7 +249,7 @@ class OrtComputeInfo:
                 array = target.local_array()
                 address = array.ctypes.data
                 written[i] = target
-            elif allocator is not None and (i in keep or static[2] >= PLACE_BYTES) and \
+            elif allocator is not None and (i in keep and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES) and \
                     (made := _in_allocator(*static, allocator)) is not None:
                 # ORT writes the result straight into a buffer of the allocator (shared memory the client
                 # maps, for a worker's client): it leaves by handle, without a copy.
@@ -276,54 +276,87 @@ class OrtComputeInfo:
         out = []
         for i, (_, static) in enumerate(self._outputs):
             if i in scratch:
-                out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
+                out.append(_kept_in(scratch[i], allocator) if i in keep and allocator is not None else
+                           Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
             elif i in placed or i in written:
                 out.append(placed[i] if i in placed else written[i])
             elif i in keep and allocator is not None:
                 out.append(_kept_in(produced[i].numpy(), allocator))
             else:
                 out.append(as_value(produced[i].numpy().copy()))
-        # Every output written into the binding's memory, as it is on every run without `keep` or `into`: the next
-        # such run with inputs like these (small ones copied in, large ones the arrays bound now) only copies in,
-        # runs and copies out (_steady_run).
+        # Every output of known shape, written into the binding's memory or placed in the allocator: the next run
+        # like this one (its `keep`, its allocator, inputs of these shapes) only copies in, binds the new placed
+        # outputs, runs and copies out (_steady_run).
         binding.steady = None
-        if self._small and len(scratch) == len(self._outputs):
+        if not written and len(scratch) + len(placed) == len(self._outputs):
             steady = []
             for name in self._inputs:
                 array, where = binding.inputs[name]
                 copied = array is binding.copies.get(name, _UNBOUND)[0]
                 steady.append((array if copied else None, array, where))
-            binding.steady = _Steady(steady, [(static, scratch[i]) for i, (_, static) in enumerate(self._outputs)])
+            # The allocator matters to a later run only where it would place an output (kept, or large)
+            placing = any(i in keep or static[2] >= PLACE_BYTES for i, (_, static) in enumerate(self._outputs))
+            binding.steady = _Steady(steady, [(name, static, scratch.get(i), i in keep and allocator is not None)
+                                              for i, (name, static) in enumerate(self._outputs)],
+                                     tuple(keep), allocator if placing else _ANY)
         self._idle.append(binding)
         return out
 
-    def _steady_run(self, inputs: Sequence[Any]) -> list[Tensor] | None:
-        """A run on a steady binding (every output small and of known shape, written into its memory; small
-        inputs of the types and shapes it holds copies of; large ones the very arrays it has bound, a kept
-        call's buffers): nothing is bound, looked up or allocated but the outputs' copies. None where the inputs
-        are not like those of the binding's last run (the general path binds them)."""
+    def _steady_run(self, inputs: Sequence[Any], allocator, keep: Sequence[int]) -> list[Tensor] | None:
+        """A run on a steady binding (every output of known shape, written into its memory or, as on its last
+        run, placed in the allocator; small inputs of the types and shapes it holds copies of; large ones of the
+        shapes it has bound, a kept call's buffers): nothing is looked up or allocated but the placed outputs
+        and the others' copies, nothing bound but those and a large input that moved (a loop's state fed back,
+        a new buffer each step). None where the run is not like the binding's last (the general path binds it)."""
         try:
             binding = self._idle.pop()
         except IndexError:
             return None
         steady = binding.steady
-        if steady is None or len(inputs) != len(steady.inputs):
+        if steady is None or len(inputs) != len(steady.inputs) or tuple(keep) != steady.keep or \
+                (steady.allocator is not _ANY and allocator is not steady.allocator):
             self._idle.append(binding)
             return None
+        arrays = []
         for value, (copy, bound, where) in zip(inputs, steady.inputs):
             array = value.local_array() if type(value) is Tensor else None
-            if array is None or (array.shape, array.dtype) != where[1:] or (copy is None and array is not bound):
+            if array is None or (array.shape, array.dtype) != where[1:]:
                 self._idle.append(binding)
                 return None
+            arrays.append(array)
+        io = binding.io
+        for k, (array, (copy, bound, where)) in enumerate(zip(arrays, steady.inputs)):
             if copy is not None:
                 np.copyto(copy, array)
+            elif array is not bound:
+                where = (array.ctypes.data, *where[1:])
+                io.bind_input(self._inputs[k], "cpu", 0, array.dtype, array.shape, where[0])
+                binding.inputs[self._inputs[k]] = (array, where)
+                steady.inputs[k] = (None, array, where)
+        placed = {}
+        for i, (name, static, array, _) in enumerate(steady.outputs):
+            if array is None:
+                made = _in_allocator(*static, allocator)
+                if made is None:  # memory this process can no longer write: the general path's scratch
+                    for tensor in placed.values():
+                        tensor.release()
+                    self._idle.append(binding)
+                    return None
+                placed[i], array = made
+                address = array.ctypes.data
+                if binding.outputs[i] != address:
+                    io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
+                    binding.outputs[i] = address
         try:
-            self._session.run_with_iobinding(binding.io)
+            self._session.run_with_iobinding(io)
             kernel_ran()
         except Exception as e:  # the binding goes, as on the general path
+            for tensor in placed.values():
+                tensor.release()
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
-        out = [Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
-               for static, array in steady.outputs]
+        out = [placed[i] if array is None else _kept_in(array, allocator) if kept else
+               Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
+               for i, (_, static, array, kept) in enumerate(steady.outputs)]
         self._idle.append(binding)
         return out
 
@@ -361,13 +394,18 @@ def _writable_target(into, i: int, static, inputs) -> Tensor | None:
 
 
 _UNBOUND = (None, None)
+_ANY = object()  # a steady binding that any run's allocator will do for (it would place no output)
 
 
 class _Steady(NamedTuple):
     """What a run on a steady binding needs (OrtComputeInfo._steady_run)."""
     inputs: list[tuple]   # per input, in order: its copy kept with the binding (None: bound where it lies), the
                           # array bound, and where ((address, shape, dtype))
-    outputs: list[tuple]  # per output: its (shape, dtype, nbytes), and the scratch array ORT writes it into
+    outputs: list[tuple]  # per output: its name, (shape, dtype, nbytes), the scratch array ORT writes it into
+                          # (None: placed in the allocator, a new buffer each run), and whether it is copied
+                          # from there into the allocator (kept, and small)
+    keep: tuple           # the run's `keep`
+    allocator: Any        # the run's allocator (None: none), where it would place an output; else _ANY
 
 
 class _Binding:

@@ -54,6 +54,19 @@ def test_the_ab_bench_times_a_decoding_loop_per_step():
     assert result.startswith("decoding, 2 blocks of 2: HEAD ") and "µs per step" in result
 
 
+def test_the_ab_bench_times_a_device_bound_iobinding_loop_per_step():
+    """bench/ab.py's loop workload: bench iobinding's 4 KiB step with its output bound to the worker's device and
+    fed back, reported per step; it binds in the worker already, so --binding is refused for it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ab = [sys.executable, "bench/ab.py", "HEAD", "loop", "--blocks", "2", "--per", "5"]
+    out = subprocess.run(ab, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = out.stdout.strip().splitlines()[-1]
+    assert result.startswith("loop, 2 blocks of 5: HEAD ") and "µs per step" in result
+    refused = subprocess.run(ab + ["--binding"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "binds its state in the worker" in refused.stderr
+
+
 def test_the_ab_bench_registers_both_stacks_eps_with_the_options_given():
     """`--option KEY=VALUE` reaches the registrations of both stacks' EPs: one they refuse fails the run with
     their error, one they take is named in the result."""

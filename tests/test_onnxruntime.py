@@ -377,3 +377,43 @@ def test_an_output_of_symbolic_shape_kept_in_the_allocator_is_copied_there_once(
         factory.release_allocator(allocator)
         factory.close()
 
+
+
+@pytest.mark.parametrize("n", [4, 128], ids=["4KiB", "128KiB"])
+def test_a_loop_kept_in_the_allocator_gets_a_new_buffer_each_step_and_reads_the_step_before(n):
+    """A fixed-shape loop whose output is kept in the allocator and fed back (an IOBinding output bound to a
+    worker's device): every step's output is a buffer of its own in the call's allocator (no later step writes
+    over an earlier one's), and every step reads the buffer the step before made (a large input, bound where it
+    lies, moves every step). A run with another allocator, another `keep` or none leaves its output where that
+    run asks."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [n, 256])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [n, 256])
+    one = helper.make_tensor("one", onnx.TensorProto.FLOAT, [], [1.0])
+    model = helper.make_model(helper.make_graph([helper.make_node("Add", ["x", "one"], ["y"], name="add")], "g",
+                                                [x], [y], [one]), opset_imports=[helper.make_opsetid("", 18)])
+    factory = OrtEpFactory()
+    shared = next(m for m in factory.memory_infos if m.device_mem_type == DeviceMemoryType.HOST_ACCESSIBLE)
+    first, second = factory.create_allocator(shared, {}), factory.create_allocator(shared, {})
+    x0 = np.arange(n * 256, dtype=np.float32).reshape(n, 256)
+    try:
+        with compiled(model, ("x",), ("y",)) as info:
+            state, outs = ephost.Tensor.from_numpy(x0), []
+            for step, (allocator, keep) in enumerate([(first, (0,))] * 6 + [(second, (0,))] * 2 +
+                                                     [(second, ())] * 2 + [(None, (0,))] * 2 + [(first, (0,))] * 2):
+                (state,) = info.compute([state], allocator, keep)
+                outs.append(state)
+                placed = allocator is not None and (bool(keep) or n == 128)  # 128 KiB: placed, kept or not
+                assert (state.buffer is not None) == placed, step
+                if placed:
+                    assert allocator.region(state.buffer.region.id) is state.buffer.region, step
+            for step, out in enumerate(outs):  # every output as its step left it
+                np.testing.assert_array_equal(out.numpy(), x0 + step + 1)
+            assert len({o.buffer.handle for o in outs if o.buffer is not None}) == sum(o.buffer is not None
+                                                                                       for o in outs)
+            for out in outs:
+                if out.buffer is not None:
+                    out.release()
+    finally:
+        factory.release_allocator(first)
+        factory.release_allocator(second)
+        factory.close()
