@@ -219,26 +219,29 @@ class RemoteComputeInfo(RemoteHandle):
                              (self._staging, kinds, buffers), large, self._stager,
                              struct.pack(f"<{len(buffers)}Q", *(b.handle for b in buffers)), 8 * len(buffers) + nbytes)
 
-    def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None,
-                     outputs: Sequence[Any]) -> "BoundCompute | None":
+    def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, outputs: Sequence[Any],
+                     targets: Mapping[int, Tensor] = _NO_TARGETS) -> "BoundCompute | None":
         """The Compute of `inputs` (tensors in this process's memory, or this worker's, named by handle) as this
         thread's fast lane keeps it, held to be repeated with inputs of the same kinds, types and shapes (the large
         ones written into the staging buffers this thread keeps for the call), or of any shapes where it is kept
         with `keep_shapes` and takes no large input from this process (call_kept's `shaped`: a loop's call, whose
         shapes change every step): a session's steady IOBinding run (client/steady.py). Its outputs in this
-        worker's memory (`outputs`, as the call just made them) are left there again. None where the call is not
-        kept on this thread's lane."""
+        worker's memory (`outputs`, as the call just made them) are left there again, but those written into
+        `targets` (tensors of this worker's, by position), which a repeat writes into tensors of their types and
+        shapes (a pair swapped every step). None where the call is not kept on this thread's lane."""
         conn = self.link.current
         kept = self._kept_inputs(inputs) if conn is not None and conn.lane is not None and conn.kept_calls else None
-        if kept is None:
+        if kept is None or (targets and self._owned(targets) is not targets):
             return None
         layout, _, _, large, _ = kept
-        placed = tuple(i for i, v in enumerate(outputs) if type(v) is Tensor and owned(v.buffer, self.link))
+        placed = tuple(i for i, v in enumerate(outputs)
+                       if i not in targets and type(v) is Tensor and owned(v.buffer, self.link))
         if placed and allocator is None:
             return None
         # Kept whatever its shapes first: a call kept with these shapes may be one step of a loop whose shapes grow
-        key = self._key(allocator, layout, _NO_TARGETS, placed)
-        repeat = conn.lane.repeater(COMPUTE, _general(key)[0]) if not large else None
+        # (never one writing into the caller's tensors, whose shapes are the call's)
+        key = self._key(allocator, layout, targets, placed)
+        repeat = conn.lane.repeater(COMPUTE, _general(key)[0]) if not large and not targets else None
         shapes, staged = None, None
         if repeat is None:
             repeat, shapes = conn.lane.repeater(COMPUTE, key), [shape for shape, *_ in layout]
@@ -249,7 +252,8 @@ class RemoteComputeInfo(RemoteHandle):
                 staged = (self._staging, kinds, self._staging.buffers(kinds, sizes), self._stager)
         ways = [_STAGED if i in large else _NAMED if rest else _INLINE for i, (_, _, *rest) in enumerate(layout)]
         return BoundCompute(self, conn, repeat, allocator, [(len(shape), dtype, way) for (shape, dtype, *_), way
-                                                            in zip(layout, ways)], shapes, placed, staged)
+                                                            in zip(layout, ways)], shapes, placed, staged,
+                            tuple((i, t.shape, t.dtype) for i, t in sorted(targets.items())))
 
     def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
         """Output i of a kept call: an array over its reply, or one it left in a new buffer of the worker's."""
@@ -362,27 +366,31 @@ class BoundCompute:
     worker, the thread's connection and its staging buffers are the ones it was made with, and the call is kept
     there."""
 
-    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_kinds", "_shapes", "placed", "_staged", "_dims",
-                 "_handles")
+    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_kinds", "_shapes", "placed", "into", "_staged",
+                 "_dims", "_handles")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None,
                  kinds: list[tuple[int, np.dtype, int]], shapes: list[tuple[int, ...]] | None,
-                 placed: tuple[int, ...], staged: tuple | None = None):
+                 placed: tuple[int, ...], staged: tuple | None = None, into: tuple = ()):
         """`kinds`: each input's (rank, dtype, how it travels); `shapes`: each input's shape, None where the call
         was kept with `keep_shapes`; `placed`: the outputs left in the worker; `staged`: the partition's
-        ThreadStaging, the kinds and buffers it gave (one for each staged input, in order) and the Stager."""
+        ThreadStaging, the kinds and buffers it gave (one for each staged input, in order) and the Stager;
+        `into`: the (position, shape, dtype) of each output written into a tensor of the worker's, in order."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
-        self._kinds, self._shapes, self.placed, self._staged = kinds, shapes, placed, staged
+        self._kinds, self._shapes, self.placed, self.into, self._staged = kinds, shapes, placed, into, staged
         self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in kinds)}Q") if shapes is None else None
-        self._handles = struct.Struct(f"<{sum(1 for *_, way in kinds if way != _INLINE)}Q")
+        self._handles = struct.Struct(f"<{sum(1 for *_, way in kinds if way != _INLINE) + len(into)}Q")
 
-    def __call__(self, inputs: Sequence[Any], timeout: float | None) -> list[Any] | None:
-        """The outputs (those in `placed` as tensors in the worker's memory); None where the inputs are not as it
-        was made with, or the call no longer repeats (nothing ran then)."""
+    def __call__(self, inputs: Sequence[Any], timeout: float | None,
+                 targets: Sequence[Tensor] = ()) -> list[Any] | None:
+        """The outputs (those in `placed` as tensors in the worker's memory, those `into` the `targets`, one per
+        position of `into`, in order); None where the inputs or targets are not as it was made with, or the call
+        no longer repeats (nothing ran then)."""
         info, shapes, staged = self._info, self._shapes, self._staged
         link = info.link
         # The staging buffers are still this thread's for these inputs (see SteadyCompute)
-        if link.conn is not self._conn or (staged is not None and not staged[0].holds(staged[1], staged[2])):
+        if link.conn is not self._conn or (staged is not None and not staged[0].holds(staged[1], staged[2])) \
+                or len(targets) != len(self.into):
             return None
         dims, handles, parts, nbytes, writes = [], [], [], 0, []
         buffers = iter(staged[2]) if staged is not None else None
@@ -412,6 +420,11 @@ class BoundCompute:
             else:
                 parts.append(array)
                 nbytes += value.nbytes
+        for target, (_, shape, dtype) in zip(targets, self.into):
+            if type(target) is not Tensor or target.shape != shape or target.dtype != dtype \
+                    or not owned(target.buffer, link):
+                return None
+            handles.append(target.buffer.handle)
         write = _write_once(staged[3], writes) if writes else None
         head = self._handles.pack(*handles) if shapes is not None else \
             self._dims.pack(*dims) + self._handles.pack(*handles)
@@ -421,7 +434,8 @@ class BoundCompute:
         result = link.run(lambda c: self._repeat(parts, nbytes, timeout or c.timeout_s, write), conn=self._conn)
         if result is None:
             return None
-        outputs = info.kept_outputs(result, self._allocator, self._conn, _NO_TARGETS, self.placed, self.placed)
+        written = {i: t for (i, _, _), t in zip(self.into, targets)} if targets else _NO_TARGETS
+        outputs = info.kept_outputs(result, self._allocator, self._conn, written, self.placed, self.placed)
         link.between_calls()
         return outputs
 

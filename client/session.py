@@ -536,8 +536,8 @@ class InferenceSession:
         placed = {n: b.memory for n, b in outputs.items() if b.memory != HOST_MEMORY}
         targets = {n: b.tensor for n, b in outputs.items() if b.tensor is not None}
         names = list(outputs)
-        # A plan of one partition, no output written into a bound tensor: a steady run may be made of this one
-        record = [] if run_options is None and not targets and len(self._partitions) == 1 \
+        # A plan of one partition: a steady run may be made of this one
+        record = [] if run_options is None and len(self._partitions) == 1 \
             and not self.profiler.enabled and not self._empty_optionals else None
         results = self._execute(names, iobinding.bound_inputs(), run_options, placed, targets, record=record)
         iobinding.set_results(dict(zip(names, results)))
@@ -550,9 +550,10 @@ class InferenceSession:
         steady = getattr(self._steady, "binding", None)
         if steady is None or self._closed or self.profiler.enabled:
             return False
-        inputs = steady.inputs(self._partitions, iobinding)
-        if inputs is None:
+        bound = steady.bound(self._partitions, iobinding)
+        if bound is None:
             return False
+        inputs, targets = bound
         checks = self._feed_checks
         for name, value in zip(steady.names, inputs):  # as the general path checks them: its errors, not an EP's
             check = checks.get(name)
@@ -561,7 +562,7 @@ class InferenceSession:
         timeout = _deadline(self._timeout)
         run = next(self._runs)
         try:
-            outputs = steady.compute(inputs, timeout)
+            outputs = steady.compute(inputs, timeout, targets)
         except EpError as error:  # as the general path's Compute: the failure policy's to answer
             self._steady.binding = None
             self._failures.counters["runs"] += 1

@@ -17,7 +17,8 @@ the run to the general path (its outputs so far, what failed: `Outcome`); the se
 when the runs settle again.
 
 A SteadyBinding does the same for a thread's IOBinding runs of a plan of one partition: a loop whose state stays
-bound in the worker, a new tensor there every step, whose shapes may grow every step (a decoding loop's).
+bound in the worker, a new tensor there every step, whose shapes may grow every step (a decoding loop's), or is
+written into tensors of the worker's bound as outputs (two swapped every step).
 """
 from __future__ import annotations
 
@@ -208,13 +209,14 @@ class SteadyBinding:
     tensor of the worker's every step (a SteadyRun takes arrays), and a decoding loop's grows every step, a call
     the lane then keeps with `keep_shapes`. A run whose bound inputs are of the kinds, types and ranks (and, where
     the call was kept with its shapes, the shapes) of the run it was made from goes straight to the kept call
-    (`inputs`, then `compute`), its outputs to the binding labelled as the general path labels them
+    (`bound`, then `compute`), its outputs to the binding labelled as the general path labels them
     (`results`)."""
 
     __slots__ = ("partitions", "partition", "info", "compute", "names", "_binding", "_generation", "_outputs",
-                 "_labels")
+                 "_labels", "_targets", "_bound")
 
-    def __init__(self, partitions: list[Partition], compute, binding, outputs: list[str], labels: list):
+    def __init__(self, partitions: list[Partition], compute, binding, outputs: list[str], labels: list,
+                 targets: list[str]):
         self.partitions = partitions  # the session's plan it was made in (a new plan is a new list)
         self.partition = partitions[0]
         self.info = self.partition.compute_info  # moved by the failure policy: no longer this steady run's
@@ -224,6 +226,8 @@ class SteadyBinding:
         self._generation = binding.output_generation
         self._outputs = outputs  # the bound outputs' names, in the binding's order
         self._labels = labels  # each bound output's (position among the partition's, (raw, label) or None)
+        self._targets = targets  # the outputs written into bound tensors, in the order of their positions
+        self._bound = _bound_as(binding)  # how the outputs were bound, to tell a pair swapped from a new binding
 
     @classmethod
     def of(cls, partitions: list[Partition], binding, outputs: list[str],
@@ -233,30 +237,45 @@ class SteadyBinding:
         if len(partitions) != 1 or len(record) != 1 or record[0][0] is not partitions[0]:
             return None
         p, inputs, made = record[0]
+        if any(n not in p.graph.outputs for n in outputs):
+            return None
+        tensors = {p.graph.outputs.index(n): b.tensor for n, b in binding.bound_outputs().items()
+                   if b.tensor is not None}
         bound = getattr(p.compute_info, "bound_steady", None)
-        compute = bound(inputs, p.allocator, made) if bound is not None else None
-        if compute is None or any(n not in p.graph.outputs for n in outputs):
+        compute = bound(inputs, p.allocator, made, tensors) if bound is not None else None
+        if compute is None:
             return None
         raw = p.allocator.memory_info if p.allocator is not None else None
         labels = []  # an output left in the worker is labelled as the general path labelled the one it made
         for name in outputs:
             i = p.graph.outputs.index(name)
             labels.append((i, (raw, made[i].memory_info) if i in compute.placed else None))
-        return cls(partitions, compute, binding, list(outputs), labels)
+        return cls(partitions, compute, binding, list(outputs), labels,
+                   [p.graph.outputs[i] for i in sorted(tensors)])
 
-    def inputs(self, partitions: list[Partition], binding) -> list | None:
-        """The binding's inputs in the partition's order, where this run is one this steady run makes (the same
-        plan, partition, binding and bound outputs, and every input bound); else None."""
+    def bound(self, partitions: list[Partition], binding) -> tuple[list, list] | None:
+        """The binding's inputs in the partition's order, and the tensors its outputs are written into (in the
+        order of their positions), where this run is one this steady run makes (the same plan, partition and
+        binding, the outputs bound as they were, to tensors of the same types and shapes where they were, and
+        every input bound); else None."""
         if partitions is not self.partitions or self.partition.compute_info is not self.info \
-                or self._binding() is not binding or binding.output_generation != self._generation:
+                or self._binding() is not binding:
             return None
+        if binding.output_generation != self._generation:  # bound again: as before (a pair swapped), or not
+            if _bound_as(binding) != self._bound:
+                return None
+            self._generation = binding.output_generation
         bound = binding.bound_inputs()
         if len(bound) != len(self.names):
             return None
         try:
-            return [bound[n] for n in self.names]
+            inputs = [bound[n] for n in self.names]
         except KeyError:
             return None
+        if not self._targets:
+            return inputs, []
+        outputs = binding.bound_outputs()
+        return inputs, [outputs[n].tensor for n in self._targets]
 
     def results(self, outputs: Sequence[Any]) -> dict[str, Any]:
         """The bound outputs' values by name, from the partition's outputs (labelled in place)."""
@@ -267,3 +286,10 @@ class SteadyBinding:
                 value.relabel(label[1])
             out[name] = value
         return out
+
+
+def _bound_as(binding) -> list[tuple]:
+    """How a binding's outputs are bound: each one's name and memory, and the type and shape of the tensor it is
+    written into (None: none is)."""
+    return [(name, b.memory, None if b.tensor is None else (b.tensor.shape, b.tensor.dtype))
+            for name, b in binding.bound_outputs().items()]

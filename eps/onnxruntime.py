@@ -193,8 +193,8 @@ class OrtComputeInfo:
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
                 timeout: float | None = None, into=None, leave=()) -> list[Any]:
-        if not into and self._idle and self._idle[-1].steady is not None:
-            out = self._steady_run(inputs, allocator, keep)
+        if self._idle and self._idle[-1].steady is not None:
+            out = self._steady_run(inputs, allocator, keep, into)
             if out is not None:
                 return out
         arrays = local_inputs(self.name, self._inputs, inputs)
@@ -236,6 +236,7 @@ class OrtComputeInfo:
         placed: dict[int, Tensor] = {}
         written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
         scratch: dict[int, np.ndarray] = {}  # outputs ORT writes into memory kept with the binding
+        copied: dict[int, Tensor] = {}  # of those, the ones then copied into the caller's tensors (small ones)
         for i, (name, static) in enumerate(self._outputs):
             if static is None:
                 # ORT allocates it. Bound again every run: the binding keeps the OrtValue ORT made, and ORT
@@ -245,8 +246,7 @@ class OrtComputeInfo:
                 binding.outputs[i] = None
                 continue
             target = _writable_target(into, i, static, arrays.values()) if into else None
-            if target is not None:
-                array = target.local_array()
+            if target is not None and static[2] > COPY_BYTES:
                 address = array.ctypes.data
                 written[i] = target
             elif allocator is not None and (i in keep and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES) and \
@@ -257,9 +257,12 @@ class OrtComputeInfo:
                 address = array.ctypes.data
             else:
                 # Into memory kept with the binding (bound once), read out after the run: small outputs
-                # travel inline anyway, and an allocation for them would be waste.
+                # travel inline anyway, and an allocation for them would be waste. A small one the caller gives
+                # a tensor for is copied there: the caller's tensors change from run to run (a swapped pair).
                 array, address = binding.scratch(i, static)
                 scratch[i] = array
+                if target is not None:
+                    copied[i] = target
             if binding.outputs[i] != address:
                 io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
                 binding.outputs[i] = address
@@ -275,7 +278,10 @@ class OrtComputeInfo:
         produced = io.get_outputs() if binding.ort_allocated else ()
         out = []
         for i, (_, static) in enumerate(self._outputs):
-            if i in scratch:
+            if i in copied:
+                np.copyto(copied[i].local_array(), scratch[i])
+                out.append(copied[i])
+            elif i in scratch:
                 out.append(_kept_in(scratch[i], allocator) if i in keep and allocator is not None else
                            Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
             elif i in placed or i in written:
@@ -285,24 +291,24 @@ class OrtComputeInfo:
             else:
                 out.append(as_value(produced[i].numpy().copy()))
         # Every output of known shape, written into the binding's memory or placed in the allocator: the next run
-        # like this one (its `keep`, its allocator, inputs of these shapes) only copies in, binds the new placed
-        # outputs, runs and copies out (_steady_run).
+        # like this one (its `keep`, its allocator, its `into` positions, inputs of these shapes) only copies in,
+        # binds the new placed outputs, runs and copies out (_steady_run).
         binding.steady = None
         if not written and len(scratch) + len(placed) == len(self._outputs):
             steady = []
             for name in self._inputs:
                 array, where = binding.inputs[name]
-                copied = array is binding.copies.get(name, _UNBOUND)[0]
-                steady.append((array if copied else None, array, where))
+                steady.append((array if array is binding.copies.get(name, _UNBOUND)[0] else None, array, where))
             # The allocator matters to a later run only where it would place an output (kept, or large)
             placing = any(i in keep or static[2] >= PLACE_BYTES for i, (_, static) in enumerate(self._outputs))
-            binding.steady = _Steady(steady, [(name, static, scratch.get(i), i in keep and allocator is not None)
+            binding.steady = _Steady(steady, [(name, static, scratch.get(i), _INTO if i in copied else
+                                               _KEPT if i in keep and allocator is not None else _HOST)
                                               for i, (name, static) in enumerate(self._outputs)],
-                                     tuple(keep), allocator if placing else _ANY)
+                                     tuple(keep), allocator if placing else _ANY, tuple(copied))
         self._idle.append(binding)
         return out
 
-    def _steady_run(self, inputs: Sequence[Any], allocator, keep: Sequence[int]) -> list[Tensor] | None:
+    def _steady_run(self, inputs: Sequence[Any], allocator, keep: Sequence[int], into) -> list[Tensor] | None:
         """A run on a steady binding (every output of known shape, written into its memory or, as on its last
         run, placed in the allocator; small inputs of the types and shapes it holds copies of; large ones of the
         shapes it has bound, a kept call's buffers): nothing is looked up or allocated but the placed outputs
@@ -314,7 +320,8 @@ class OrtComputeInfo:
             return None
         steady = binding.steady
         if steady is None or len(inputs) != len(steady.inputs) or tuple(keep) != steady.keep or \
-                (steady.allocator is not _ANY and allocator is not steady.allocator):
+                (steady.allocator is not _ANY and allocator is not steady.allocator) or \
+                (tuple(into) if into else ()) != steady.into:
             self._idle.append(binding)
             return None
         arrays = []
@@ -324,6 +331,14 @@ class OrtComputeInfo:
                 self._idle.append(binding)
                 return None
             arrays.append(array)
+        targets = {}
+        for i in steady.into:  # the caller's tensors, of the outputs' types and shapes, readable here
+            target = into[i]
+            array = target.local_array() if type(target) is Tensor else None
+            if array is None or array.shape != steady.outputs[i][1][0] or array.dtype != steady.outputs[i][1][1]:
+                self._idle.append(binding)
+                return None
+            targets[i] = array
         io = binding.io
         for k, (array, (copy, bound, where)) in enumerate(zip(arrays, steady.inputs)):
             if copy is not None:
@@ -354,9 +369,17 @@ class OrtComputeInfo:
             for tensor in placed.values():
                 tensor.release()
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
-        out = [placed[i] if array is None else _kept_in(array, allocator) if kept else
-               Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
-               for i, (_, static, array, kept) in enumerate(steady.outputs)]
+        out = []
+        for i, (_, static, array, how) in enumerate(steady.outputs):
+            if array is None:
+                out.append(placed[i])
+            elif how is _HOST:
+                out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy()))
+            elif how is _KEPT:
+                out.append(_kept_in(array, allocator))
+            else:
+                np.copyto(targets[i], array)
+                out.append(into[i])
         self._idle.append(binding)
         return out
 
@@ -395,6 +418,7 @@ def _writable_target(into, i: int, static, inputs) -> Tensor | None:
 
 _UNBOUND = (None, None)
 _ANY = object()  # a steady binding that any run's allocator will do for (it would place no output)
+_HOST, _KEPT, _INTO = "host", "kept", "into"  # where a steady binding's output goes from its scratch memory
 
 
 class _Steady(NamedTuple):
@@ -402,10 +426,11 @@ class _Steady(NamedTuple):
     inputs: list[tuple]   # per input, in order: its copy kept with the binding (None: bound where it lies), the
                           # array bound, and where ((address, shape, dtype))
     outputs: list[tuple]  # per output: its name, (shape, dtype, nbytes), the scratch array ORT writes it into
-                          # (None: placed in the allocator, a new buffer each run), and whether it is copied
-                          # from there into the allocator (kept, and small)
+                          # (None: placed in the allocator, a new buffer each run), and where it goes from there
+                          # (_HOST: a copy of its own; _KEPT: into the allocator; _INTO: into the caller's tensor)
     keep: tuple           # the run's `keep`
     allocator: Any        # the run's allocator (None: none), where it would place an output; else _ANY
+    into: tuple           # the positions of the outputs copied into the caller's tensors (`into`)
 
 
 class _Binding:

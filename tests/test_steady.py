@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 import ephost
 from ephost import InferenceSession, RunOptions
@@ -471,6 +471,52 @@ def test_a_steady_binding_run_gives_way_where_the_binding_or_the_run_differs(env
         before = computes.count
         loop.step(next(data))
         assert computes.count == before, "the loop's steady run was not made again"
+
+
+def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_call(env):
+    """Two tensors in the worker's memory, one bound as the input and the other as the output, swapped every step
+    (ORT in the worker writes each step's output into the tensor bound for it): from the second step on, straight
+    to the kept call, each step's output in the tensor it was bound to and its input left as it was. An output
+    bound to a tensor of another shape (refused, as on the general path), or to the application's memory, goes
+    the general way, every result right; the pair's steady run serves it again after."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    model = models.model([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [models.tensor("x", [4, 8])],
+                         [models.tensor("y", [4, 8])], [one])
+    x0 = np.arange(-16, 16, dtype=np.float32).reshape(4, 8)  # whole numbers: every sum exact
+    device = next(d for d in env.get_ep_devices() if d.registration_name == "ort")
+    allocator = env.allocator_for(device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE))
+    with InferenceSession(model, options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        binding = s.io_binding()
+        pair = [ephost.Tensor.from_numpy(x0, allocator), ephost.Tensor.empty(x0.shape, x0.dtype, allocator)]
+
+        def step(n: int, output=None) -> None:
+            binding.bind_ortvalue_input("x", pair[0])
+            binding.bind_output("y", tensor=pair[1] if output is None else output)
+            s.run_with_iobinding(binding)
+            (y,) = binding.get_outputs()
+            assert y is (pair[1] if output is None else output), "the output is not the tensor bound for it"
+            np.testing.assert_array_equal(y.numpy(), x0 + n)
+            np.testing.assert_array_equal(pair[0].numpy(), x0 + n - 1)  # the input as it was
+            if output is None:
+                pair.reverse()
+
+        for n in range(1, 9):
+            step(n)
+        assert computes.count == 1, "steps after the first did not go straight to the kept call"
+        other = ephost.Tensor.empty((4, 16), x0.dtype, allocator)  # not the output's shape: the worker's error
+        binding.bind_ortvalue_input("x", pair[0])
+        binding.bind_output("y", tensor=other)
+        with pytest.raises(ephost.EpInvalidArgument, match=r"float32\[4, 8\] cannot be written into .*\[4, 16\]"):
+            s.run_with_iobinding(binding)
+        host = ephost.Tensor.from_numpy(np.zeros((4, 8), np.float32))  # the application's memory
+        step(9, host)
+        step(9)
+        step(10)
+        before = computes.count
+        for n in range(11, 15):
+            step(n)
+        assert computes.count == before, "the pair's steady run was not made again"
 
 
 def test_a_steady_binding_run_checks_its_inputs_as_the_general_path_does(env):
