@@ -1,14 +1,15 @@
 """Paired A/B of two whole stacks: ephost as a git revision has it against the working tree, each stack its own
 application process with its own workers, the two taking turns block by block on one workload.
 
-    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet|decoding|loop] [--blocks N] [--per N] [--option KEY=VALUE ...]
-                       [--binding]
+    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet|decoding|loop|pair] [--blocks N] [--per N]
+                       [--option KEY=VALUE ...] [--binding]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
 Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
 ±65 µs wide). `--binding` runs the workload through an IOBinding (its feeds bound from the application every run,
 its outputs bound to the application; not the decoding loop, which binds its state in the worker anyway). `loop`
-is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each step, fed back).
+is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each step, fed back),
+`pair` the same step with two tensors of the worker's bound as its input and output, swapped each step.
 Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes what the
 lane does (README, "Background load").
 
@@ -41,7 +42,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pyproject.toml's package-dir: the repository's top-level folders are the subpackages of `ephost`.
 SUBPACKAGES = ("client", "server", "eps")
-WORKLOADS = ("tiny", "chain", "squeezenet", "shufflenet", "decoding", "loop")
+WORKLOADS = ("tiny", "chain", "squeezenet", "shufflenet", "decoding", "loop", "pair")
 DECODING_STEPS = 32  # a decoding run: bench dataplane's loop (its state bound in the worker), timed per step
 
 
@@ -66,7 +67,7 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
     from ephost import InferenceSession
     sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
     from bench.data_plane import chain_model, decode, decoding_model
-    from bench.iobinding import NO_SPIN, bound_to_device, recurrent
+    from bench.iobinding import NO_SPIN, alternating, bound_to_device, recurrent
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
     from ephost.run_command import bundled_input, bundled_model
 
@@ -77,7 +78,7 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
             env.register_execution_provider_library(op, "reference", {"ops": op, **options})
         session = InferenceSession(chain_model(60), options_for(env, "Relu", "Neg"), env=env)
         feeds = {"x": np.random.default_rng(1).standard_normal(16).astype(np.float32)}
-    elif workload == "loop":  # bench iobinding's session (ORT's threads not spinning, as there)
+    elif workload in ("loop", "pair"):  # bench iobinding's session (ORT's threads not spinning, as there)
         env.register_execution_provider_library("ort", "onnxruntime", {"session_config": NO_SPIN, **options})
         session = InferenceSession(recurrent(256, 4), options_for(env, "ort"), env=env)
     else:
@@ -95,9 +96,10 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
 
         def run() -> None:
             decode(session, device, rows)
-    elif workload == "loop":
+    elif workload in ("loop", "pair"):
         (device,) = [d for d in env.get_ep_devices() if d.registration_name == "ort"]
-        run = bound_to_device(session, device, np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32))
+        x0 = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+        run = bound_to_device(session, device, x0) if workload == "loop" else alternating(session, env, device, x0)
     elif binding:
         bound = session.io_binding()
         for output in session.get_outputs():
@@ -196,18 +198,18 @@ def main(argv=None) -> None:
     parser.add_argument("--binding", action="store_true", help="run through an IOBinding (not the loops)")
     parser.add_argument("--child", metavar="WORKLOAD", choices=WORKLOADS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    per = args.per or (300 if (args.child or args.workload) in ("tiny", "loop") else 20)
+    per = args.per or (300 if (args.child or args.workload) in ("tiny", "loop", "pair") else 20)
     if args.child:
         child(args.child, per, dict(o.split("=", 1) for o in args.option), args.binding)
         return
     if not args.rev:
         parser.error("name a git revision to compare the working tree with (HEAD: an A/A, the noise)")
-    if args.binding and args.workload in ("decoding", "loop"):
+    if args.binding and args.workload in ("decoding", "loop", "pair"):
         parser.error(f"the {args.workload} loop binds its state in the worker already: --binding is for the others")
     result = compare(args.rev, args.workload, args.blocks, per, args.option, args.binding)
     base, new = result["medians"]["base"], result["medians"]["new"]
-    scale, unit = {"chain": (1 / 60, "µs per partition call"),
-                   "decoding": (1 / DECODING_STEPS, "µs per step"), "loop": (1, "µs per step")}.get(args.workload, (1, "µs per run"))
+    scale, unit = {"chain": (1 / 60, "µs per partition call"), "decoding": (1 / DECODING_STEPS, "µs per step"),
+                   "loop": (1, "µs per step"), "pair": (1, "µs per step")}.get(args.workload, (1, "µs per run"))
     diffs = [(n - b) * 1e6 * scale for n, b in zip(new, base)]
     wins = sum(d < 0 for d in diffs)
     quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3

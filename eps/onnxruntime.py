@@ -296,15 +296,18 @@ class OrtComputeInfo:
         binding.steady = None
         if not written and len(scratch) + len(placed) == len(self._outputs):
             steady = []
-            for name in self._inputs:
+            for k, name in enumerate(self._inputs):
                 array, where = binding.inputs[name]
-                steady.append((array if array is binding.copies.get(name, _UNBOUND)[0] else None, array, where))
+                steady.append((array if array is binding.copies.get(name, _UNBOUND)[0] else None, array, where, k))
             # The allocator matters to a later run only where it would place an output (kept, or large)
             placing = any(i in keep or static[2] >= PLACE_BYTES for i, (_, static) in enumerate(self._outputs))
-            binding.steady = _Steady(steady, [(name, static, scratch.get(i), _INTO if i in copied else
-                                               _KEPT if i in keep and allocator is not None else _HOST)
-                                              for i, (name, static) in enumerate(self._outputs)],
-                                     tuple(keep), allocator if placing else _ANY, tuple(copied))
+            outputs = [(name, static, scratch.get(i), _INTO if i in copied else
+                        _KEPT if i in keep and allocator is not None else _HOST)
+                       for i, (name, static) in enumerate(self._outputs)]
+            host = [(static, array) for _, static, array, how in outputs] \
+                if all(how is _HOST and array is not None for *_, array, how in outputs) else None
+            binding.steady = _Steady(steady, outputs, tuple(keep), allocator if placing else _ANY, tuple(copied), host,
+                                     bool(keep or copied or placing))
         self._idle.append(binding)
         return out
 
@@ -319,18 +322,40 @@ class OrtComputeInfo:
         except IndexError:
             return None
         steady = binding.steady
-        if steady is None or len(inputs) != len(steady.inputs) or tuple(keep) != steady.keep or \
-                (steady.allocator is not _ANY and allocator is not steady.allocator) or \
-                (tuple(into) if into else ()) != steady.into:
+        if steady is None or len(inputs) != len(steady.inputs) or ((keep or into or steady.guarded) and (
+                keep != steady.keep or (steady.allocator is not _ANY and allocator is not steady.allocator) or
+                ((tuple(into) != steady.into) if into else steady.into))):
             self._idle.append(binding)
             return None
-        arrays = []
-        for value, (copy, bound, where) in zip(inputs, steady.inputs):
+        # An input copied in or rebound before a later one is found unlike the last run's is harmless: the
+        # general path copies it again, and finds it bound where it is.
+        for value, (copy, bound, where, k) in zip(inputs, steady.inputs):
             array = value.local_array() if type(value) is Tensor else None
             if array is None or (array.shape, array.dtype) != where[1:]:
                 self._idle.append(binding)
                 return None
-            arrays.append(array)
+            if copy is not None:
+                np.copyto(copy, array)
+            elif array is not bound:
+                name, where = self._inputs[k], (array.ctypes.data, *where[1:])
+                binding.io.bind_input(name, "cpu", 0, array.dtype, array.shape, where[0])
+                binding.inputs[name] = (array, where)
+                steady.inputs[k] = (None, array, where, k)
+        if steady.host is not None:  # every output copied out of the binding's memory: nothing to check or place
+            try:
+                self._session.run_with_iobinding(binding.io)
+                kernel_ran()
+            except Exception as e:  # the binding goes, as on the general path
+                raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+            out = [Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
+                   for static, array in steady.host]
+            self._idle.append(binding)
+            return out
+        return self._steady_placed(binding, steady, allocator, into)
+
+    def _steady_placed(self, binding: "_Binding", steady: "_Steady", allocator, into) -> list[Tensor] | None:
+        """The rest of a steady run (its inputs in) where an output goes into the allocator or the caller's
+        tensor: those tensors checked, the new buffers made and bound, the run, the outputs where they go."""
         targets = {}
         for i in steady.into:  # the caller's tensors, of the outputs' types and shapes, readable here
             target = into[i]
@@ -340,14 +365,6 @@ class OrtComputeInfo:
                 return None
             targets[i] = array
         io = binding.io
-        for k, (array, (copy, bound, where)) in enumerate(zip(arrays, steady.inputs)):
-            if copy is not None:
-                np.copyto(copy, array)
-            elif array is not bound:
-                where = (array.ctypes.data, *where[1:])
-                io.bind_input(self._inputs[k], "cpu", 0, array.dtype, array.shape, where[0])
-                binding.inputs[self._inputs[k]] = (array, where)
-                steady.inputs[k] = (None, array, where)
         placed = {}
         for i, (name, static, array, _) in enumerate(steady.outputs):
             if array is None:
@@ -424,13 +441,16 @@ _HOST, _KEPT, _INTO = "host", "kept", "into"  # where a steady binding's output 
 class _Steady(NamedTuple):
     """What a run on a steady binding needs (OrtComputeInfo._steady_run)."""
     inputs: list[tuple]   # per input, in order: its copy kept with the binding (None: bound where it lies), the
-                          # array bound, and where ((address, shape, dtype))
+                          # array bound, where ((address, shape, dtype)), and its position
     outputs: list[tuple]  # per output: its name, (shape, dtype, nbytes), the scratch array ORT writes it into
                           # (None: placed in the allocator, a new buffer each run), and where it goes from there
                           # (_HOST: a copy of its own; _KEPT: into the allocator; _INTO: into the caller's tensor)
     keep: tuple           # the run's `keep`
     allocator: Any        # the run's allocator (None: none), where it would place an output; else _ANY
     into: tuple           # the positions of the outputs copied into the caller's tensors (`into`)
+    host: list | None     # where every output goes _HOST (none placed, kept or copied into the caller's
+                          # tensors): each one's (shape, dtype, nbytes) and scratch array; else None
+    guarded: bool         # a run's keep, allocator or into may not be another's (any is, for a run without them)
 
 
 class _Binding:

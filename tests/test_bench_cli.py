@@ -54,15 +54,17 @@ def test_the_ab_bench_times_a_decoding_loop_per_step():
     assert result.startswith("decoding, 2 blocks of 2: HEAD ") and "µs per step" in result
 
 
-def test_the_ab_bench_times_a_device_bound_iobinding_loop_per_step():
-    """bench/ab.py's loop workload: bench iobinding's 4 KiB step with its output bound to the worker's device and
-    fed back, reported per step; it binds in the worker already, so --binding is refused for it."""
+@pytest.mark.parametrize("workload", ["loop", "pair"])
+def test_the_ab_bench_times_an_iobinding_loop_bound_in_the_worker_per_step(workload):
+    """bench/ab.py's loop and pair workloads: bench iobinding's 4 KiB step with its output bound to the worker's
+    device and fed back, or two tensors of the worker's swapped, reported per step; they bind in the worker
+    already, so --binding is refused for them."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ab = [sys.executable, "bench/ab.py", "HEAD", "loop", "--blocks", "2", "--per", "5"]
+    ab = [sys.executable, "bench/ab.py", "HEAD", workload, "--blocks", "2", "--per", "5"]
     out = subprocess.run(ab, cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = out.stdout.strip().splitlines()[-1]
-    assert result.startswith("loop, 2 blocks of 5: HEAD ") and "µs per step" in result
+    assert result.startswith(f"{workload}, 2 blocks of 5: HEAD ") and "µs per step" in result
     refused = subprocess.run(ab + ["--binding"], cwd=root, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "binds its state in the worker" in refused.stderr
 
