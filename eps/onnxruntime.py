@@ -247,6 +247,7 @@ class OrtComputeInfo:
                 continue
             target = _writable_target(into, i, static, arrays.values()) if into else None
             if target is not None and static[2] > COPY_BYTES:
+                array = target.local_array()
                 address = array.ctypes.data
                 written[i] = target
             elif allocator is not None and (i in keep and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES) and \
@@ -290,24 +291,26 @@ class OrtComputeInfo:
                 out.append(_kept_in(produced[i].numpy(), allocator))
             else:
                 out.append(as_value(produced[i].numpy().copy()))
-        # Every output of known shape, written into the binding's memory or placed in the allocator: the next run
-        # like this one (its `keep`, its allocator, its `into` positions, inputs of these shapes) only copies in,
-        # binds the new placed outputs, runs and copies out (_steady_run).
+        # Every output of known shape, written into the binding's memory, placed in the allocator or written into
+        # the caller's tensor: the next run like this one (its `keep`, its allocator, its `into` positions, inputs
+        # of these shapes) only copies in, binds the new placed outputs and targets, runs and copies out
+        # (_steady_run).
         binding.steady = None
-        if not written and len(scratch) + len(placed) == len(self._outputs):
+        if len(scratch) + len(placed) + len(written) == len(self._outputs):
             steady = []
             for k, name in enumerate(self._inputs):
                 array, where = binding.inputs[name]
                 steady.append((array if array is binding.copies.get(name, _UNBOUND)[0] else None, array, where, k))
             # The allocator matters to a later run only where it would place an output (kept, or large)
             placing = any(i in keep or static[2] >= PLACE_BYTES for i, (_, static) in enumerate(self._outputs))
-            outputs = [(name, static, scratch.get(i), _INTO if i in copied else
+            outputs = [(name, static, scratch.get(i), _WRITTEN if i in written else _INTO if i in copied else
                         _KEPT if i in keep and allocator is not None else _HOST)
                        for i, (name, static) in enumerate(self._outputs)]
             host = [(static, array) for _, static, array, how in outputs] \
                 if all(how is _HOST and array is not None for *_, array, how in outputs) else None
-            binding.steady = _Steady(steady, outputs, tuple(keep), allocator if placing else _ANY, tuple(copied), host,
-                                     bool(keep or copied or placing))
+            targets = tuple(i for i in range(len(self._outputs)) if i in copied or i in written)
+            binding.steady = _Steady(steady, outputs, tuple(keep), allocator if placing else _ANY, targets, host,
+                                     bool(keep or targets or placing))
         self._idle.append(binding)
         return out
 
@@ -360,14 +363,21 @@ class OrtComputeInfo:
         for i in steady.into:  # the caller's tensors, of the outputs' types and shapes, readable here
             target = into[i]
             array = target.local_array() if type(target) is Tensor else None
-            if array is None or array.shape != steady.outputs[i][1][0] or array.dtype != steady.outputs[i][1][1]:
-                self._idle.append(binding)
+            if array is None or array.shape != steady.outputs[i][1][0] or array.dtype != steady.outputs[i][1][1] or \
+                    (steady.outputs[i][3] is _WRITTEN and any(np.may_share_memory(array, bound) for copy, bound, *_
+                                                               in steady.inputs if copy is None)):
+                self._idle.append(binding)  # (ORT would read what it writes: the general path copies it out)
                 return None
             targets[i] = array
         io = binding.io
         placed = {}
-        for i, (name, static, array, _) in enumerate(steady.outputs):
-            if array is None:
+        for i, (name, static, array, how) in enumerate(steady.outputs):
+            if how is _WRITTEN:  # straight into the caller's tensor (a large one), bound where it is this run
+                address = targets[i].ctypes.data
+                if binding.outputs[i] != address:
+                    io.bind_output(name, "cpu", 0, static[1], static[0], address)
+                    binding.outputs[i] = address
+            elif array is None:
                 made = _in_allocator(*static, allocator)
                 if made is None:  # memory this process can no longer write: the general path's scratch
                     for tensor in placed.values():
@@ -388,7 +398,9 @@ class OrtComputeInfo:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
         out = []
         for i, (_, static, array, how) in enumerate(steady.outputs):
-            if array is None:
+            if how is _WRITTEN:
+                out.append(into[i])
+            elif array is None:
                 out.append(placed[i])
             elif how is _HOST:
                 out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy()))
@@ -435,7 +447,8 @@ def _writable_target(into, i: int, static, inputs) -> Tensor | None:
 
 _UNBOUND = (None, None)
 _ANY = object()  # a steady binding that any run's allocator will do for (it would place no output)
-_HOST, _KEPT, _INTO = "host", "kept", "into"  # where a steady binding's output goes from its scratch memory
+# Where a steady binding's output goes from its scratch memory (_WRITTEN: ORT writes it into the caller's tensor)
+_HOST, _KEPT, _INTO, _WRITTEN = "host", "kept", "into", "written"
 
 
 class _Steady(NamedTuple):
@@ -443,11 +456,12 @@ class _Steady(NamedTuple):
     inputs: list[tuple]   # per input, in order: its copy kept with the binding (None: bound where it lies), the
                           # array bound, where ((address, shape, dtype)), and its position
     outputs: list[tuple]  # per output: its name, (shape, dtype, nbytes), the scratch array ORT writes it into
-                          # (None: placed in the allocator, a new buffer each run), and where it goes from there
-                          # (_HOST: a copy of its own; _KEPT: into the allocator; _INTO: into the caller's tensor)
+                          # (None: placed in the allocator, a new buffer each run, or _WRITTEN), and where it goes
+                          # from there (_HOST: a copy of its own; _KEPT: into the allocator; _INTO: into the
+                          # caller's tensor)
     keep: tuple           # the run's `keep`
     allocator: Any        # the run's allocator (None: none), where it would place an output; else _ANY
-    into: tuple           # the positions of the outputs copied into the caller's tensors (`into`)
+    into: tuple           # the positions of the outputs that go into the caller's tensors (`into`)
     host: list | None     # where every output goes _HOST (none placed, kept or copied into the caller's
                           # tensors): each one's (shape, dtype, nbytes) and scratch array; else None
     guarded: bool         # a run's keep, allocator or into may not be another's (any is, for a run without them)

@@ -419,26 +419,28 @@ def test_a_loop_kept_in_the_allocator_gets_a_new_buffer_each_step_and_reads_the_
         factory.close()
 
 
-def test_outputs_written_into_a_pair_of_tensors_swapped_each_run_land_in_each_runs_own():
-    """A small output written into the caller's tensor (`into`: an IOBinding's bound output), the caller swapping
-    two tensors every run, and the input the other (a loop's state): every run's output lands in the tensor that
-    run gave, the other left as it was (the input, read by this run, written by the one before). A target of
-    another shape is not written: the output comes back as its own."""
-    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 8])
-    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8])
+@pytest.mark.parametrize("rows", [4, 4096], ids=["128B", "128KiB"])
+def test_outputs_written_into_a_pair_of_tensors_swapped_each_run_land_in_each_runs_own(rows):
+    """An output written into the caller's tensor (`into`: an IOBinding's bound output; a small one copied there, a
+    large one written there by ORT), the caller swapping two tensors every run, and the input the other (a loop's
+    state): every run's output lands in the tensor that run gave, the other left as it was (the input, read by
+    this run, written by the one before). A target of another shape is not written: the output comes back as its
+    own."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [rows, 8])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [rows, 8])
     one = helper.make_tensor("one", onnx.TensorProto.FLOAT, [], [1.0])
     model = helper.make_model(helper.make_graph([helper.make_node("Add", ["x", "one"], ["y"], name="add")], "g",
                                                 [x], [y], [one]), opset_imports=[helper.make_opsetid("", 18)])
-    x0 = np.arange(-16, 16, dtype=np.float32).reshape(4, 8)  # whole numbers: every sum exact
+    x0 = np.arange(-4 * rows, 4 * rows, dtype=np.float32).reshape(rows, 8)  # whole numbers: every sum exact
     with compiled(model, ("x",), ("y",)) as info:
-        pair = [ephost.Tensor.from_numpy(x0.copy()), ephost.Tensor.from_numpy(np.zeros((4, 8), np.float32))]
+        pair = [ephost.Tensor.from_numpy(x0.copy()), ephost.Tensor.from_numpy(np.zeros((rows, 8), np.float32))]
         for n in range(1, 9):
             (out,) = info.compute([pair[0]], into={0: pair[1]})
             assert out is pair[1]
             np.testing.assert_array_equal(pair[1].numpy(), x0 + n)
             np.testing.assert_array_equal(pair[0].numpy(), x0 + n - 1)
             pair.reverse()
-        other = ephost.Tensor.from_numpy(np.zeros((8, 4), np.float32))
+        other = ephost.Tensor.from_numpy(np.zeros((8, rows), np.float32))
         (out,) = info.compute([pair[0]], into={0: other})
         assert out is not other and not other.numpy().any()
         np.testing.assert_array_equal(out.numpy(), x0 + 9)

@@ -473,16 +473,17 @@ def test_a_steady_binding_run_gives_way_where_the_binding_or_the_run_differs(env
         assert computes.count == before, "the loop's steady run was not made again"
 
 
-def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_call(env):
+@pytest.mark.parametrize("rows", [4, 2048], ids=["128B", "64KiB"])
+def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_call(env, rows):
     """Two tensors in the worker's memory, one bound as the input and the other as the output, swapped every step
     (ORT in the worker writes each step's output into the tensor bound for it): from the second step on, straight
     to the kept call, each step's output in the tensor it was bound to and its input left as it was. An output
     bound to a tensor of another shape (refused, as on the general path), or to the application's memory, goes
     the general way, every result right; the pair's steady run serves it again after."""
     one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
-    model = models.model([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [models.tensor("x", [4, 8])],
-                         [models.tensor("y", [4, 8])], [one])
-    x0 = np.arange(-16, 16, dtype=np.float32).reshape(4, 8)  # whole numbers: every sum exact
+    model = models.model([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [models.tensor("x", [rows, 8])],
+                         [models.tensor("y", [rows, 8])], [one])
+    x0 = np.arange(-4 * rows, 4 * rows, dtype=np.float32).reshape(rows, 8)  # whole numbers: every sum exact
     device = next(d for d in env.get_ep_devices() if d.registration_name == "ort")
     allocator = env.allocator_for(device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE))
     with InferenceSession(model, options_for(env, "ort"), env=env) as s:
@@ -504,12 +505,13 @@ def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_c
         for n in range(1, 9):
             step(n)
         assert computes.count == 1, "steps after the first did not go straight to the kept call"
-        other = ephost.Tensor.empty((4, 16), x0.dtype, allocator)  # not the output's shape: the worker's error
+        other = ephost.Tensor.empty((rows, 16), x0.dtype, allocator)  # not the output's shape: the worker's error
         binding.bind_ortvalue_input("x", pair[0])
         binding.bind_output("y", tensor=other)
-        with pytest.raises(ephost.EpInvalidArgument, match=r"float32\[4, 8\] cannot be written into .*\[4, 16\]"):
+        refused = rf"float32\[{rows}, 8\] cannot be written into .*\[{rows}, 16\]"
+        with pytest.raises(ephost.EpInvalidArgument, match=refused):
             s.run_with_iobinding(binding)
-        host = ephost.Tensor.from_numpy(np.zeros((4, 8), np.float32))  # the application's memory
+        host = ephost.Tensor.from_numpy(np.zeros((rows, 8), np.float32))  # the application's memory
         step(9, host)
         step(9)
         step(10)
