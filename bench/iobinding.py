@@ -35,11 +35,7 @@ def in_process(model, x0):
     for entry in NO_SPIN.split(";"):
         options.add_session_config_entry(*entry.split("="))
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    state = {"x": x0}
-
-    def step():
-        state["x"] = session.run(None, {"x": state["x"]})[0]
-    return step
+    return fed_back(session, x0)
 
 
 def fed_back(session, x0):
@@ -47,6 +43,7 @@ def fed_back(session, x0):
 
     def step():
         state["x"] = session.run(None, {"x": state["x"]})[0]
+    step.state, step.session = (lambda: state["x"]), session
     return step
 
 
@@ -59,6 +56,7 @@ def bound_to_device(session, device, x0):
     def step():
         binding.bind_ortvalue_input("x", binding.get_outputs()[0])
         session.run_with_iobinding(binding)
+    step.state = lambda: binding.get_outputs()[0].numpy()
     return step
 
 
@@ -72,8 +70,20 @@ def alternating(session, env, device, x0):
         binding.bind_output("y", tensor=pair[1])
         session.run_with_iobinding(binding)
         pair.reverse()
+    step.state = lambda: pair[0].numpy()
     step()
     return step
+
+
+def check(steps: dict, reference) -> None:
+    """One more step of each way, its output checked against `reference` (ORT in process) run on the step's input:
+    a way that computes wrong (the bench only times) is no figure."""
+    for way, step in steps.items():
+        before = np.array(step.state())
+        step()
+        expected = reference.run(None, {"x": before})[0]
+        if not np.allclose(step.state(), expected, rtol=1e-5, atol=1e-6):
+            raise AssertionError(f"{way}: a step's output is not what ORT in process makes of its input")
 
 
 def moved(env, before) -> int:
@@ -106,6 +116,7 @@ def measure(n: int, batch: int, matmul: bool, blocks: int, block: int) -> dict[s
                         step()
                         times[way].append(time.perf_counter() - start)
                     moved_bytes[way] += moved(env, before)
+            check(steps, steps["in process"].session)
             return {way: (statistics.median(times[way]), moved_bytes[way] / (blocks * block)) for way in steps}
         finally:
             for session in sessions:

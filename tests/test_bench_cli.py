@@ -110,3 +110,22 @@ def test_the_cnn_ratios_are_taken_round_by_round_so_the_machines_mood_falls_on_b
     blocks = interleaved_blocks({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, 10)
     assert [len(b) for b in blocks["a"]] == [10, 10, 10] and [len(b) for b in blocks["b"]] == [10, 10, 10]
     assert calls.count("a") == calls.count("b")
+
+
+def test_the_iobinding_bench_checks_every_way_against_ort_in_process():
+    """bench iobinding times its loops, then checks one more step of each way against ORT in process: every way
+    of a real worker passes, and a way whose output is not the step's (the input fed back as it was) is refused."""
+    import numpy as np
+    from bench.iobinding import check, in_process, measure, recurrent
+    result = measure(64, 2, True, blocks=1, block=3)
+    assert set(result) == {"in process", "run", "device", "alternating"}
+    model = recurrent(64, 2, True)
+    x0 = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    reference = in_process(model, x0)
+
+    def stuck():  # a step that writes nothing: its state stays the input
+        pass
+    stuck.state = lambda: x0
+    check({"in process": reference}, reference.session)
+    with pytest.raises(AssertionError, match="stuck: a step's output is not"):
+        check({"stuck": stuck}, reference.session)
