@@ -267,24 +267,15 @@ class OrtComputeInfo:
             if binding.outputs[i] != address:
                 io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
                 binding.outputs[i] = address
-        try:
-            self._session.run_with_iobinding(io)
-            kernel_ran()
-        except Exception as e:
-            for tensor in placed.values():
-                tensor.release()
-            raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+        self._run_binding(io, placed)
         # Placed outputs are already where they go; the others are copied out (the binding's memory, and ORT's
         # own, are written again by the next run).
         produced = io.get_outputs() if binding.ort_allocated else ()
         out = []
         for i, (_, static) in enumerate(self._outputs):
-            if i in copied:
-                np.copyto(copied[i].local_array(), scratch[i])
-                out.append(copied[i])
-            elif i in scratch:
-                out.append(_kept_in(scratch[i], allocator) if i in keep and allocator is not None else
-                           Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
+            if i in scratch:
+                how = _INTO if i in copied else _KEPT if i in keep and allocator is not None else _HOST
+                out.append(_read_out(scratch[i], static, how, allocator, copied.get(i)))
             elif i in placed or i in written:
                 out.append(placed[i] if i in placed else written[i])
             elif i in keep and allocator is not None:
@@ -345,11 +336,7 @@ class OrtComputeInfo:
                 binding.inputs[name] = (array, where)
                 steady.inputs[k] = (None, array, where, k)
         if steady.host is not None:  # every output copied out of the binding's memory: nothing to check or place
-            try:
-                self._session.run_with_iobinding(binding.io)
-                kernel_ran()
-            except Exception as e:  # the binding goes, as on the general path
-                raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+            self._run_binding(binding.io)
             out = [Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
                    for static, array in steady.host]
             self._idle.append(binding)
@@ -359,7 +346,7 @@ class OrtComputeInfo:
     def _steady_placed(self, binding: "_Binding", steady: "_Steady", allocator, into) -> list[Tensor] | None:
         """The rest of a steady run (its inputs in) where an output goes into the allocator or the caller's
         tensor: those tensors checked, the new buffers made and bound, the run, the outputs where they go."""
-        targets = {}
+        addresses = {}  # of the caller's tensors ORT writes large outputs into, this run
         for i in steady.into:  # the caller's tensors, of the outputs' types and shapes, readable here
             target = into[i]
             array = target.local_array() if type(target) is Tensor else None
@@ -368,12 +355,13 @@ class OrtComputeInfo:
                                                                in steady.inputs if copy is None)):
                 self._idle.append(binding)  # (ORT would read what it writes: the general path copies it out)
                 return None
-            targets[i] = array
+            if steady.outputs[i][3] is _WRITTEN:
+                addresses[i] = array.ctypes.data
         io = binding.io
         placed = {}
         for i, (name, static, array, how) in enumerate(steady.outputs):
             if how is _WRITTEN:  # straight into the caller's tensor (a large one), bound where it is this run
-                address = targets[i].ctypes.data
+                address = addresses[i]
                 if binding.outputs[i] != address:
                     io.bind_output(name, "cpu", 0, static[1], static[0], address)
                     binding.outputs[i] = address
@@ -389,28 +377,28 @@ class OrtComputeInfo:
                 if binding.outputs[i] != address:
                     io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
                     binding.outputs[i] = address
-        try:
-            self._session.run_with_iobinding(io)
-            kernel_ran()
-        except Exception as e:  # the binding goes, as on the general path
-            for tensor in placed.values():
-                tensor.release()
-            raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+        self._run_binding(io, placed)
         out = []
         for i, (_, static, array, how) in enumerate(steady.outputs):
             if how is _WRITTEN:
                 out.append(into[i])
             elif array is None:
                 out.append(placed[i])
-            elif how is _HOST:
-                out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy()))
-            elif how is _KEPT:
-                out.append(_kept_in(array, allocator))
             else:
-                np.copyto(targets[i], array)
-                out.append(into[i])
+                out.append(_read_out(array, static, how, allocator, into[i] if how is _INTO else None))
         self._idle.append(binding)
         return out
+
+    def _run_binding(self, io, placed: Mapping[int, Tensor] | None = None) -> None:
+        """ORT's run of a binding; where it fails, the outputs placed for it go back to their allocator and the
+        error is ORT's typed (the binding goes: it is not put back for another run)."""
+        try:
+            self._session.run_with_iobinding(io)
+            kernel_ran()
+        except Exception as e:
+            for tensor in (placed or {}).values():
+                tensor.release()
+            raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
         ort = _ort()
@@ -431,6 +419,17 @@ class OrtComputeInfo:
             raise
         except Exception as e:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+
+
+def _read_out(array: np.ndarray, static, how: str, allocator, target: Tensor | None) -> Tensor:
+    """An output ORT wrote into the binding's memory (`array`, written again by the next run), where it goes: a
+    copy of its own (_HOST), a buffer of the allocator (_KEPT), or the caller's tensor (_INTO, `target`)."""
+    if how is _HOST:
+        return Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
+    if how is _KEPT:
+        return _kept_in(array, allocator)
+    np.copyto(target.local_array(), array)
+    return target
 
 
 def _writable_target(into, i: int, static, inputs) -> Tensor | None:
