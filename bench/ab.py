@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pyproject.toml's package-dir: the repository's top-level folders are the subpackages of `ephost`.
 SUBPACKAGES = ("client", "server", "eps")
 WORKLOADS = ("tiny", "chain", "squeezenet", "shufflenet", "decoding", "loop", "pair")
+BOUND = ("loop", "pair")  # bench iobinding's loops, bound in the worker (timed per step, like the decoding loop)
 DECODING_STEPS = 32  # a decoding run: bench dataplane's loop (its state bound in the worker), timed per step
 
 
@@ -78,7 +79,7 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
             env.register_execution_provider_library(op, "reference", {"ops": op, **options})
         session = InferenceSession(chain_model(60), options_for(env, "Relu", "Neg"), env=env)
         feeds = {"x": np.random.default_rng(1).standard_normal(16).astype(np.float32)}
-    elif workload in ("loop", "pair"):  # bench iobinding's session (ORT's threads not spinning, as there)
+    elif workload in BOUND:  # bench iobinding's session (ORT's threads not spinning, as there)
         env.register_execution_provider_library("ort", "onnxruntime", {"session_config": NO_SPIN, **options})
         session = InferenceSession(recurrent(256, 4), options_for(env, "ort"), env=env)
     else:
@@ -96,7 +97,7 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
 
         def run() -> None:
             decode(session, device, rows)
-    elif workload in ("loop", "pair"):
+    elif workload in BOUND:
         (device,) = [d for d in env.get_ep_devices() if d.registration_name == "ort"]
         x0 = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
         run = bound_to_device(session, device, x0) if workload == "loop" else alternating(session, env, device, x0)
@@ -198,18 +199,18 @@ def main(argv=None) -> None:
     parser.add_argument("--binding", action="store_true", help="run through an IOBinding (not the loops)")
     parser.add_argument("--child", metavar="WORKLOAD", choices=WORKLOADS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    per = args.per or (300 if (args.child or args.workload) in ("tiny", "loop", "pair") else 20)
+    per = args.per or (300 if (args.child or args.workload) in ("tiny", *BOUND) else 20)
     if args.child:
         child(args.child, per, dict(o.split("=", 1) for o in args.option), args.binding)
         return
     if not args.rev:
         parser.error("name a git revision to compare the working tree with (HEAD: an A/A, the noise)")
-    if args.binding and args.workload in ("decoding", "loop", "pair"):
+    if args.binding and args.workload in ("decoding", *BOUND):
         parser.error(f"the {args.workload} loop binds its state in the worker already: --binding is for the others")
     result = compare(args.rev, args.workload, args.blocks, per, args.option, args.binding)
     base, new = result["medians"]["base"], result["medians"]["new"]
     scale, unit = {"chain": (1 / 60, "µs per partition call"), "decoding": (1 / DECODING_STEPS, "µs per step"),
-                   "loop": (1, "µs per step"), "pair": (1, "µs per step")}.get(args.workload, (1, "µs per run"))
+                   **dict.fromkeys(BOUND, (1, "µs per step"))}.get(args.workload, (1, "µs per run"))
     diffs = [(n - b) * 1e6 * scale for n, b in zip(new, base)]
     wins = sum(d < 0 for d in diffs)
     quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3

@@ -227,7 +227,8 @@ class SteadyBinding:
         self._outputs = outputs  # the bound outputs' names, in the binding's order
         self._labels = labels  # each bound output's (position among the partition's, (raw, label) or None)
         self._targets = targets  # the outputs written into bound tensors, in the order of their positions
-        self._bound = _bound_as(binding)  # how the outputs were bound, to tell a pair swapped from a new binding
+        # How the outputs were bound, to tell a pair swapped from a new binding
+        self._bound = _bound_as(binding.bound_outputs())
 
     @classmethod
     def of(cls, partitions: list[Partition], binding, outputs: list[str],
@@ -261,8 +262,9 @@ class SteadyBinding:
         if partitions is not self.partitions or self.partition.compute_info is not self.info \
                 or self._binding() is not binding:
             return None
+        outputs = binding.bound_outputs() if self._targets or binding.output_generation != self._generation else None
         if binding.output_generation != self._generation:  # bound again: as before (a pair swapped), or not
-            if _bound_as(binding) != self._bound:
+            if _bound_as(outputs) != self._bound:
                 return None
             self._generation = binding.output_generation
         bound = binding.bound_inputs()
@@ -272,10 +274,7 @@ class SteadyBinding:
             inputs = [bound[n] for n in self.names]
         except KeyError:
             return None
-        if not self._targets:
-            return inputs, []
-        outputs = binding.bound_outputs()
-        return inputs, [outputs[n].tensor for n in self._targets]
+        return inputs, [outputs[n].tensor for n in self._targets] if self._targets else []
 
     def results(self, outputs: Sequence[Any]) -> dict[str, Any]:
         """The bound outputs' values by name, from the partition's outputs (labelled in place)."""
@@ -288,8 +287,8 @@ class SteadyBinding:
         return out
 
 
-def _bound_as(binding) -> list[tuple]:
-    """How a binding's outputs are bound: each one's name and memory, and the type and shape of the tensor it is
-    written into (None: none is)."""
+def _bound_as(outputs: Mapping[str, Any]) -> list[tuple]:
+    """How a binding's outputs (its bound_outputs()) are bound: each one's name and memory, and the type and shape
+    of the tensor it is written into (None: none is)."""
     return [(name, b.memory, None if b.tensor is None else (b.tensor.shape, b.tensor.dtype))
-            for name, b in binding.bound_outputs().items()]
+            for name, b in outputs.items()]
