@@ -139,12 +139,17 @@ def place_output(client: ClientState, allocator, value: Tensor, counts: dict[str
         and allocator.region(buffer.region.id) is buffer.region  # the EP put it there itself
     if in_allocator:
         tally(counts, "compute_outputs_in_place")
+        buffer = value.detach_buffer()  # the client owns it from now on, through its handle
     else:
-        placed = Tensor.empty(value.shape, value.dtype, allocator)
-        placed.local_bytes()[:] = value.local_bytes()
-        value = placed
+        # Copied into a new buffer through the buffer's own view (no tensor made of it, nor a finalizer to
+        # detach: a step that leaves its output in the worker does this every run)
+        buffer = allocator.alloc(value.nbytes)
+        try:
+            buffer.host_view()[:value.nbytes] = value.local_bytes()
+        except BaseException:
+            allocator.free(buffer)
+            raise
         tally(counts, "compute_outputs_copied")
-    buffer = value.detach_buffer()  # the client owns it from now on, through its handle
     return client.add("buffer", BufferEntry(allocator, buffer, produced=True)), buffer
 
 
