@@ -196,28 +196,32 @@ class RemoteComputeInfo(RemoteHandle):
         kinds not), and the sizes they take."""
         return tuple((len(layout[i][0]), layout[i][1]) for i in large), [inputs[i].nbytes for i in large]
 
-    def steady(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None,
-               outputs: Sequence[Any]) -> "SteadyCompute | None":
-        """The Compute of `inputs` (tensors in this process's memory, every output to come back) as this thread
-        just made it, held to be repeated with other arrays of the same types and shapes (client/steady.py);
-        None where it is not a kept call on this thread's fast lane, or where its `outputs` are not of the types
-        and shapes it was kept with (the worker answers it whole: outputs of a data-dependent shape)."""
+    def steady(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, outputs: Sequence[Any],
+               keep: Sequence[int] = ()) -> "SteadyCompute | None":
+        """The Compute of `inputs` (tensors in this process's memory, or in this worker's, named by handle) as
+        this thread just made it, its outputs in `keep` left in new buffers of `allocator`, the others come back,
+        held to be repeated with other arrays of the same types and shapes, and tensors of this worker's of the
+        same types and shapes where it named some (client/steady.py); None where it is not a kept call on this
+        thread's fast lane, or where its `outputs` are not of the types and shapes it was kept with (the worker
+        answers it whole: outputs of a data-dependent shape)."""
         conn = self.link.current
         kept = self._kept_inputs(inputs) if conn is not None and conn.lane is not None and conn.kept_calls else None
-        if kept is None:
+        if kept is None or (keep and allocator is None):
             return None
         layout, _, nbytes, large, named = kept
-        if len(named) != len(large):  # an input the worker holds: its handle changes from run to run
-            return None
         kinds, sizes = self._kinds(inputs, layout, large)
         buffers = self._staging.buffers(kinds, sizes) if large else ()
-        repeat = conn.lane.repeater(COMPUTE, self._key(allocator, layout, _NO_TARGETS, ()))
+        repeat = conn.lane.repeater(COMPUTE, self._key(allocator, layout, _NO_TARGETS, tuple(keep)))
         if repeat is None or repeat.outputs != [(getattr(v, "shape", None), getattr(v, "dtype", None))
                                                 for v in outputs]:
             return None
-        return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in large],
+        held = tuple(i for i in named if i not in large)  # the worker's tensors: a handle of their own each run
+        staged = dict(zip(large, buffers))
+        handles = [staged[i].handle if i in staged else None for i in named]
+        return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in named],
                              (self._staging, kinds, buffers), large, self._stager,
-                             struct.pack(f"<{len(buffers)}Q", *(b.handle for b in buffers)), 8 * len(buffers) + nbytes)
+                             struct.pack(f"<{len(named)}Q", *handles) if not held else handles,
+                             8 * len(named) + nbytes, held, tuple(keep))
 
     def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, outputs: Sequence[Any],
                      targets: Mapping[int, Tensor] = _NO_TARGETS) -> "BoundCompute | None":
@@ -316,25 +320,30 @@ class RemoteComputeInfo(RemoteHandle):
 
 class SteadyCompute:
     """A partition's kept Compute as one thread made it (RemoteComputeInfo.steady): called with arrays of the
-    types and shapes it was made with, it sends the small ones' bytes and writes the large ones into the
-    thread's staging buffers, as _compute_kept does, having looked nothing up again. Valid while the worker, the
-    thread's connection, the kept call and the staging buffers are the ones it was made with."""
+    types and shapes it was made with (and tensors of the worker's at the positions `held`), it sends the small
+    ones' bytes, writes the large ones into the thread's staging buffers and names the worker's by handle, as
+    _compute_kept does, having looked nothing up again. Valid while the worker, the thread's connection, the kept
+    call and the staging buffers are the ones it was made with."""
 
     __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_small", "_staged", "_large", "_stager", "_handles",
-                 "_nbytes")
+                 "_nbytes", "held", "_placed")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
-                 staged: tuple, large: list[int], stager: Stager, handles: bytes, nbytes: int):
+                 staged: tuple, large: list[int], stager: Stager, handles: bytes | list, nbytes: int,
+                 held: tuple[int, ...] = (), placed: tuple[int, ...] = ()):
         """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
-        for each of the `large` inputs' positions, in order."""
+        for each of the `large` inputs' positions, in order; `handles`: the handles a repeat names, packed, or
+        where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle, or
+        None for those; `placed`: the outputs left in the worker."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
         self._small, self._staged, self._large, self._stager = small, staged, large, stager
-        self._handles, self._nbytes = handles, nbytes
+        self._handles, self._nbytes, self.held, self._placed = handles, nbytes, held, placed
 
-    def __call__(self, arrays: Sequence[np.ndarray], timeout: float | None) -> tuple[list[Any], bool] | None:
+    def __call__(self, arrays: Sequence[Any], timeout: float | None) -> tuple[list[Any], bool] | None:
         """The outputs, and whether they are as the call was kept: arrays over the reply where it is a kept
-        call's (what the session hands out, made no tensor of on the way; True), else as compute returns them
-        (False: of other types or shapes); None where the call no longer repeats (nothing ran)."""
+        call's (what the session hands out, made no tensor of on the way; those left in the worker: tensors
+        there; True), else as compute returns them (False: of other types or shapes); None where the call no
+        longer repeats, or a tensor it names is not of the worker's (nothing ran)."""
         info = self._info
         link = info.link
         # The staging buffers are still this thread's for these inputs (a larger input of their kinds, since,
@@ -342,7 +351,12 @@ class SteadyCompute:
         staging, kinds, buffers = self._staged
         if link.conn is not self._conn or (buffers and not staging.holds(kinds, buffers)):
             return None
-        parts = [self._handles, *[arrays[i] for i in self._small]]
+        handles = self._handles
+        if self.held:
+            handles = self._named(arrays)
+            if handles is None:
+                return None
+        parts = [handles, *[arrays[i] for i in self._small]]
         write = None
         if buffers:
             def write():
@@ -352,9 +366,28 @@ class SteadyCompute:
         if result is None:
             return None
         kept = isinstance(result, list)
-        outputs = result if kept else info.kept_outputs(result, self._allocator, self._conn)
+        if not kept:
+            outputs = info.kept_outputs(result, self._allocator, self._conn)
+        elif self._placed:
+            outputs = [info._returned(value, self._allocator, self._conn, i, ()) if i in self._placed else value
+                       for i, value in enumerate(result)]
+        else:
+            outputs = result
         link.between_calls()
         return outputs, kept
+
+    def _named(self, values: Sequence[Any]) -> bytes | None:
+        """The handles a repeat names: the staging buffers', and the held tensors' of this run (None where one is
+        not a tensor of this worker's)."""
+        handles, held = list(self._handles), iter(self.held)
+        for k, handle in enumerate(handles):
+            if handle is None:
+                i = next(held)
+                value = values[i]
+                if type(value) is not Tensor or value.buffer is None or value.buffer.owner is not self._conn:
+                    return None
+                handles[k] = value.buffer.handle
+        return struct.pack(f"<{len(handles)}Q", *handles)
 
 
 class BoundCompute:

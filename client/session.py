@@ -461,8 +461,8 @@ class InferenceSession:
         self._failures.counters["runs"] += 1
         run = next(self._runs)
         values, done = outcome.values, outcome.done
-        if outcome.held:  # every value an array
-            return [values[i] for i in steady.picks]
+        if outcome.held:  # every value as made
+            return steady.outputs(values)
         self._steady.run = None
         if outcome.error is not None:  # as the general path's Compute: the failure policy's to answer
             values.extend(self._runner.recover(run, steady.steps[done].partition, steady.inputs(values, done),

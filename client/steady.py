@@ -1,9 +1,8 @@
 """A session's steady run: a run made again as the last one went, without the general path's walk.
 
-Where every partition of a session's plan runs in a worker on this host or in this process, none leaves a value
-in a worker for a later one (`keep`), each remote partition's Compute is a kept call on the calling thread's fast
-lane, and a run is fed numpy arrays of the types and shapes the last run had and asks for the same outputs,
-nothing the general path works out (the feeds checked against the model's types, the runner's walk of the plan,
+Where every partition of a session's plan runs in a worker on this host or in this process, each remote
+partition's Compute is a kept call on the calling thread's fast lane, and a run is fed numpy arrays of the types
+and shapes the last run had and asks for the same outputs, nothing the general path works out (the feeds checked against the model's types, the runner's walk of the plan,
 each partition's call key and staging, the connection's lookups) changes from run to run but the arrays. That
 path's Python, on the caches a small CNN's run leaves cold, cost about as much as the rest of the lane
 (squeezenet, 2026-11-26: a session's run 160-232 µs over ORT in process, the bare kept call 130-152); on a plan
@@ -11,6 +10,12 @@ of many small partitions it is paid at every partition call. A SteadyRun keeps w
 thread (a lane connection is its thread's): one step per partition, in the plan's order, each reading its inputs
 from the run's feeds and the steps before it by position, and repeats them while the session's plan, each
 partition's compute and the calls' connections, kept calls and staging buffers stay those it was made with.
+
+A partition that leaves a value in its worker for a later partition there (`keep`: a vendor EP's partitions on
+either side of one it does not take, a value of the first read by the second) makes it again as its kept call
+does, in a new buffer of the worker's each run: a tensor among the run's values, which the later partition names
+by handle, a partition in another worker reads through this process's mapping of it (`Step.views`), and one in
+this process as it is.
 
 A step whose call no longer repeats, fails, or whose outputs come back of other types or shapes hands the rest of
 the run to the general path (its outputs so far, what failed: `Outcome`); the session then makes a new steady run
@@ -30,7 +35,7 @@ import numpy as np
 from ephost.errors import EpError
 from ephost.tensor import Tensor
 from ephost.types import is_plain_dtype
-from ephost.values import as_value
+from ephost.values import as_value, to_python
 from ephost.client.planner import Partition
 
 
@@ -46,9 +51,9 @@ def signature(input_feed: Mapping[str, Any]) -> tuple | None:
 
 
 def steady_plan(partitions: list[Partition]) -> bool:
-    """Whether a plan can make steady runs: no partition leaves a value in its worker for a later one, and at
-    least one runs in a worker (a plan all in process gains little, and keeps the general path's checks)."""
-    return all(not p.keep for p in partitions) and any(hasattr(p.compute_info, "steady") for p in partitions)
+    """Whether a plan can make steady runs: at least one partition runs in a worker (a plan all in process gains
+    little, and keeps the general path's checks)."""
+    return any(hasattr(p.compute_info, "steady") for p in partitions)
 
 
 class InProcessStep:
@@ -69,7 +74,7 @@ class InProcessStep:
 
     def __call__(self, arrays: list[np.ndarray], timeout: float | None) -> tuple[list, bool]:
         p = self._partition
-        outputs = p.compute_info.compute([as_value(a) for a in arrays], p.allocator, (), timeout)
+        outputs = p.compute_info.compute([as_value(a) for a in arrays], p.allocator, p.keep, timeout)
         if len(outputs) != len(self._outputs):
             return outputs, False
         out = []
@@ -79,6 +84,16 @@ class InProcessStep:
                 return outputs, False
             out.append(array)
         return out, True
+
+
+def _mapped(tensor: Tensor) -> np.ndarray:
+    """A tensor a step left in its worker as an array over that memory, for a step that reads it from this process
+    (a view that does not keep the tensor alive: the run's values do, until the run ends); a copy fetched here
+    where this process does not map it."""
+    raw = tensor.buffer.host_view()
+    if raw is None:
+        return tensor.local_array()
+    return raw[:tensor.nbytes].view(tensor.dtype).reshape(tensor.shape)
 
 
 def _array(value: Any) -> np.ndarray | None:
@@ -98,6 +113,7 @@ class Step(NamedTuple):
     info: Any  # the partition's compute info it was made for (the failure policy may move a partition)
     compute: Callable[[list[np.ndarray], float | None], tuple[list, bool] | None]
     sources: tuple[int, ...]
+    views: tuple[int, ...] = ()  # the inputs (by index) another worker left: given as arrays over its memory
 
 
 class Outcome(NamedTuple):
@@ -115,13 +131,15 @@ class SteadyRun:
     """One thread's steady run of a session (see above): what a run must be to be one (`arrays`), and its
     partitions' calls made again (`run`)."""
 
-    __slots__ = ("partitions", "steps", "picks", "_names", "_feeds", "_asked")
+    __slots__ = ("partitions", "steps", "picks", "_names", "_feeds", "_asked", "_tensors")
 
     def __init__(self, partitions: list[Partition], steps: list[Step], names: list[str],
-                 feeds: Sequence[tuple[str, np.dtype, tuple]], asked: Sequence[str] | None, picks: list[int]):
+                 feeds: Sequence[tuple[str, np.dtype, tuple]], asked: Sequence[str] | None, picks: list[int],
+                 tensors: set[int] = frozenset()):
         self.partitions = partitions  # the session's plan it was made in (a new plan is a new list)
         self.steps = steps
         self.picks = picks  # the positions among the run's values of the outputs the run asks for, in its order
+        self._tensors = tensors  # those of them left in a worker (tensors, not arrays)
         self._names = names  # the run's values' names, by position
         self._feeds = feeds  # (name, dtype, shape), in the order of the run's values
         self._asked = asked  # the output names the run asked for, as given
@@ -135,24 +153,31 @@ class SteadyRun:
             return None
         position = {name: i for i, (name, _, _) in enumerate(feeds)}
         value_names = [name for name, _, _ in feeds]
-        steps = []
+        steps, left = [], set()  # left: the positions of the values steps leave in their workers (tensors)
         for p, inputs, outputs in record:
             try:
                 sources = tuple(position[v] for v in p.graph.inputs)
             except KeyError:  # an input the run did not feed (an initializer the graph lets it override)
                 return None
-            steady = getattr(p.compute_info, "steady", None)
-            compute = steady(inputs, p.allocator, outputs) if steady is not None else InProcessStep.of(p, outputs)
+            steady, views = getattr(p.compute_info, "steady", None), ()
+            if steady is None:
+                compute = InProcessStep.of(p, outputs)
+            else:
+                compute = steady(inputs, p.allocator, outputs, p.keep)
+                if compute is not None:  # what another worker left, read here through this process's mapping
+                    views = tuple(j for j, v in enumerate(sources) if v in left and j not in compute.held)
             if compute is None:
                 return None
-            steps.append(Step(p, p.compute_info, compute, sources))
+            steps.append(Step(p, p.compute_info, compute, sources, views))
+            left.update(len(value_names) + i for i in p.keep)
             for v in p.graph.outputs:
                 position[v] = len(value_names)
                 value_names.append(v)
         if any(n not in position for n in names):  # a constant output
             return None
+        picks = [position[n] for n in names]
         return cls(partitions, steps, value_names, list(feeds), None if output_names is None else list(output_names),
-                   [position[n] for n in names])
+                   picks, left.intersection(picks))
 
     def arrays(self, partitions: list[Partition], output_names: Sequence[str] | None,
                input_feed: Mapping[str, Any]) -> list[np.ndarray] | None:
@@ -178,6 +203,9 @@ class SteadyRun:
         values = arrays
         for done, step in enumerate(self.steps):
             ins = [values[i] for i in step.sources]
+            if step.views:
+                for j in step.views:
+                    ins[j] = _mapped(ins[j])
             if step.partition.compute_info is not step.info:
                 made = None  # the partition was moved (to the CPU fallback)
             else:
@@ -192,6 +220,13 @@ class SteadyRun:
             if not held:
                 return Outcome(values, done + 1, None, False)
         return Outcome(values, len(self.steps), None, True)
+
+    def outputs(self, values: list) -> list:
+        """The outputs the run asks for, from a run whose every step went as made: arrays (a copy of those left
+        in a worker, as the general path gives them)."""
+        if self._tensors:
+            return [to_python(values[i]) if i in self._tensors else values[i] for i in self.picks]
+        return [values[i] for i in self.picks]
 
     def inputs(self, values: list, step: int) -> list:
         """The inputs of a step, from the run's values, as the general path hands them to its partition."""

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 import ephost
 from ephost import InferenceSession, RunOptions
 import models
-from helpers import in_threads, options_for
+from helpers import in_threads, options_for, worker_stats
 
 
 def staged_model(rows="n"):
@@ -182,9 +182,9 @@ def chain_expected(x: np.ndarray, ops) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def workers():
-    """Two reference workers, one taking Relu, the other Neg, and one taking NonZero and Cast."""
+    """Reference workers: one taking Relu, one Neg, one NonZero and Cast, and one Add and Mul."""
     with ephost.Environment() as environment:
-        for name, ops in (("relu", "Relu"), ("neg", "Neg"), ("nz", "NonZero,Cast")):
+        for name, ops in (("relu", "Relu"), ("neg", "Neg"), ("nz", "NonZero,Cast"), ("am", "Add,Mul")):
             environment.register_execution_provider_library(name, "reference", {"ops": ops})
         yield environment
 
@@ -218,6 +218,95 @@ def test_a_steady_run_makes_partitions_in_process_again_between_those_in_a_worke
             np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
         assert computes.counts[0::2] == [2] * 4, "the worker's partitions went the general path"
         assert computes.counts[1::2] == [6] * 4
+
+
+def kept_model():
+    """models.diamond with its sum an output too: x -> Add -> s; s -> Relu -> r; (s, r) -> Mul -> y. With Add and
+    Mul in one worker, s is kept there for the Mul (the plan's `keep`) and read by the Relu's partition too."""
+    from onnx import helper
+    nodes = [helper.make_node("Add", ["x", "x"], ["s"], name="add"),
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("Mul", ["s", "r"], ["y"], name="mul")]
+    return models.model(nodes, [models.tensor("x", [2, 3])], [models.tensor("y", [2, 3]), models.tensor("s", [2, 3])])
+
+
+@pytest.mark.parametrize("relu", ["relu", None])
+def test_a_value_a_worker_keeps_for_a_later_partition_there_is_made_again_step_by_step(workers, relu):
+    """A worker's two partitions with another's (or the CPU fallback's, in this process) between them, the first
+    leaving the sum in its worker for the second (the plan's `keep`): from the third run on, each partition's
+    call is made again straight; the second names the sum by handle in the worker, the Relu reads it through
+    this process's mapping (or as it is, in process), and every result is right. The sum, an output too, comes
+    back as an array that stays right after later runs; the buffers the runs left in the worker are freed."""
+    rng = np.random.default_rng(8)
+    names = ("am", relu) if relu else ("am",)
+    with InferenceSession(kept_model(), options_for(workers, *names), env=workers) as s:
+        partitions = s._runner.partitions
+        assert [p.registration for p in partitions][0::2] == ["am", "am"] and partitions[0].keep == (0,)
+        computes = Computes(s)
+        before = worker_stats(workers, "am")
+        kept = []
+
+        def run(keep: bool) -> None:
+            x = rng.standard_normal((2, 3)).astype(np.float32)
+            y, total = s.run(None, {"x": x})
+            np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
+            np.testing.assert_array_equal(total, x + x)
+            if keep:
+                kept.append((x, total))
+
+        for _ in range(8):
+            run(True)
+        assert computes.counts[0::2] == [2, 2], "the worker's partitions went the general path"
+        assert computes.counts[1] == (2 if relu else 8)
+        assert partitions[0].allocator.flush_frees()
+        for _ in range(4):  # in memory freed by now, were the sums not held
+            run(False)
+        for x, total in kept:  # the sums handed out are the application's, whatever ran since
+            np.testing.assert_array_equal(total, x + x)
+        after = worker_stats(workers, "am")
+        assert after.compute_inputs_resident - before.compute_inputs_resident == 12, "the sum was not named there"
+        del kept[:], total  # (the loop's last sum holds its tensor too)
+        assert partitions[0].allocator.flush_frees()
+        assert worker_stats(workers, "am").buffers_live == before.buffers_live
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
+def test_a_worker_that_dies_holding_a_kept_value_is_answered_by_the_failure_policy(policy):
+    """The worker keeping the sum for its second partition dies (a real SIGSEGV) at that partition in a steady
+    run: the run fails with EpWorkerCrashed (raise), or the partition is made again on the restarted worker
+    (retry) or on the CPU fallback (fallback) from the sum its predecessor left, and the run is right, as are the
+    runs after it."""
+    rng = np.random.default_rng(9)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("relu", "reference", {"ops": "Relu"})
+        # Its computes: two a run (Add, then Mul); the 8th is the fourth run's Mul, the second steady run's
+        env.register_execution_provider_library("am", "chaos", {
+            "wrap": "reference", "ops": "Add,Mul", "fault": "segfault", "at": "compute", "after": "8"})
+        options = options_for(env, "am", "relu")
+        options.ep_failure_policy = policy
+        with InferenceSession(kept_model(), options, env=env) as s:
+            computes = Computes(s)
+
+            def run():
+                x = rng.standard_normal((2, 3)).astype(np.float32)
+                y, total = s.run(None, {"x": x})
+                np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
+                np.testing.assert_array_equal(total, x + x)
+
+            for _ in range(3):
+                run()
+            assert computes.counts == [2, 2, 2], "the third run was not a steady one"
+            if policy == "raise":
+                with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
+                    s.run(None, {"x": rng.standard_normal((2, 3)).astype(np.float32)})
+            else:
+                run()
+            assert computes.counts[:2] == [2, 2]
+            assert env.registration("am").link.wait_healthy(10)
+            for _ in range(3):
+                run()
+            assert s.failure_counters["runs"] == 7
 
 
 def nonzero_model():
