@@ -1,7 +1,7 @@
 """Paired A/B of two whole stacks: ephost as a git revision has it against the working tree, each stack its own
 application process with its own workers, the two taking turns block by block on one workload.
 
-    python bench/ab.py REV [tiny|chain|squeezenet|shufflenet|decoding|loop|pair] [--blocks N] [--per N]
+    python bench/ab.py REV [tiny|chain|split|squeezenet|shufflenet|decoding|loop|pair] [--blocks N] [--per N]
                        [--option KEY=VALUE ...] [--binding]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
@@ -9,7 +9,9 @@ Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs pe
 ±65 µs wide). `--binding` runs the workload through an IOBinding (its feeds bound from the application every run,
 its outputs bound to the application; not the decoding loop, which binds its state in the worker anyway). `loop`
 is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each step, fed back),
-`pair` the same step with two tensors of the worker's bound as its input and output, swapped each step.
+`pair` the same step with two tensors of the worker's bound as its input and output, swapped each step. `split`
+is `bench dataplane`'s split chain (30 blocks, 61 partitions, one worker keeping a value for its next partition
+each time: the plan's `keep`), reported per partition call as the chain is.
 Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes what the
 lane does (README, "Background load").
 
@@ -42,9 +44,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pyproject.toml's package-dir: the repository's top-level folders are the subpackages of `ephost`.
 SUBPACKAGES = ("client", "server", "eps")
-WORKLOADS = ("tiny", "chain", "squeezenet", "shufflenet", "decoding", "loop", "pair")
+WORKLOADS = ("tiny", "chain", "split", "squeezenet", "shufflenet", "decoding", "loop", "pair")
 BOUND = ("loop", "pair")  # bench iobinding's loops, bound in the worker (timed per step, like the decoding loop)
 DECODING_STEPS = 32  # a decoding run: bench dataplane's loop (its state bound in the worker), timed per step
+SPLIT_BLOCKS = 30  # the split chain's blocks: 2 * 30 + 1 partitions
 
 
 def checkout(rev: str, into: str) -> str:
@@ -67,17 +70,19 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
     import ephost
     from ephost import InferenceSession
     sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
-    from bench.data_plane import chain_model, decode, decoding_model
+    from bench.data_plane import chain_model, decode, decoding_model, split_model
     from bench.iobinding import NO_SPIN, alternating, bound_to_device, recurrent
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
     from ephost.run_command import bundled_input, bundled_model
 
     config = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
     env = ephost.Environment()
-    if workload == "chain":
-        for op in ("Relu", "Neg"):
+    if workload in ("chain", "split"):
+        ops = ("Relu", "Neg") if workload == "chain" else ("Neg,Sub", "Relu")
+        for op in ops:
             env.register_execution_provider_library(op, "reference", {"ops": op, **options})
-        session = InferenceSession(chain_model(60), options_for(env, "Relu", "Neg"), env=env)
+        model = chain_model(60) if workload == "chain" else split_model(SPLIT_BLOCKS)
+        session = InferenceSession(model, options_for(env, *ops), env=env)
         feeds = {"x": np.random.default_rng(1).standard_normal(16).astype(np.float32)}
     elif workload in BOUND:  # bench iobinding's session (ORT's threads not spinning, as there)
         env.register_execution_provider_library("ort", "onnxruntime", {"session_config": NO_SPIN, **options})
@@ -209,7 +214,9 @@ def main(argv=None) -> None:
         parser.error(f"the {args.workload} loop binds its state in the worker already: --binding is for the others")
     result = compare(args.rev, args.workload, args.blocks, per, args.option, args.binding)
     base, new = result["medians"]["base"], result["medians"]["new"]
-    scale, unit = {"chain": (1 / 60, "µs per partition call"), "decoding": (1 / DECODING_STEPS, "µs per step"),
+    scale, unit = {"chain": (1 / 60, "µs per partition call"), "split": (1 / (2 * SPLIT_BLOCKS + 1),
+                                                                        "µs per partition call"),
+                   "decoding": (1 / DECODING_STEPS, "µs per step"),
                    **dict.fromkeys(BOUND, (1, "µs per step"))}.get(args.workload, (1, "µs per run"))
     diffs = [(n - b) * 1e6 * scale for n, b in zip(new, base)]
     wins = sum(d < 0 for d in diffs)

@@ -15,6 +15,9 @@ several times over).
 - a decoding loop: a state that grows every step, bound in the worker (IOBinding) and fed back as the next
   step's past, a small row from the application each step: per step, against the same loop on ORT in process;
 - a 60-node chain whose nodes alternate between two workers (60 partitions): cost per partition call;
+- the same split between two workers with one of them keeping a value for its next partition each time (a
+  vendor EP's partitions on either side of one it does not take, a value of the first read by the second: the
+  plan's `keep`): 30 blocks, 61 partitions, per partition call;
 - squeezenet and shufflenet from the onnx package: out-of-process / in-process ratio;
 - CopyTensors of 4 KiB, 64 KiB and 1 MiB between two buffers of a worker: calls per second, and bytes per
   second against memcpy of the same size here.
@@ -180,6 +183,21 @@ def decoding(env, blocks: int, per_block: int, steps: int = 32, width: int = 64)
     _overheads({k: v / steps for k, v in t.items()})
 
 
+def split_model(blocks: int) -> onnx.ModelProto:
+    """x -> Neg -> s0; s0 -> Relu -> r0; (s0, r0) -> Sub -> Neg -> s1 ... (`blocks` blocks), on 16 floats: with Neg
+    and Sub in one worker and Relu in another, each of the first worker's partitions keeps its s for the next
+    (`keep`), which the other's Relu reads between them (2 * blocks + 1 partitions)."""
+    nodes, h = [], "x"
+    for k in range(blocks):
+        nodes += [helper.make_node("Neg", [h], [f"s{k}"], name=f"neg{k}"),
+                  helper.make_node("Relu", [f"s{k}"], [f"r{k}"], name=f"relu{k}"),
+                  helper.make_node("Sub", [f"s{k}", f"r{k}"], [f"h{k}" if k < blocks - 1 else "y"], name=f"sub{k}")]
+        h = f"h{k}"
+    graph = helper.make_graph(nodes, "split", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
 def _overheads(t: dict[str, float]) -> None:
     """A table row of each way's median per run, and its overhead over the in-process run's."""
     print("| " + " | ".join(LABELS[k] for k in t) + " |")
@@ -188,15 +206,16 @@ def _overheads(t: dict[str, float]) -> None:
                             for k in t) + " |")
 
 
-def chain(blocks: int, per_block: int, nodes: int = 60) -> None:
-    model = chain_model(nodes)
+def chain(blocks: int, per_block: int, nodes: int = 60, split: bool = False) -> None:
+    """The chain (`split`: split_model, of nodes / 2 blocks) per run and per partition call, each way."""
+    model, ops = (split_model(nodes // 2), ("Neg,Sub", "Relu")) if split else (chain_model(nodes), ("Relu", "Neg"))
     x = np.random.default_rng(1).standard_normal(16).astype(np.float32)
     with ephost.Environment() as env:
         for transport, extra in (("in", None), *TRANSPORTS.items()):
-            for op in ("Relu", "Neg"):
+            for i, op in enumerate(ops):
                 target = "inproc:reference" if extra is None else "reference"
-                env.register_execution_provider_library(f"{op}-{transport}", target, {"ops": op, **(extra or {})})
-        sessions = {t: InferenceSession(model, options_for(env, f"Relu-{t}", f"Neg-{t}"), env=env)
+                env.register_execution_provider_library(f"{i}-{transport}", target, {"ops": op, **(extra or {})})
+        sessions = {t: InferenceSession(model, options_for(env, f"0-{t}", f"1-{t}"), env=env)
                     for t in ("in", *TRANSPORTS)}
         try:
             partitions = len(sessions["lane"].get_provider_graph_assignment_info())
@@ -205,8 +224,12 @@ def chain(blocks: int, per_block: int, nodes: int = 60) -> None:
         finally:
             for s in sessions.values():
                 s.close()
-    print(f"\nA chain of {nodes} nodes alternating between two reference workers ({partitions} partitions): "
-          "median per run, and per partition call\n")
+    if split:
+        print(f"\n{nodes // 2} blocks of Neg, Relu, Sub split between two reference workers ({partitions} partitions), "
+              "the first keeping each block's Neg for its Sub (`keep`): median per run, and per partition call\n")
+    else:
+        print(f"\nA chain of {nodes} nodes alternating between two reference workers ({partitions} partitions): "
+              "median per run, and per partition call\n")
     print("| | per run | per partition call | / in process |")
     print("|---|---|---|---|")
     for k in ("in", *TRANSPORTS):
@@ -392,5 +415,6 @@ def main(quick: bool = False) -> None:
         changing(env, blocks, per_block)
         decoding(env, blocks, per_block)
         chain(blocks, per_block)
+        chain(blocks, per_block, split=True)
         cnns(env, blocks if quick else 2 * blocks, 5 if quick else 20)  # rounds: the ratio's noise
         copies(env, blocks, per_block)

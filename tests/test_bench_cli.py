@@ -129,3 +129,24 @@ def test_the_iobinding_bench_checks_every_way_against_ort_in_process():
     check({"in process": reference}, reference.session)
     with pytest.raises(AssertionError, match="stuck: a step's output is not"):
         check({"stuck": stuck}, reference.session)
+
+
+def test_the_split_chain_keeps_a_value_in_one_worker_for_its_next_partition_and_computes_as_ort():
+    """bench dataplane's split chain: through two reference workers, each of the first's partitions but the last
+    keeps its Neg for its next partition (the plan's `keep`), and the result is ORT's in process."""
+    import numpy as np
+    import onnxruntime as ort
+    import ephost
+    from bench.data_plane import split_model
+    from bench.session_overhead import options_for
+    model = split_model(3)
+    x = np.random.default_rng(4).standard_normal(16).astype(np.float32)
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ns", "reference", {"ops": "Neg,Sub"})
+        env.register_execution_provider_library("relu", "reference", {"ops": "Relu"})
+        with ephost.InferenceSession(model, options_for(env, "ns", "relu"), env=env) as session:
+            assert [a.registration for a in session.get_provider_graph_assignment_info()] == ["ns", "relu"] * 3 + ["ns"]
+            assert [p.keep for p in session._runner.partitions][0::2] == [(0,)] * 3 + [()]
+            for _ in range(3):  # the general path, then steady runs
+                np.testing.assert_allclose(session.run(None, {"x": x})[0], expected[0], rtol=1e-6)
