@@ -197,31 +197,34 @@ class RemoteComputeInfo(RemoteHandle):
         return tuple((len(layout[i][0]), layout[i][1]) for i in large), [inputs[i].nbytes for i in large]
 
     def steady(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, outputs: Sequence[Any],
-               keep: Sequence[int] = ()) -> "SteadyCompute | None":
+               keep: Sequence[int] = (), targets: Mapping[int, Tensor] = _NO_TARGETS) -> "SteadyCompute | None":
         """The Compute of `inputs` (tensors in this process's memory, or in this worker's, named by handle) as
-        this thread just made it, its outputs in `keep` left in new buffers of `allocator`, the others come back,
-        held to be repeated with other arrays of the same types and shapes, and tensors of this worker's of the
-        same types and shapes where it named some (client/steady.py); None where it is not a kept call on this
-        thread's fast lane, or where its `outputs` are not of the types and shapes it was kept with (the worker
-        answers it whole: outputs of a data-dependent shape)."""
+        this thread just made it, its outputs in `keep` left in new buffers of `allocator` but those written into
+        `targets` (tensors of this worker's, by position: the same every repeat), the others come back, held to be
+        repeated with other arrays of the same types and shapes, and tensors of this worker's of the same types
+        and shapes where it named some (client/steady.py); None where it is not a kept call on this thread's fast
+        lane, or where its `outputs` are not of the types and shapes it was kept with (the worker answers it whole:
+        outputs of a data-dependent shape)."""
         conn = self.link.current
         kept = self._kept_inputs(inputs) if conn is not None and conn.lane is not None and conn.kept_calls else None
-        if kept is None or (keep and allocator is None):
+        if kept is None or (keep and allocator is None) or (targets and self._owned(targets) is not targets):
             return None
         layout, _, nbytes, large, named = kept
         kinds, sizes = self._kinds(inputs, layout, large)
         buffers = self._staging.buffers(kinds, sizes) if large else ()
-        repeat = conn.lane.repeater(COMPUTE, self._key(allocator, layout, _NO_TARGETS, tuple(keep)))
+        placed = tuple(i for i in keep if i not in targets)
+        repeat = conn.lane.repeater(COMPUTE, self._key(allocator, layout, targets, placed))
         if repeat is None or repeat.outputs != [(getattr(v, "shape", None), getattr(v, "dtype", None))
-                                                for v in outputs]:
+                                                for i, v in enumerate(outputs) if i not in targets]:
             return None
         held = tuple(i for i in named if i not in large)  # the worker's tensors: a handle of their own each run
         staged = dict(zip(large, buffers))
         handles = [staged[i].handle if i in staged else None for i in named]
+        handles += [targets[i].buffer.handle for i in sorted(targets)]
         return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in named],
                              (self._staging, kinds, buffers), large, self._stager,
-                             struct.pack(f"<{len(named)}Q", *handles) if not held else handles,
-                             8 * len(named) + nbytes, held, tuple(keep))
+                             struct.pack(f"<{len(handles)}Q", *handles) if not held else handles,
+                             8 * len(handles) + nbytes, held, placed, tuple(sorted(targets.items())))
 
     def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, outputs: Sequence[Any],
                      targets: Mapping[int, Tensor] = _NO_TARGETS) -> "BoundCompute | None":
@@ -326,18 +329,19 @@ class SteadyCompute:
     call and the staging buffers are the ones it was made with."""
 
     __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_small", "_staged", "_large", "_stager", "_handles",
-                 "_nbytes", "held", "_placed")
+                 "_nbytes", "held", "_placed", "_into")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
                  staged: tuple, large: list[int], stager: Stager, handles: bytes | list, nbytes: int,
-                 held: tuple[int, ...] = (), placed: tuple[int, ...] = ()):
+                 held: tuple[int, ...] = (), placed: tuple[int, ...] = (), into: tuple = ()):
         """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
         for each of the `large` inputs' positions, in order; `handles`: the handles a repeat names, packed, or
-        where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle, or
-        None for those; `placed`: the outputs left in the worker."""
+        where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle or
+        None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's; `into`:
+        (position, tensor of the worker's) of each output written into one, in order."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
         self._small, self._staged, self._large, self._stager = small, staged, large, stager
-        self._handles, self._nbytes, self.held, self._placed = handles, nbytes, held, placed
+        self._handles, self._nbytes, self.held, self._placed, self._into = handles, nbytes, held, placed, into
 
     def __call__(self, arrays: Sequence[Any], timeout: float | None) -> tuple[list[Any], bool] | None:
         """The outputs, and whether they are as the call was kept: arrays over the reply where it is a kept
@@ -367,14 +371,28 @@ class SteadyCompute:
             return None
         kept = isinstance(result, list)
         if not kept:
-            outputs = info.kept_outputs(result, self._allocator, self._conn)
-        elif self._placed:
-            outputs = [info._returned(value, self._allocator, self._conn, i, ()) if i in self._placed else value
-                       for i, value in enumerate(result)]
+            outputs = info.kept_outputs(result, self._allocator, self._conn, dict(self._into))
+        elif self._placed or self._into:
+            outputs = self._outputs(result)
         else:
             outputs = result
         link.between_calls()
         return outputs, kept
+
+    def _outputs(self, result: list) -> list[Any]:
+        """A kept reply's outputs in order: those left in the worker as tensors there, the targets where outputs
+        were written into them."""
+        outputs, into, returned = [], iter(self._into), iter(result)
+        target = next(into, None)
+        for i in range(len(result) + len(self._into)):
+            if target is not None and target[0] == i:
+                outputs.append(target[1])
+                target = next(into, None)
+                continue
+            value = next(returned)
+            outputs.append(self._info._returned(value, self._allocator, self._conn, i, ())
+                           if i in self._placed else value)
+        return outputs
 
     def _named(self, values: Sequence[Any]) -> bytes | None:
         """The handles a repeat names: the staging buffers', and the held tensors' of this run (None where one is

@@ -2,20 +2,22 @@
 
 Where every partition of a session's plan runs in a worker on this host or in this process, each remote
 partition's Compute is a kept call on the calling thread's fast lane, and a run is fed numpy arrays of the types
-and shapes the last run had and asks for the same outputs, nothing the general path works out (the feeds checked against the model's types, the runner's walk of the plan,
-each partition's call key and staging, the connection's lookups) changes from run to run but the arrays. That
-path's Python, on the caches a small CNN's run leaves cold, cost about as much as the rest of the lane
-(squeezenet, 2026-11-26: a session's run 160-232 µs over ORT in process, the bare kept call 130-152); on a plan
-of many small partitions it is paid at every partition call. A SteadyRun keeps what a general run found, for one
+and shapes the last run had and asks for the same outputs, nothing the general path works out (the feeds checked
+against the model's types, the runner's walk of the plan, each partition's call key and staging, the
+connection's lookups) changes from run to run but the arrays. That path's Python, on the caches a small CNN's
+run leaves cold, cost about as much as the rest of the lane (squeezenet, 2026-11-26: a session's run 160-232 µs
+over ORT in process, the bare kept call 130-152); on a plan of many small partitions it is paid at every
+partition call. A SteadyRun keeps what a general run found, for one
 thread (a lane connection is its thread's): one step per partition, in the plan's order, each reading its inputs
 from the run's feeds and the steps before it by position, and repeats them while the session's plan, each
 partition's compute and the calls' connections, kept calls and staging buffers stay those it was made with.
 
 A partition that leaves a value in its worker for a later partition there (`keep`: a vendor EP's partitions on
-either side of one it does not take, a value of the first read by the second) makes it again as its kept call
-does, in a new buffer of the worker's each run: a tensor among the run's values, which the later partition names
-by handle, a partition in another worker reads through this process's mapping of it (`Step.views`), and one in
-this process as it is.
+either side of one it does not take, a value of the first read by the second) makes it again as a tensor among
+the run's values, which the later partition names by handle, a partition in another worker reads through this
+process's mapping of it (`Step.views`), and one in this process as it is. A value the run does not hand out is
+written into a tensor of the worker's that the steady run holds, the same every run (ScratchStep); one it hands
+out, into a new buffer of the worker's every run, as the general path leaves it.
 
 A step whose call no longer repeats, fails, or whose outputs come back of other types or shapes hands the rest of
 the run to the general path (its outputs so far, what failed: `Outcome`); the session then makes a new steady run
@@ -36,6 +38,7 @@ from ephost.errors import EpError
 from ephost.tensor import Tensor
 from ephost.types import is_plain_dtype
 from ephost.values import as_value, to_python
+from ephost.client.handles import owned
 from ephost.client.planner import Partition
 
 
@@ -84,6 +87,57 @@ class InProcessStep:
                 return outputs, False
             out.append(array)
         return out, True
+
+
+class ScratchStep:
+    """A partition in a worker that keeps values there for later partitions of the worker which the run does not
+    hand out: made again with those values written into tensors of the worker's this steady run holds (`targets`,
+    the same every run: no buffer made, handed over, mapped here and freed per value and run, and the worker's
+    view of it, as the later partition names it, made once). Its first run makes the call so (the lane keeps it),
+    the later ones repeat it (RemoteComputeInfo.steady with the targets)."""
+
+    __slots__ = ("_partition", "_targets", "_keep", "_made", "_compute")
+
+    def __init__(self, partition: Partition, targets: dict[int, Tensor], made: list[tuple]):
+        self._partition, self._targets, self._made = partition, targets, made
+        self._keep = partition.keep
+        self._compute = None
+
+    @classmethod
+    def of(cls, partition: Partition, outputs: Sequence[Any], scratch: Sequence[int]) -> "ScratchStep | None":
+        """`outputs`: the general run's; `scratch`: the positions of the kept values to write into targets."""
+        if any(type(v) is not Tensor for v in outputs):
+            return None
+        made = [(v.dtype, v.shape, i in partition.keep) for i, v in enumerate(outputs)]
+        try:
+            targets = {i: Tensor.empty(outputs[i].shape, outputs[i].dtype, partition.allocator) for i in scratch}
+        except EpError:
+            return None
+        return cls(partition, targets, made)
+
+    def __call__(self, inputs: list, timeout: float | None) -> tuple[list, bool] | None:
+        compute = self._compute
+        if compute is not None:
+            return compute(inputs, timeout)
+        p = self._partition
+        values = [as_value(v) for v in inputs]
+        outputs = p.compute_info.compute(values, p.allocator, self._keep, timeout, into=self._targets)
+        out = []
+        for value, (dtype, shape, kept) in zip(outputs, self._made):
+            array = None if kept else _array(value)
+            if type(value) is not Tensor or value.dtype != dtype or value.shape != shape \
+                    or (array is None and not kept):
+                return outputs, False
+            out.append(value if kept else array)
+        if any(out[i] is not t for i, t in self._targets.items()):  # (a worker that does not write into them)
+            return outputs, False
+        self._compute = p.compute_info.steady(values, p.allocator, outputs, self._keep, self._targets)
+        return out, self._compute is not None
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The inputs that are tensors of the worker's, once made (see SteadyCompute)."""
+        return self._compute.held if self._compute is not None else ()
 
 
 def _mapped(tensor: Tensor) -> np.ndarray:
@@ -152,7 +206,7 @@ class SteadyRun:
         if len(record) != len(partitions) or any(r[0] is not p for r, p in zip(record, partitions)):
             return None
         position = {name: i for i, (name, _, _) in enumerate(feeds)}
-        value_names = [name for name, _, _ in feeds]
+        value_names, asked = [name for name, _, _ in feeds], set(names)
         steps, left = [], set()  # left: the positions of the values steps leave in their workers (tensors)
         for p, inputs, outputs in record:
             try:
@@ -160,12 +214,17 @@ class SteadyRun:
             except KeyError:  # an input the run did not feed (an initializer the graph lets it override)
                 return None
             steady, views = getattr(p.compute_info, "steady", None), ()
+            scratch = [i for i in p.keep if p.graph.outputs[i] not in asked] if steady is not None else ()
             if steady is None:
                 compute = InProcessStep.of(p, outputs)
+            elif scratch:
+                compute = ScratchStep.of(p, outputs, scratch)
             else:
                 compute = steady(inputs, p.allocator, outputs, p.keep)
-                if compute is not None:  # what another worker left, read here through this process's mapping
-                    views = tuple(j for j, v in enumerate(sources) if v in left and j not in compute.held)
+            if steady is not None and compute is not None:
+                # What another worker left, read here through this process's mapping
+                views = tuple(j for j, v in enumerate(sources)
+                              if v in left and not owned(getattr(inputs[j], "buffer", None), p.compute_info.link))
             if compute is None:
                 return None
             steps.append(Step(p, p.compute_info, compute, sources, views))

@@ -270,13 +270,48 @@ def test_a_value_a_worker_keeps_for_a_later_partition_there_is_made_again_step_b
         assert worker_stats(workers, "am").buffers_live == before.buffers_live
 
 
+@pytest.mark.parametrize("relu", ["relu", None])
+def test_a_kept_value_the_run_does_not_hand_out_goes_into_a_tensor_the_steady_run_holds(workers, relu):
+    """The same plan, the sum not asked for: the steady run's first makes the first partition's call with the sum
+    written into a tensor of the worker's that the steady run holds, and the later runs repeat it, the second
+    partition naming that tensor by handle. No run after that leaves a buffer in the worker or frees one, and every
+    result is right."""
+    rng = np.random.default_rng(10)
+    names = ("am", relu) if relu else ("am",)
+    with InferenceSession(models.diamond(), options_for(workers, *names), env=workers) as s:
+        partitions = s._runner.partitions
+        assert partitions[0].keep == (0,) and partitions[2].registration == "am"
+        computes = Computes(s)
+
+        def run() -> None:
+            x = rng.standard_normal((2, 3)).astype(np.float32)
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+
+        for _ in range(3):
+            run()
+        assert computes.counts[0::2] == [3, 2], "the first steady run did not make the call into a held tensor"
+        assert partitions[0].allocator.flush_frees()
+        before = worker_stats(workers, "am")
+        for _ in range(10):
+            run()
+        assert partitions[0].allocator.flush_frees()
+        after = worker_stats(workers, "am")
+        assert computes.counts[0::2] == [3, 2]
+        assert computes.counts[1] == (2 if relu else 13)
+        assert after.compute_inputs_resident - before.compute_inputs_resident == 10
+        assert after.buffers_live == before.buffers_live
+        assert after.methods["Allocator/Free"].calls == before.methods["Allocator/Free"].calls, \
+            "the runs left buffers in the worker, freed since"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
-def test_a_worker_that_dies_holding_a_kept_value_is_answered_by_the_failure_policy(policy):
-    """The worker keeping the sum for its second partition dies (a real SIGSEGV) at that partition in a steady
-    run: the run fails with EpWorkerCrashed (raise), or the partition is made again on the restarted worker
-    (retry) or on the CPU fallback (fallback) from the sum its predecessor left, and the run is right, as are the
-    runs after it."""
+@pytest.mark.parametrize("handed_out", [True, False])
+def test_a_worker_that_dies_holding_a_kept_value_is_answered_by_the_failure_policy(policy, handed_out):
+    """The worker keeping the sum for its second partition (in a new buffer each run where the run hands the sum
+    out, else in the tensor the steady run holds) dies (a real SIGSEGV) at that partition in a steady run: the run
+    fails with EpWorkerCrashed (raise), or the partition is made again on the restarted worker (retry) or on the
+    CPU fallback (fallback) from the sum its predecessor left, and the run is right, as are the runs after it."""
     rng = np.random.default_rng(9)
     with ephost.Environment() as env:
         env.register_execution_provider_library("relu", "reference", {"ops": "Relu"})
@@ -285,24 +320,26 @@ def test_a_worker_that_dies_holding_a_kept_value_is_answered_by_the_failure_poli
             "wrap": "reference", "ops": "Add,Mul", "fault": "segfault", "at": "compute", "after": "8"})
         options = options_for(env, "am", "relu")
         options.ep_failure_policy = policy
-        with InferenceSession(kept_model(), options, env=env) as s:
+        with InferenceSession(kept_model() if handed_out else models.diamond(), options, env=env) as s:
             computes = Computes(s)
 
             def run():
                 x = rng.standard_normal((2, 3)).astype(np.float32)
-                y, total = s.run(None, {"x": x})
-                np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
-                np.testing.assert_array_equal(total, x + x)
+                out = s.run(None, {"x": x})
+                np.testing.assert_allclose(out[0], models.diamond_expected(x), rtol=1e-6)
+                if handed_out:
+                    np.testing.assert_array_equal(out[1], x + x)
 
             for _ in range(3):
                 run()
-            assert computes.counts == [2, 2, 2], "the third run was not a steady one"
+            made = [2 if handed_out else 3, 2, 2]
+            assert computes.counts == made, "the third run was not a steady one"
             if policy == "raise":
                 with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
                     s.run(None, {"x": rng.standard_normal((2, 3)).astype(np.float32)})
             else:
                 run()
-            assert computes.counts[:2] == [2, 2]
+            assert computes.counts[:2] == made[:2]
             assert env.registration("am").link.wait_healthy(10)
             for _ in range(3):
                 run()
