@@ -329,7 +329,7 @@ class SteadyCompute:
     call and the staging buffers are the ones it was made with."""
 
     __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_small", "_staged", "_large", "_stager", "_handles",
-                 "_nbytes", "held", "_placed", "_into")
+                 "_nbytes", "_held", "_placed", "_into")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
                  staged: tuple, large: list[int], stager: Stager, handles: bytes | list, nbytes: int,
@@ -341,7 +341,7 @@ class SteadyCompute:
         (position, tensor of the worker's) of each output written into one, in order."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
         self._small, self._staged, self._large, self._stager = small, staged, large, stager
-        self._handles, self._nbytes, self.held, self._placed, self._into = handles, nbytes, held, placed, into
+        self._handles, self._nbytes, self._held, self._placed, self._into = handles, nbytes, held, placed, into
 
     def __call__(self, arrays: Sequence[Any], timeout: float | None) -> tuple[list[Any], bool] | None:
         """The outputs, and whether they are as the call was kept: arrays over the reply where it is a kept
@@ -356,7 +356,7 @@ class SteadyCompute:
         if link.conn is not self._conn or (buffers and not staging.holds(kinds, buffers)):
             return None
         handles = self._handles
-        if self.held:
+        if self._held:
             handles = self._named(arrays)
             if handles is None:
                 return None
@@ -397,7 +397,7 @@ class SteadyCompute:
     def _named(self, values: Sequence[Any]) -> bytes | None:
         """The handles a repeat names: the staging buffers', and the held tensors' of this run (None where one is
         not a tensor of this worker's)."""
-        handles, held = list(self._handles), iter(self.held)
+        handles, held = list(self._handles), iter(self._held)
         for k, handle in enumerate(handles):
             if handle is None:
                 i = next(held)

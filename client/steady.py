@@ -7,10 +7,10 @@ against the model's types, the runner's walk of the plan, each partition's call 
 connection's lookups) changes from run to run but the arrays. That path's Python, on the caches a small CNN's
 run leaves cold, cost about as much as the rest of the lane (squeezenet, 2026-11-26: a session's run 160-232 µs
 over ORT in process, the bare kept call 130-152); on a plan of many small partitions it is paid at every
-partition call. A SteadyRun keeps what a general run found, for one
-thread (a lane connection is its thread's): one step per partition, in the plan's order, each reading its inputs
-from the run's feeds and the steps before it by position, and repeats them while the session's plan, each
-partition's compute and the calls' connections, kept calls and staging buffers stay those it was made with.
+partition call. A SteadyRun keeps what a general run found, for one thread (a lane connection is its thread's):
+one step per partition, in the plan's order, each reading its inputs from the run's feeds and the steps before
+it by position, and repeats them while the session's plan, each partition's compute and the calls' connections,
+kept calls and staging buffers stay those it was made with.
 
 A partition that leaves a value in its worker for a later partition there (`keep`: a vendor EP's partitions on
 either side of one it does not take, a value of the first read by the second) makes it again as a tensor among
@@ -133,11 +133,6 @@ class ScratchStep:
             return outputs, False
         self._compute = p.compute_info.steady(values, p.allocator, outputs, self._keep, self._targets)
         return out, self._compute is not None
-
-    @property
-    def held(self) -> tuple[int, ...]:
-        """The inputs that are tensors of the worker's, once made (see SteadyCompute)."""
-        return self._compute.held if self._compute is not None else ()
 
 
 def _mapped(tensor: Tensor) -> np.ndarray:
@@ -281,8 +276,8 @@ class SteadyRun:
         return Outcome(values, len(self.steps), None, True)
 
     def outputs(self, values: list) -> list:
-        """The outputs the run asks for, from a run whose every step went as made: arrays (a copy of those left
-        in a worker, as the general path gives them)."""
+        """The outputs the run asks for, from a run whose every step went as made: arrays (those left in a worker
+        over its memory, keeping their buffers, as the general path gives them)."""
         if self._tensors:
             return [to_python(values[i]) if i in self._tensors else values[i] for i in self.picks]
         return [values[i] for i in self.picks]

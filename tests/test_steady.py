@@ -180,6 +180,17 @@ def chain_expected(x: np.ndarray, ops) -> np.ndarray:
     return x
 
 
+def dying_worker(env, policy: str, dying: tuple[str, str], after: int, other: tuple[str, str]):
+    """SessionOptions under `policy` for two reference workers registered in `env` (name, ops): `dying`, whose EP
+    dies (a real SIGSEGV) in its `after`th Compute, and `other`."""
+    env.register_execution_provider_library(other[0], "reference", {"ops": other[1]})
+    env.register_execution_provider_library(dying[0], "chaos", {
+        "wrap": "reference", "ops": dying[1], "fault": "segfault", "at": "compute", "after": str(after)})
+    options = options_for(env, dying[0], other[0])
+    options.ep_failure_policy = policy
+    return options
+
+
 @pytest.fixture(scope="module")
 def workers():
     """Reference workers: one taking Relu, one Neg, one NonZero and Cast, and one Add and Mul."""
@@ -314,12 +325,8 @@ def test_a_worker_that_dies_holding_a_kept_value_is_answered_by_the_failure_poli
     CPU fallback (fallback) from the sum its predecessor left, and the run is right, as are the runs after it."""
     rng = np.random.default_rng(9)
     with ephost.Environment() as env:
-        env.register_execution_provider_library("relu", "reference", {"ops": "Relu"})
         # Its computes: two a run (Add, then Mul); the 8th is the fourth run's Mul, the second steady run's
-        env.register_execution_provider_library("am", "chaos", {
-            "wrap": "reference", "ops": "Add,Mul", "fault": "segfault", "at": "compute", "after": "8"})
-        options = options_for(env, "am", "relu")
-        options.ep_failure_policy = policy
+        options = dying_worker(env, policy, ("am", "Add,Mul"), 8, ("relu", "Relu"))
         with InferenceSession(kept_model() if handed_out else models.diamond(), options, env=env) as s:
             computes = Computes(s)
 
@@ -394,11 +401,7 @@ def test_a_worker_that_dies_in_a_middle_step_is_answered_by_the_failure_policy(p
     rng = np.random.default_rng(7)
     ops = ["Relu", "Neg", "Relu"]
     with ephost.Environment() as env:
-        env.register_execution_provider_library("relu", "reference", {"ops": "Relu"})
-        env.register_execution_provider_library("neg", "chaos", {
-            "wrap": "reference", "ops": "Neg", "fault": "segfault", "at": "compute", "after": "4"})
-        options = options_for(env, "relu", "neg")
-        options.ep_failure_policy = policy
+        options = dying_worker(env, policy, ("neg", "Neg"), 4, ("relu", "Relu"))
         with InferenceSession(models.chain(ops), options, env=env) as s:
             computes = Computes(s)
 
