@@ -223,7 +223,8 @@ class SteadyRun:
             if compute is None:
                 return None
             steps.append(Step(p, p.compute_info, compute, sources, views))
-            left.update(len(value_names) + i for i in p.keep)
+            if steady is not None:  # (an in-process partition's are arrays)
+                left.update(len(value_names) + i for i in p.keep)
             for v in p.graph.outputs:
                 position[v] = len(value_names)
                 value_names.append(v)

@@ -17,12 +17,14 @@ from helpers import ALL_NODE_CASES, node_cases
 pytestmark = pytest.mark.timeout(900)
 
 
-def run_case(case, prepare) -> None:
+def run_case(case, prepare, runs: int = 1) -> None:
+    """`runs`: how often each data set is run (a session's third run of the same feeds is a steady one)."""
     rep = prepare(case.model)
     try:
         for inputs, expected in case.data_sets:
-            outputs = rep.run(inputs)
-            Runner.assert_similar_outputs(expected, outputs, rtol=case.rtol, atol=case.atol, model_dir=None)
+            for _ in range(runs):
+                outputs = rep.run(inputs)
+                Runner.assert_similar_outputs(expected, outputs, rtol=case.rtol, atol=case.atol, model_dir=None)
     finally:
         if hasattr(rep, "close"):
             rep.close()
@@ -53,7 +55,9 @@ def cases():
     return every, passing
 
 
-def through(env, providers, cases, fallback=None, options=None):
+def through(env, providers, cases, fallback=None, options=None, runs: int = 1, kept: list | None = None):
+    """`kept` gets the name of each model whose plan keeps a value where it was made for a later partition of the
+    same EP (in a worker, or in process)."""
     failures, partitions = [], collections.Counter()
     if fallback is not None:
         options = options or ephost.SessionOptions()
@@ -62,13 +66,15 @@ def through(env, providers, cases, fallback=None, options=None):
     def prepare(model):
         rep = backend.prepare(model, env=env, providers=providers, sess_options=options)
         partitions[len(rep.session.get_provider_graph_assignment_info())] += 1
+        if kept is not None and any(p.keep for p in rep.session._runner.partitions):
+            kept.append(model.graph.name)
         return rep
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for case in cases:
             try:
-                run_case(case, prepare)
+                run_case(case, prepare, runs)
             except Exception as e:
                 failures.append(f"{case.name}: {type(e).__name__}: {str(e)[:300]}")
     return failures, partitions
@@ -92,10 +98,13 @@ def test_every_case_passes_split_across_two_workers_and_the_reference_fallback(c
     with ephost.Environment() as env:
         env.register_execution_provider_library("a", "reference", {"ops": ",".join(ops[0::3])})
         env.register_execution_provider_library("b", "reference", {"ops": ",".join(ops[1::3])})
-        failures, partitions = through(env, ["a", "b"], passing, fallback="reference")
+        # Each data set three times: the third run is a steady one (client/steady.py), a plan with `keep` too
+        kept = []
+        failures, partitions = through(env, ["a", "b"], passing, fallback="reference", runs=3, kept=kept)
     multi = sum(n for k, n in partitions.items() if k > 1)
     print(f"\nsplit across two workers and the reference fallback: {len(passing) - len(failures)} of {len(passing)} "
-          f"pass; {multi} models ran as several partitions (up to {max(partitions)})")
+          f"pass, each data set run three times; {multi} models ran as several partitions (up to "
+          f"{max(partitions)}), {len(kept)} of them keeping a value where it was made for a later partition of its EP")
     assert failures == [], "\n".join(failures[:20])
     assert multi > 0.2 * len(passing), "most models that could be split ran as one partition"
 

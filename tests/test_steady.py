@@ -281,6 +281,21 @@ def test_a_value_a_worker_keeps_for_a_later_partition_there_is_made_again_step_b
         assert worker_stats(workers, "am").buffers_live == before.buffers_live
 
 
+def test_a_value_kept_in_process_is_read_by_a_worker_between_in_a_steady_run(workers):
+    """The other way round: Add and Mul on the CPU fallback in this process, the sum kept there for the Mul, and
+    the Relu between them in a worker, which reads the sum from this process: from the third run on the worker's
+    call is made again straight, and every result is right."""
+    rng = np.random.default_rng(11)
+    with InferenceSession(models.diamond(), options_for(workers, "relu"), env=workers) as s:
+        partitions = s._runner.partitions
+        assert [p.registration for p in partitions][1] == "relu" and partitions[0].keep == (0,)
+        computes = Computes(s)
+        for _ in range(6):
+            x = rng.standard_normal((2, 3)).astype(np.float32)
+            np.testing.assert_allclose(s.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert computes.counts == [6, 2, 6], "the worker's partition went the general path"
+
+
 @pytest.mark.parametrize("relu", ["relu", None])
 def test_a_kept_value_the_run_does_not_hand_out_goes_into_a_tensor_the_steady_run_holds(workers, relu):
     """The same plan, the sum not asked for: the steady run's first makes the first partition's call with the sum
