@@ -172,14 +172,16 @@ class RemoteComputeInfo(RemoteHandle):
         return outputs
 
     def kept_outputs(self, result, allocator: RemoteAllocator | None, conn, targets: Mapping[int, Tensor] = _NO_TARGETS,
-                     placed: tuple[int, ...] = (), leave: Sequence[int] = ()) -> list[Any]:
+                     placed: tuple[int, ...] = (), leave: Sequence[int] = (), arrays: bool = False) -> list[Any]:
         """A kept Compute's outputs from what its call returned (FastLane.call_kept): the outputs that came back,
-        in order (all but the `targets`), or the whole reply."""
+        in order (all but the `targets`), or the whole reply. With `arrays`, those that came back in a kept
+        reply stay the arrays over it (a steady run's), but those left in the worker."""
         if isinstance(result, list):
             if not targets and not placed:
-                return [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a) for a in result]
+                return result if arrays else [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a)
+                                              for a in result]
             returned = iter(result)
-            return [targets[i] if i in targets else self._returned(next(returned), allocator, conn, i, leave)
+            return [targets[i] if i in targets else self._returned(next(returned), allocator, conn, i, leave, arrays)
                     for i in range(len(result) + len(targets))]
         return [targets[i] if i in targets else self._output(v, allocator, conn, fetch=i not in leave)
                 for i, v in enumerate(result.outputs)]
@@ -224,7 +226,7 @@ class RemoteComputeInfo(RemoteHandle):
         return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in named],
                              (self._staging, kinds, buffers), large, self._stager,
                              struct.pack(f"<{len(handles)}Q", *handles) if not held else handles,
-                             8 * len(handles) + nbytes, held, placed, tuple(sorted(targets.items())))
+                             8 * len(handles) + nbytes, held, placed, targets)
 
     def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, outputs: Sequence[Any],
                      targets: Mapping[int, Tensor] = _NO_TARGETS) -> "BoundCompute | None":
@@ -262,10 +264,12 @@ class RemoteComputeInfo(RemoteHandle):
                                                             in zip(layout, ways)], shapes, placed, staged,
                             tuple((i, t.shape, t.dtype) for i, t in sorted(targets.items())))
 
-    def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
-        """Output i of a kept call: an array over its reply, or one it left in a new buffer of the worker's."""
+    def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int],
+                  array: bool = False) -> Any:
+        """Output i of a kept call: an array over its reply (as a tensor, unless `array`), or one it left in a new
+        buffer of the worker's."""
         if type(value) is not Placed:
-            return Tensor.trusted(value.shape, value.dtype, HOST_MEMORY, value.nbytes, host=value)
+            return value if array else Tensor.trusted(value.shape, value.dtype, HOST_MEMORY, value.nbytes, host=value)
         return self._in_buffer(value.shape, value.dtype, value.nbytes, value.handle, value if value.region else None,
                                allocator, conn, i not in leave)
 
@@ -333,12 +337,13 @@ class SteadyCompute:
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
                  staged: tuple, large: list[int], stager: Stager, handles: bytes | list, nbytes: int,
-                 held: tuple[int, ...] = (), placed: tuple[int, ...] = (), into: tuple = ()):
+                 held: tuple[int, ...] = (), placed: tuple[int, ...] = (),
+                 into: Mapping[int, Tensor] = _NO_TARGETS):
         """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
         for each of the `large` inputs' positions, in order; `handles`: the handles a repeat names, packed, or
         where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle or
         None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's; `into`:
-        (position, tensor of the worker's) of each output written into one, in order."""
+        the tensors of the worker's outputs are written into, by position."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
         self._small, self._staged, self._large, self._stager = small, staged, large, stager
         self._handles, self._nbytes, self._held, self._placed, self._into = handles, nbytes, held, placed, into
@@ -371,28 +376,13 @@ class SteadyCompute:
             return None
         kept = isinstance(result, list)
         if not kept:
-            outputs = info.kept_outputs(result, self._allocator, self._conn, dict(self._into))
+            outputs = info.kept_outputs(result, self._allocator, self._conn, self._into)
         elif self._placed or self._into:
-            outputs = self._outputs(result)
+            outputs = info.kept_outputs(result, self._allocator, self._conn, self._into, self._placed, arrays=True)
         else:
             outputs = result
         link.between_calls()
         return outputs, kept
-
-    def _outputs(self, result: list) -> list[Any]:
-        """A kept reply's outputs in order: those left in the worker as tensors there, the targets where outputs
-        were written into them."""
-        outputs, into, returned = [], iter(self._into), iter(result)
-        target = next(into, None)
-        for i in range(len(result) + len(self._into)):
-            if target is not None and target[0] == i:
-                outputs.append(target[1])
-                target = next(into, None)
-                continue
-            value = next(returned)
-            outputs.append(self._info._returned(value, self._allocator, self._conn, i, ())
-                           if i in self._placed else value)
-        return outputs
 
     def _named(self, values: Sequence[Any]) -> bytes | None:
         """The handles a repeat names: the staging buffers', and the held tensors' of this run (None where one is

@@ -65,7 +65,7 @@ class InProcessStep:
 
     __slots__ = ("_partition", "_outputs")
 
-    def __init__(self, partition: Partition, outputs: Sequence[tuple[np.dtype, tuple[int, ...]]]):
+    def __init__(self, partition: Partition, outputs: Sequence[tuple[np.dtype, tuple[int, ...], bool]]):
         self._partition, self._outputs = partition, outputs
 
     @classmethod
@@ -73,20 +73,13 @@ class InProcessStep:
         arrays = [_array(v) for v in outputs]
         if any(a is None for a in arrays):
             return None
-        return cls(partition, [(a.dtype, a.shape) for a in arrays])
+        return cls(partition, [(a.dtype, a.shape, False) for a in arrays])
 
     def __call__(self, arrays: list[np.ndarray], timeout: float | None) -> tuple[list, bool]:
         p = self._partition
         outputs = p.compute_info.compute([as_value(a) for a in arrays], p.allocator, p.keep, timeout)
-        if len(outputs) != len(self._outputs):
-            return outputs, False
-        out = []
-        for value, (dtype, shape) in zip(outputs, self._outputs):
-            array = _array(value)
-            if array is None or array.dtype != dtype or array.shape != shape:
-                return outputs, False
-            out.append(array)
-        return out, True
+        out = _as_made(outputs, self._outputs)
+        return (outputs, False) if out is None else (out, True)
 
 
 class ScratchStep:
@@ -122,17 +115,29 @@ class ScratchStep:
         p = self._partition
         values = [as_value(v) for v in inputs]
         outputs = p.compute_info.compute(values, p.allocator, self._keep, timeout, into=self._targets)
-        out = []
-        for value, (dtype, shape, kept) in zip(outputs, self._made):
-            array = None if kept else _array(value)
-            if type(value) is not Tensor or value.dtype != dtype or value.shape != shape \
-                    or (array is None and not kept):
-                return outputs, False
-            out.append(value if kept else array)
-        if any(out[i] is not t for i, t in self._targets.items()):  # (a worker that does not write into them)
+        out = _as_made(outputs, self._made)
+        # (a worker that does not write into the targets: the general path's)
+        if out is None or any(out[i] is not t for i, t in self._targets.items()):
             return outputs, False
         self._compute = p.compute_info.steady(values, p.allocator, outputs, self._keep, self._targets)
         return out, self._compute is not None
+
+
+def _as_made(outputs: Sequence[Any], made: Sequence[tuple[np.dtype, tuple[int, ...], bool]]) -> list | None:
+    """A step's outputs as a steady run hands them on, where each is a tensor of the type and shape the general
+    run saw (`made`: each one's dtype, shape and whether it stays where it was made): arrays, but those that stay
+    (tensors in their worker's memory); else None."""
+    if len(outputs) != len(made):
+        return None
+    out = []
+    for value, (dtype, shape, kept) in zip(outputs, made):
+        if type(value) is not Tensor or value.dtype != dtype or value.shape != shape:
+            return None
+        array = value if kept else _array(value)
+        if array is None:
+            return None
+        out.append(array)
+    return out
 
 
 def _mapped(tensor: Tensor) -> np.ndarray:
