@@ -239,22 +239,40 @@ def chain(blocks: int, per_block: int, nodes: int = 60, split: bool = False) -> 
 def cnns(env, blocks: int, per_block: int) -> None:
     print("\nCNNs from the onnx package, ORT CPU EP: median per run, and out of process / in process (the median of "
           "the ratios of each round's two blocks)\n")
-    ways = ("lane", "socket", "unkept", "grpc")
+    _cnn_table(env, blocks, per_block, {k: f"ort-{k}" for k in ("lane", "socket", "unkept", "grpc")}, SESSION_CONFIG)
+
+
+def cnns_with_ort_defaults(env, blocks: int, per_block: int) -> None:
+    """The CNNs with ORT's default threading on both sides, where the table above has its spinning off."""
+    print("\nThe same CNNs with ORT's default threading on both sides (its intra-op threads spinning between "
+          "operators; in the worker they stop as each run ends, the onnxruntime EP's session.force_spinning_stop=1), "
+          "each block followed by 50 ms for a spinning pool to stop: median per run, and out of process / in "
+          "process\n")
+    env.register_execution_provider_library("ort-defaults", "onnxruntime")
+    try:
+        _cnn_table(env, blocks, per_block, {"lane": "ort-defaults"}, {}, settle=0.05)
+    finally:
+        env.unregister_execution_provider_library("ort-defaults")
+
+
+def _cnn_table(env, blocks: int, per_block: int, ways: dict[str, str], config: dict[str, str],
+               settle: float = 0.0) -> None:
+    """A row per CNN: ORT in process (with session config `config`) against each way (by its registration)."""
     print("| model | in process | " + " | ".join(LABELS[k] for k in ways) + " | " +
           " | ".join(f"{LABELS[k]} / in" for k in ways) + " |")
     print("|---|---|" + "---|---|" * len(ways))
     for name in ("squeezenet", "shufflenet"):
         path, _ = bundled_model(name)
         model = onnx.load(path)
-        inproc = in_process_session(model, "ORT CPU")
+        inproc = in_process_session(model, "ORT CPU", config)
         with contextlib.ExitStack() as stack:
-            sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, f"ort-{k}"), env=env))
-                        for k in ways}
+            sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, r), env=env))
+                        for k, r in ways.items()}
             (arg,) = sessions["lane"].get_inputs()
             feeds = {arg.name: bundled_input(arg)}
             rounds = interleaved_blocks({"in": lambda: inproc.run(None, feeds),
                                          **{k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()}},
-                                        blocks, per_block)
+                                        blocks, per_block, settle)
         t = medians(rounds)
         print(f"| {name} | {t['in'] * 1e3:.2f} ms | " + " | ".join(f"{t[k] * 1e3:.2f} ms" for k in ways) + " | " +
               " | ".join(f"{paired_ratio(rounds, k, 'in'):.3f}" for k in ways) + " |")
@@ -417,4 +435,5 @@ def main(quick: bool = False) -> None:
         chain(blocks, per_block)
         chain(blocks, per_block, split=True)
         cnns(env, blocks if quick else 2 * blocks, 5 if quick else 20)  # rounds: the ratio's noise
+        cnns_with_ort_defaults(env, blocks if quick else 2 * blocks, 5 if quick else 20)
         copies(env, blocks, per_block)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -52,15 +52,17 @@ def interleaved(fns: dict[str, Callable[[], object]], blocks: int, per_block: in
     return medians(interleaved_blocks(fns, blocks, per_block))
 
 
-def interleaved_blocks(fns: dict[str, Callable[[], object]], blocks: int,
-                       per_block: int) -> dict[str, list[list[float]]]:
+def interleaved_blocks(fns: dict[str, Callable[[], object]], blocks: int, per_block: int,
+                       settle: float = 0.0) -> dict[str, list[list[float]]]:
     """Seconds per call of each fn, block by block, run in hot blocks of `per_block` calls, the blocks
     interleaved: block i of every fn ran in round i, side by side.
 
     Each block starts with a few calls that are not counted, and the order of the fns turns by one every
     round: the first calls after another fn's block run on caches that block overran (for the CNNs, the first
     runs out of process after an in-process block were up to 19% slower), and a fixed order would charge that to
-    whichever fn came after the same one every time."""
+    whichever fn came after the same one every time. `settle`: seconds slept after each block, for what a block
+    leaves running to stop (ORT's thread pool with its default spinning keeps a CPU for about 30 ms after a
+    run) rather than take a CPU from the next block."""
     for fn in fns.values():
         for _ in range(max(3, per_block // 4)):
             fn()
@@ -78,6 +80,8 @@ def interleaved_blocks(fns: dict[str, Callable[[], object]], blocks: int,
                 fn()
                 block.append(clock() - start)
             times[name].append(block)
+            if settle:
+                time.sleep(settle)
         order = order[1:] + order[:1]
     return times
 
@@ -112,10 +116,12 @@ def ep_targets(env) -> list[tuple[str, str]]:
     return targets
 
 
-def in_process_session(model: onnx.ModelProto, label: str):
+def in_process_session(model: onnx.ModelProto, label: str, config: Mapping[str, str] = SESSION_CONFIG):
+    """ORT's own session of `model` on the EP of `label`, with these session config entries (ORT's defaults
+    where there are none)."""
     data = readable_model(model).SerializeToString()
     options = ort.SessionOptions()
-    for key, value in SESSION_CONFIG.items():
+    for key, value in config.items():
         options.add_session_config_entry(key, value)
     if label == "OpenVINO":
         import onnxruntime_ep_openvino as ov

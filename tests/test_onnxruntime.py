@@ -1,5 +1,8 @@
 """The onnxruntime EP: ONNX Runtime and its plugin EP libraries (OpenVINO's) inside a worker."""
 
+import os
+import time
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -50,6 +53,43 @@ def test_real_models_match_their_expected_outputs(ort_env, name):
         (arg,) = session.get_inputs()
         (y,) = session.run(None, {arg.name: bundled_input(arg)})
     np.testing.assert_allclose(y, expected, rtol=1e-3, atol=1e-5)
+
+
+def _cpu_ns(pid: int) -> int:
+    """The CPU time of every thread of a process, in nanoseconds (schedstat: finer than /proc/PID/stat's ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def test_a_worker_leaves_no_cpu_spinning_after_a_run_unless_the_session_config_says_so():
+    """ORT's intra-op threads spin on for tens of milliseconds after a run by default, on CPUs that the caller's
+    next request and the other workers need; a worker's sessions stop them as a run ends
+    (session.force_spinning_stop=1), and the user's session_config still has the last word."""
+    path, _ = bundled_model("squeezenet")
+    idle = {}
+    with ephost.Environment() as env:
+        for name, config in (("stops", {}), ("spins", {"session_config": "session.force_spinning_stop=0"})):
+            # Two intra-op threads, so that the pool has one to spin whatever the machine's core count
+            env.register_execution_provider_library(name, "onnxruntime", {"intra_op_num_threads": "2", **config})
+            pid = env.registration(name).process.pid
+            with InferenceSession(path, options_for(env, name), env=env) as session:
+                (arg,) = session.get_inputs()
+                feeds = {arg.name: bundled_input(arg)}
+                used = []
+                for _ in range(3):
+                    session.run(None, feeds)
+                    before = _cpu_ns(pid)
+                    time.sleep(0.1)
+                    used.append(_cpu_ns(pid) - before)
+            idle[name] = sorted(used)[1]  # the median of three idle tenths of a second after a run
+    assert idle["stops"] < 3e6, idle
+    assert idle["spins"] > 10e6, idle
 
 
 def test_outputs_are_written_in_place_into_shared_memory(ort_env):
