@@ -148,7 +148,7 @@ _UNKEPT = object()
 MISSES = 4                # kept calls of a kind let go unrepeated in a row, after which its new calls are kept
                           # only once seen again
 RECENT = 16               # new calls of such a kind remembered, to keep one that comes again
-MAX_KINDS = 4 * MAX_KEPT  # kinds of call one connection judges (past it the oldest is forgotten)
+MAX_KINDS = MAX_KEPT      # kinds of call one connection judges (past it the oldest is forgotten)
 
 
 class _Keeping:

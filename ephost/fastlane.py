@@ -77,7 +77,12 @@ KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
 # In a KEPT reply, after the inline outputs' bytes, each output left in the worker: its buffer's handle, and
 # where it lies in shared memory (region, offset, nbytes; region 0: not mapped)
 PLACED = struct.Struct("<QQqq")
-MAX_KEPT = 64                  # kept calls one connection keeps, at either end (past it the oldest goes)
+# Kept calls one connection keeps, at either end (past it the oldest goes): a thread's every partition on one
+# worker, each at the input shapes it runs at. Past the bound, a plan that cycles through more calls than it
+# lets every one go before it repeats (each run then keeps each call anew: a chain of 65 partitions a worker
+# at 64, 48 -> 143 µs a partition call, slower than not keeping). A kept call costs the worker about 1 KB, and
+# a tensor for each buffer it names.
+MAX_KEPT = 1024
 MAX_FDS = 16
 _TRUNC = int(socket.MSG_TRUNC)  # a plain int: an IntFlag's & costs more than the rest of a frame's reading
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -215,7 +220,7 @@ _FD_SETSIZE = 1024
 # A wait longer than this is a wait without end (a deadline a peer set centuries away: select and poll take no
 # timeout past what their clocks count, and raise OverflowError).
 FOREVER_S = 1e9
-MAX_WAIT_KEYS = 256  # kinds of call whose waits a reader keeps (a connection keeps at most MAX_KEPT kept calls)
+MAX_WAIT_KEYS = 2 * MAX_KEPT  # calls whose waits a reader keeps (a connection keeps at most MAX_KEPT kept calls)
 
 
 class FrameReader:

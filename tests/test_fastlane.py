@@ -21,8 +21,8 @@ import pytest
 
 import ephost
 from ephost import InferenceSession, RunOptions, lane_slots
-from ephost.fastlane import (DOORBELL, HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGIC, PLACED, MAX_LENGTH, METHODS,
-                             FrameReader, decode_error, put_parts, send_frame)
+from ephost.fastlane import (DOORBELL, HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGIC, PLACED, MAX_KEPT, MAX_LENGTH,
+                             METHODS, FrameReader, decode_error, put_parts, send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 import models
 from helpers import RawClient, in_threads, options_for, worker_stats
@@ -1010,15 +1010,41 @@ def test_a_kept_call_whose_outputs_change_shape_gets_the_whole_reply(ort_env):
 
 
 def test_kept_calls_the_worker_let_go_are_sent_whole_again(ort_env, monkeypatch):
-    """A connection keeps at most 64 calls; past that the worker lets the oldest go. A client remembering more
-    is told so when it names one (EpUnknownKeptCall) and sends the whole call again: every run is right."""
+    """A connection keeps at most MAX_KEPT calls; past that the worker lets the oldest go. A client remembering
+    more is told so when it names one (EpUnknownKeptCall) and sends the whole call again: every run is right."""
     import ephost.client.fastlane as client_lane
-    monkeypatch.setattr(client_lane, "MAX_KEPT", 1000)
+    monkeypatch.setattr(client_lane, "MAX_KEPT", 4 * MAX_KEPT)
     model = models.chain(["Relu", "Neg"], shape=("n",))
+    shapes = MAX_KEPT + 6  # one kept call a shape (both nodes are one partition), each repeated once
+    before = worker_stats(ort_env, "ort")
     with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as s:
-        for n in [*range(1, 71), 1, 2, 70]:
+        for n in [*(n for n in range(1, shapes + 1) for _ in range(2)), 1, 2, shapes]:
             x = np.arange(n, dtype=np.float32) - n / 2
             np.testing.assert_array_equal(s.run(None, {"x": x})[0], -np.maximum(x, 0))
+    after = worker_stats(ort_env, "ort")
+    # The first shapes' calls were let go and kept again; the last shape's was repeated as kept
+    assert (after.calls_kept - before.calls_kept, after.kept_calls - before.kept_calls) == (shapes + 2, shapes + 1)
+
+
+def test_a_plan_of_more_partitions_in_a_worker_than_64_stays_kept_run_after_run():
+    """Each run of a chain of 65 partitions in each of two workers repeats each partition's kept call: none is
+    let go and kept again (with 64 calls a connection, each run kept every call anew)."""
+    model = models.chain(["Relu", "Neg"] * 65)
+    with ephost.Environment() as env:
+        for op in ("Relu", "Neg"):
+            env.register_execution_provider_library(op, "reference", {"ops": op})
+        with InferenceSession(model, options_for(env, "Relu", "Neg"), env=env) as s:
+            assert len(s.get_provider_graph_assignment_info()) == 130
+            x = np.linspace(-1, 1, 4, dtype=np.float32)
+            expected = x
+            for _ in range(65):
+                expected = -np.maximum(expected, 0)
+            s.run(None, {"x": x})
+            before = worker_stats(env, "Relu")
+            for _ in range(3):
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], expected)
+            after = worker_stats(env, "Relu")
+    assert (after.calls_kept - before.calls_kept, after.kept_calls - before.kept_calls) == (0, 3 * 65)
 
 
 def kept_partition(raw: RawClient):
@@ -1083,8 +1109,8 @@ def test_kept_calls_on_the_wire(lane_worker):
         assert lane_call(sock, "Ep/Compute", left_in_buffer)[1].kept_call == 0
         assert raw(raw.ep.Compute, request).kept_call == 0
 
-        # Past 64, the oldest go.
-        ids = [lane_call(sock, "Ep/Compute", request)[1].kept_call for _ in range(64)]
+        # Past MAX_KEPT, the oldest go.
+        ids = [lane_call(sock, "Ep/Compute", request)[1].kept_call for _ in range(MAX_KEPT)]
         assert kept_frame(sock, kid + x.tobytes()).status == 5
         assert kept_frame(sock, KEPT_ID.pack(ids[-1]) + x.tobytes()).status == 0
         # The partition is looked up on every call: released, it is NOT_FOUND like any Compute of it.
