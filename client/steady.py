@@ -89,11 +89,10 @@ class ScratchStep:
     view of it, as the later partition names it, made once). Its first run makes the call so (the lane keeps it),
     the later ones repeat it (RemoteComputeInfo.steady with the targets)."""
 
-    __slots__ = ("_partition", "_targets", "_keep", "_made", "_compute")
+    __slots__ = ("_partition", "_targets", "_made", "_compute")
 
     def __init__(self, partition: Partition, targets: dict[int, Tensor], made: list[tuple]):
         self._partition, self._targets, self._made = partition, targets, made
-        self._keep = partition.keep
         self._compute = None
 
     @classmethod
@@ -114,12 +113,12 @@ class ScratchStep:
             return compute(inputs, timeout)
         p = self._partition
         values = [as_value(v) for v in inputs]
-        outputs = p.compute_info.compute(values, p.allocator, self._keep, timeout, into=self._targets)
+        outputs = p.compute_info.compute(values, p.allocator, p.keep, timeout, into=self._targets)
         out = _as_made(outputs, self._made)
         # (a worker that does not write into the targets: the general path's)
         if out is None or any(out[i] is not t for i, t in self._targets.items()):
             return outputs, False
-        self._compute = p.compute_info.steady(values, p.allocator, outputs, self._keep, self._targets)
+        self._compute = p.compute_info.steady(values, p.allocator, outputs, p.keep, self._targets)
         return out, self._compute is not None
 
 
@@ -221,12 +220,11 @@ class SteadyRun:
                 compute = ScratchStep.of(p, outputs, scratch)
             else:
                 compute = steady(inputs, p.allocator, outputs, p.keep)
-            if steady is not None and compute is not None:
-                # What another worker left, read here through this process's mapping
-                views = tuple(j for j, v in enumerate(sources)
-                              if v in left and not owned(getattr(inputs[j], "buffer", None), p.compute_info.link))
             if compute is None:
                 return None
+            if steady is not None:  # what another worker left, read here through this process's mapping
+                views = tuple(j for j, v in enumerate(sources)
+                              if v in left and not owned(getattr(inputs[j], "buffer", None), p.compute_info.link))
             steps.append(Step(p, p.compute_info, compute, sources, views))
             if steady is not None:  # (an in-process partition's are arrays)
                 left.update(len(value_names) + i for i in p.keep)
