@@ -1,8 +1,8 @@
 """Paired A/B of two whole stacks: ephost as a git revision has it against the working tree, each stack its own
 application process with its own workers, the two taking turns block by block on one workload.
 
-    python bench/ab.py REV [tiny|chain|split|squeezenet|shufflenet|decoding|loop|pair] [--blocks N] [--per N]
-                       [--option KEY=VALUE ...] [--binding]
+    python bench/ab.py REV [tiny|chain|split|squeezenet|shufflenet|decoding|loop|pair|large] [--blocks N]
+                       [--per N] [--option KEY=VALUE ...] [--binding]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
 Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
@@ -11,7 +11,8 @@ its outputs bound to the application; not the decoding loop, which binds its sta
 is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each step, fed back),
 `pair` the same step with two tensors of the worker's bound as its input and output, swapped each step. `split`
 is `bench dataplane`'s split chain (30 blocks, 61 partitions, one worker keeping a value for its next partition
-each time: the plan's `keep`), reported per partition call as the chain is.
+each time: the plan's `keep`), reported per partition call as the chain is. `large` is `bench dataplane`'s
+Neg(Relu(x)) on 1 MiB (its input staged in a buffer of the worker's, its output left in one).
 Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes what the
 lane does (README, "Background load").
 
@@ -44,7 +45,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pyproject.toml's package-dir: the repository's top-level folders are the subpackages of `ephost`.
 SUBPACKAGES = ("client", "server", "eps")
-WORKLOADS = ("tiny", "chain", "split", "squeezenet", "shufflenet", "decoding", "loop", "pair")
+WORKLOADS = ("tiny", "chain", "split", "squeezenet", "shufflenet", "decoding", "loop", "pair", "large")
 BOUND = ("loop", "pair")  # bench iobinding's loops, bound in the worker (timed per step, like the decoding loop)
 DECODING_STEPS = 32  # a decoding run: bench dataplane's loop (its state bound in the worker), timed per step
 SPLIT_BLOCKS = 30  # the split chain's blocks: 2 * 30 + 1 partitions
@@ -70,7 +71,7 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
     import ephost
     from ephost import InferenceSession
     sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
-    from bench.data_plane import chain_model, decode, decoding_model, split_model
+    from bench.data_plane import chain_model, decode, decoding_model, large_model, split_model
     from bench.iobinding import NO_SPIN, alternating, bound_to_device, recurrent
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
     from ephost.run_command import bundled_input, bundled_model
@@ -90,12 +91,12 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
     else:
         env.register_execution_provider_library("ort", "onnxruntime", {"session_config": config, **options})
         model = tiny_model() if workload == "tiny" else decoding_model(64) if workload == "decoding" \
-            else bundled_model(workload)[0]
+            else large_model() if workload == "large" else bundled_model(workload)[0]
         session = InferenceSession(model, options_for(env, "ort"), env=env)
         if workload != "decoding":
             (arg,) = session.get_inputs()
-            feeds = {arg.name: np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
-                     if workload == "tiny" else bundled_input(arg)}
+            feeds = {arg.name: np.random.default_rng(0).standard_normal(tuple(arg.shape)).astype(np.float32)
+                     if workload in ("tiny", "large") else bundled_input(arg)}
     if workload == "decoding":
         (device,) = [d for d in env.get_ep_devices() if d.registration_name == "ort"]
         rows = np.random.default_rng(2).standard_normal((DECODING_STEPS, 1, 1, 64)).astype(np.float32)

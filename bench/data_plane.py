@@ -12,6 +12,7 @@ several times over).
 - tiny model (one Add on 16 floats, ORT CPU EP): overhead per call over a hot in-process ORT run, and what
   placing both processes on one core, or on two, does to it;
 - the same Add on an input whose shape changes every run (a loop whose shapes grow: kept whatever its shapes);
+- Neg(Relu(x)) on 1 MiB: an input and an output over the inline limit, each in a buffer of the worker's;
 - a decoding loop: a state that grows every step, bound in the worker (IOBinding) and fed back as the next
   step's past, a small row from the application each step: per step, against the same loop on ORT in process;
 - a 60-node chain whose nodes alternate between two workers (60 partitions): cost per partition call;
@@ -127,6 +128,33 @@ def changing(env, blocks: int, per_block: int, sizes: int = 400) -> None:
                                                              for k, s in sessions.items()}}, blocks, per_block)
     print(f"\nA loop whose input shape changes every run (one Add on 1 x n floats, n going round {sizes} sizes), "
           "ORT CPU EP: median per run, and the overhead per call over the in-process run\n")
+    _overheads(t)
+
+
+def large_model(n: int = 1 << 18) -> onnx.ModelProto:
+    """y = Neg(Relu(x)) on 1 x n floats (1 MiB by default): an input and an output over the inline limit, the
+    input staged in a buffer of the worker's, the output left in one."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
+    graph = helper.make_graph(nodes, "large", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def large(env, blocks: int, per_block: int) -> None:
+    """Neg(Relu(x)) on 1 MiB: the input written into a buffer the calling thread keeps in the worker's shared
+    memory, the output left in a new buffer there, which the application's array is a view of."""
+    x = np.random.default_rng(3).standard_normal((1, 1 << 18)).astype(np.float32)
+    model = large_model()
+    inproc = in_process_session(model, "ORT CPU")
+    with contextlib.ExitStack() as stack:
+        sessions = {k: stack.enter_context(InferenceSession(model, options_for(env, f"ort-{k}"), env=env))
+                    for k in TRANSPORTS}
+        t = interleaved({"in": lambda: inproc.run(None, {"x": x}),
+                         **{k: (lambda s=s: s.run(None, {"x": x})) for k, s in sessions.items()}},
+                        blocks, max(2, per_block // 5))
+    print("\nNeg(Relu(x)) on 1 MiB in and 1 MiB out (over the inline limit: the input staged in a buffer of the "
+          "worker's, the output left in one), ORT CPU EP: median per run, and the overhead per call over the "
+          "in-process run\n")
     _overheads(t)
 
 
@@ -431,6 +459,7 @@ def main(quick: bool = False) -> None:
                                                     {"session_config": CONFIG, **extra})
         tiny(env, blocks, per_block)
         changing(env, blocks, per_block)
+        large(env, blocks, per_block)
         decoding(env, blocks, per_block)
         chain(blocks, per_block)
         chain(blocks, per_block, split=True)

@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 import ephost
 import ephost.ort
-from bench.data_plane import interleaved
+from bench.data_plane import interleaved, large_model
 from bench.session_overhead import SESSION_CONFIG, tiny_model
 from ephost.run_command import bundled_input, bundled_model
 
@@ -29,16 +29,6 @@ def session(model, bridged: bool) -> ort.InferenceSession:
     s = ort.InferenceSession(model if isinstance(model, str) else model.SerializeToString(), options)
     s.disable_fallback()
     return s
-
-
-def chain_1mib():
-    """y = Neg(Relu(x)) on 1 MiB of floats: large enough that the output stays in the worker's memory."""
-    from onnx import TensorProto, helper
-    n = 1 << 18
-    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
 def device_binding(session: ort.InferenceSession, feeds: dict):
@@ -77,8 +67,8 @@ def main(quick: bool = False) -> None:
                  ("squeezenet", squeezenet, False, 3 if quick else 8, 3 if quick else 10),
                  ("squeezenet, input on the device (IOBinding)", squeezenet, True, 3 if quick else 8,
                   3 if quick else 10),
-                 ("Neg(Relu(x)), 1 MiB", chain_1mib(), False, 3 if quick else 10, 10 if quick else 40),
-                 ("Neg(Relu(x)), 1 MiB, input on the device (IOBinding)", chain_1mib(), True, 3 if quick else 10,
+                 ("Neg(Relu(x)), 1 MiB", large_model(), False, 3 if quick else 10, 10 if quick else 40),
+                 ("Neg(Relu(x)), 1 MiB, input on the device (IOBinding)", large_model(), True, 3 if quick else 10,
                   10 if quick else 40))
         for label, model, on_device, blocks, per_block in cases:
             alone, bridged = session(model, False), session(model, True)

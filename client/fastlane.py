@@ -72,12 +72,14 @@ class _Kept:
     @classmethod
     def of(cls, method: Method, request, reply) -> "_Kept":
         """From the call and the reply the worker kept it with. A Compute's outputs that come back are those it
-        sent inline and those it left in the call's allocator (`keep`); it wrote the others into the caller's
-        buffers (`output_buffers`). A CopyTensors has none: it writes into the caller's buffers."""
+        sent inline and those it left in new buffers of the call's allocator (`keep`, and those too large to go
+        inline), as this reply did; it wrote the others into the caller's buffers (`output_buffers`). A
+        CopyTensors has none: it writes into the caller's buffers."""
         if method is not COMPUTE:
             return cls(reply.kept_call, [])
-        into, keep = request.output_buffers, frozenset(request.keep)
-        outputs = [(*checked_desc(v.tensor.desc), i in keep) for i, v in enumerate(reply.outputs) if i not in into]
+        into = request.output_buffers
+        outputs = [(*checked_desc(v.tensor.desc), v.tensor.WhichOneof("location") == "buffer")
+                   for i, v in enumerate(reply.outputs) if i not in into]
         if request.keep_shapes:
             return _ShapedKept(reply.kept_call, [(len(shape), dtype, left) for shape, dtype, _, left in outputs])
         return cls(reply.kept_call, outputs)
@@ -480,6 +482,11 @@ class KeptRepeat:
     def outputs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
         """The types and shapes of the outputs that come back as the call was kept, in order."""
         return [(shape, dtype) for shape, dtype, *_ in self._kept.outputs]
+
+    @property
+    def left(self) -> tuple[int, ...]:
+        """Which of the outputs that come back (by their place among them) the worker leaves in new buffers."""
+        return tuple(k for k, (*_, left) in enumerate(self._kept.outputs) if left)
 
     def __call__(self, parts: list, nbytes: int, timeout: float, write: Callable[[], None] | None = None):
         """What call_kept returns for a repeat (the outputs that came back, or the whole reply); None where the

@@ -177,7 +177,7 @@ class RemoteComputeInfo(RemoteHandle):
         in order (all but the `targets`), or the whole reply. With `arrays`, those that came back in a kept
         reply stay the arrays over it (a steady run's), but those left in the worker."""
         if isinstance(result, list):
-            if not targets and not placed:
+            if not targets and not placed and _all_arrays(result):
                 return result if arrays else [Tensor.trusted(a.shape, a.dtype, HOST_MEMORY, a.nbytes, host=a)
                                               for a in result]
             returned = iter(result)
@@ -219,6 +219,11 @@ class RemoteComputeInfo(RemoteHandle):
         if repeat is None or repeat.outputs != [(getattr(v, "shape", None), getattr(v, "dtype", None))
                                                 for i, v in enumerate(outputs) if i not in targets]:
             return None
+        # Outputs too large to come back in the reply, left in new buffers of the worker's though not in `keep`
+        # (as the call was kept: the run it is made from may have had them from elsewhere, the failure policy's
+        # fallback)
+        returned = [i for i in range(len(outputs)) if i not in targets]
+        spilled = tuple(returned[k] for k in repeat.left if returned[k] not in placed)
         held = tuple(i for i in named if i not in large)  # the worker's tensors: a handle of their own each run
         staged = dict(zip(large, buffers))
         handles = [staged[i].handle if i in staged else None for i in named]
@@ -226,7 +231,7 @@ class RemoteComputeInfo(RemoteHandle):
         return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in named],
                              (self._staging, kinds, buffers), large, self._stager,
                              struct.pack(f"<{len(handles)}Q", *handles) if not held else handles,
-                             8 * len(handles) + nbytes, held, placed, targets)
+                             8 * len(handles) + nbytes, held, placed, targets, spilled)
 
     def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, outputs: Sequence[Any],
                      targets: Mapping[int, Tensor] = _NO_TARGETS) -> "BoundCompute | None":
@@ -325,6 +330,14 @@ class RemoteComputeInfo(RemoteHandle):
                               allocator=allocator)
 
 
+def _all_arrays(result: list) -> bool:
+    """Whether every output of a kept call came back in its reply (none too large to, left in the worker)."""
+    for value in result:
+        if type(value) is Placed:
+            return False
+    return True
+
+
 class SteadyCompute:
     """A partition's kept Compute as one thread made it (RemoteComputeInfo.steady): called with arrays of the
     types and shapes it was made with (and tensors of the worker's at the positions `held`), it sends the small
@@ -333,20 +346,23 @@ class SteadyCompute:
     call and the staging buffers are the ones it was made with."""
 
     __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_small", "_staged", "_large", "_stager", "_handles",
-                 "_nbytes", "_held", "_placed", "_into")
+                 "_nbytes", "_held", "_placed", "_into", "_spilled")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
                  staged: tuple, large: list[int], stager: Stager, handles: bytes | list, nbytes: int,
                  held: tuple[int, ...] = (), placed: tuple[int, ...] = (),
-                 into: Mapping[int, Tensor] = _NO_TARGETS):
+                 into: Mapping[int, Tensor] = _NO_TARGETS, spilled: tuple[int, ...] = ()):
         """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
         for each of the `large` inputs' positions, in order; `handles`: the handles a repeat names, packed, or
         where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle or
-        None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's; `into`:
-        the tensors of the worker's outputs are written into, by position."""
+        None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's (`keep`);
+        `into`: the tensors of the worker's outputs are written into, by position; `spilled`: the outputs too
+        large to come back in the reply, left in new buffers of the worker's and handed on as arrays over them
+        (each keeps its buffer until it goes)."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
         self._small, self._staged, self._large, self._stager = small, staged, large, stager
         self._handles, self._nbytes, self._held, self._placed, self._into = handles, nbytes, held, placed, into
+        self._spilled = spilled
 
     def __call__(self, arrays: Sequence[Any], timeout: float | None) -> tuple[list[Any], bool] | None:
         """The outputs, and whether they are as the call was kept: arrays over the reply where it is a kept
@@ -377,8 +393,10 @@ class SteadyCompute:
         kept = isinstance(result, list)
         if not kept:
             outputs = info.kept_outputs(result, self._allocator, self._conn, self._into)
-        elif self._placed or self._into:
+        elif self._placed or self._into or self._spilled:
             outputs = info.kept_outputs(result, self._allocator, self._conn, self._into, self._placed, arrays=True)
+            for i in self._spilled:
+                outputs[i] = outputs[i].local_array()
         else:
             outputs = result
         link.between_calls()

@@ -10,20 +10,20 @@ payload's length. A frame larger than one packet continues in plain packets unti
 frame that fits one packet passes instead through the connection's shared slots (ephost/lane_slots.py), and the
 socket only wakes a reader asleep in the kernel.
 
-Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs travel inline or in buffers of
-the caller's (large ones, which the caller writes again before each repeat, or values the worker made: an
-IOBinding's bound inputs) and whose outputs travel inline, into buffers of the caller's (`output_buffers`: an
-IOBinding's bound outputs) or into new buffers of the call's allocator (`keep`: an output bound to a device) is
-kept by the worker for that connection (the reply's `kept_call` names it). The caller repeats it as a KEPT
-frame, whose payload is the kept call's id (KEPT_ID), the handles of the buffers it names (little-endian u64
-each: its inputs in buffers, in order, then the buffers outputs go into, by position; each run may name others:
-a loop feeding back the last step's output names a new one each step) and the inline inputs' bytes, in order,
-and nothing else. The worker answers a KEPT frame with the inline outputs' bytes, in order, then a PLACED record
-for each output it left in a new buffer (a region a record names is handed over before the reply, as for any
-reply), where every output has the type and shape the kept call's first reply gave it, and otherwise with a
-whole ComputeResponse (method Ep/Compute). Errors are error frames, as for any method. A steady stream of small
-runs thus builds, parses and checks no message on either side: the types and shapes were checked once, when the
-call was kept, and every handle is looked up again on every run.
+Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs travel inline or in buffers of the
+caller's (large ones, which the caller writes again before each repeat, or values the worker made: an IOBinding's
+bound inputs) and whose outputs travel inline, into buffers of the caller's (`output_buffers`: an IOBinding's bound
+outputs) or into new buffers of the call's allocator (`keep`: an output bound to a device; or one too large to go
+inline, over the request's `inline_limit`) is kept by the worker for that connection (the reply's `kept_call` names
+it). The caller repeats it as a KEPT frame, whose payload is the kept call's id (KEPT_ID), the handles of the
+buffers it names (little-endian u64 each: its inputs in buffers, in order, then the buffers outputs go into, by
+position; each run may name others: a loop feeding back the last step's output names a new one each step) and the
+inline inputs' bytes, in order, and nothing else. The worker answers a KEPT frame with the inline outputs' bytes,
+in order, then a PLACED record for each output it left in a new buffer (a region a record names is handed over
+before the reply, as for any reply), where every output has the type and shape the kept call's first reply gave it,
+and otherwise with a whole ComputeResponse (method Ep/Compute). Errors are error frames, as for any method. A
+steady stream of small runs thus builds, parses and checks no message on either side: the types and shapes were
+checked once, when the call was kept, and every handle is looked up again on every run.
 
 A Compute sent with `keep_shapes` too (and no `output_buffers`) is kept for repeats whose inputs have other
 shapes, of the same types and ranks (a loop whose shapes grow, which would otherwise send every step whole):

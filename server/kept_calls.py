@@ -1,19 +1,19 @@
 """Kept calls: Computes and CopyTensors that one fast-lane connection repeats with nothing but what changes
 (the frames are described in ephost/fastlane.py).
 
-What a kept call keeps is what its first request and reply said and the worker checked then: the handles of
-the partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, which inputs
-come in buffers of the client's (large ones it staged there, or values already here: an IOBinding's bound
-inputs), which outputs go into buffers of the client's (an IOBinding's bound outputs, `output_buffers`) and which
-into new buffers of the allocator (`keep`). Each repeat names those buffers by handle and carries the small
-inputs' bytes; the reply carries the other outputs' bytes and a record for each new buffer. Every handle is
-looked up on every repeat (a released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small is
-INVALID_ARGUMENT) and the payload's length is checked against the kept sizes before any byte is read; nothing
-else a peer sends is trusted. A Compute kept with `keep_shapes` (ShapedCall) keeps the inputs' and outputs'
-types and ranks only: each repeat's dimensions come first in its frame, and are checked as a request's are
-(nbytes_of), before the payload's length is checked against the sizes they make. A kept CopyTensors (all its
-sources and destinations buffers of the client's) keeps the data transfer, the stream and the tensors' types
-and shapes; each repeat names the buffers, and its reply is empty.
+What a kept call keeps is what its first request and reply said and the worker checked then: the handles of the
+partition and of the output allocator, the types, shapes and sizes of the inputs and outputs, which inputs come in
+buffers of the client's (large ones it staged there, or values already here: an IOBinding's bound inputs), which
+outputs go into buffers of the client's (an IOBinding's bound outputs, `output_buffers`) and which into new buffers
+of the allocator (`keep`, and those too large to go inline). Each repeat names those buffers by handle and carries
+the small inputs' bytes; the reply carries the other outputs' bytes and a record for each new buffer. Every handle
+is looked up on every repeat (a released partition or buffer is NOT_FOUND, as on any Compute; a buffer too small is
+INVALID_ARGUMENT) and the payload's length is checked against the kept sizes before any byte is read; nothing else
+a peer sends is trusted. A Compute kept with `keep_shapes` (ShapedCall) keeps the inputs' and outputs' types and
+ranks only: each repeat's dimensions come first in its frame, and are checked as a request's are (nbytes_of),
+before the payload's length is checked against the sizes they make. A kept CopyTensors (all its sources and
+destinations buffers of the client's) keeps the data transfer, the stream and the tensors' types and shapes; each
+repeat names the buffers, and its reply is empty.
 """
 from __future__ import annotations
 
@@ -40,17 +40,17 @@ Layout = tuple[tuple[tuple[int, ...], np.dtype, int], ...]  # (shape, dtype, nby
 Inputs = tuple[tuple[tuple[int, ...], np.dtype, int, bool], ...]
 
 
-def _output_layout(values, into, placed) -> tuple[Layout, dict] | None:
-    """The layout of the Values carried inline, and of those left in a buffer at the positions in `placed`, by
-    position; those at the positions in `into` are not looked at. None where one is not where it should be."""
+def _output_layout(values, into) -> tuple[Layout, dict] | None:
+    """The layout of the Values carried inline, and of those left in a new buffer of the allocator (those `keep`
+    named, and those too large to go inline), by position; those at the positions in `into` are not looked at.
+    None where one is not a tensor."""
     layout, left = [], {}
     for i, value in enumerate(values):
         if i in into:
             continue
-        if value.WhichOneof("kind") != "tensor" or \
-                value.tensor.WhichOneof("location") != ("buffer" if i in placed else "inline"):
+        if value.WhichOneof("kind") != "tensor":
             return None
-        if i in placed:
+        if value.tensor.WhichOneof("location") == "buffer":
             left[i] = checked_desc(value.tensor.desc)
         else:
             layout.append(checked_desc(value.tensor.desc))
@@ -137,18 +137,19 @@ class KeptCall:
     input_bytes: int      # the payload after its id: the bytes of every input that comes in the frame
     output_bytes: int     # a reply's payload: the bytes of `outputs`
     into: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
-    placed: dict = field(default_factory=dict, compare=False)  # output position -> (shape, dtype, nbytes)
+    # the outputs left in new buffers of the allocator (those `keep` names, and those too large to go inline):
+    # output position -> (shape, dtype, nbytes)
+    placed: dict = field(default_factory=dict, compare=False)
+    keep: tuple[int, ...] = field(default=(), compare=False)  # the request's `keep` (what the EP is told)
     # tensors over the buffers earlier runs named, by input index (output i: -1 - i) and handle
     _views: _Views = field(default_factory=_Views, compare=False, repr=False)
     _counts: dict = field(default_factory=dict, compare=False, repr=False)
     _handles: struct.Struct | None = field(default=None, init=False, compare=False, repr=False)  # a frame's u64s
-    keep: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)  # `placed`'s positions
     _sizes: tuple[int, int] = field(default=(0, 0), init=False, compare=False, repr=False)  # see sizes()
 
     def __post_init__(self):
         named = sum(1 for *_, h in self.inputs if h) + len(self.into)
         object.__setattr__(self, "_handles", struct.Struct(f"<{named}Q"))
-        object.__setattr__(self, "keep", tuple(self.placed))  # the outputs the EP leaves in the allocator
         object.__setattr__(self, "_sizes", (self.output_bytes, self.output_bytes + PLACED.size * len(self.placed)))
         self._counts.update(kept_calls=1, compute_inputs_transferred=sum(1 for *_, h in self.inputs if not h),
                             compute_input_bytes_transferred=self.input_bytes, bytes_inline_in=self.input_bytes)
@@ -157,19 +158,20 @@ class KeptCall:
     def of(cls, request, reply) -> "KeptCall | None":
         """What to keep of a Compute (its request and its reply), or None where it does not qualify: every
         input a tensor inline or in a buffer of the caller's, every output a tensor carried inline, written into
-        a buffer of the caller's or left in a new buffer of the allocator (`keep`), and no stream."""
+        a buffer of the caller's or left in a new buffer of the allocator (`keep`, or too large to go inline),
+        and no stream. A repeat leaves in the allocator the outputs this reply left there."""
         if request.stream:
             return None
         into = _into_layout(request.output_buffers) if request.output_buffers else {}
         if into is None:
             return None
-        placed = frozenset(request.keep) - frozenset(into)
-        inputs, outputs = _input_layout(request.inputs), _output_layout(reply.outputs, into, placed)
-        if inputs is None or outputs is None or (placed and not request.output_allocator):
+        inputs, outputs = _input_layout(request.inputs), _output_layout(reply.outputs, into)
+        if inputs is None or outputs is None or (outputs[1] and not request.output_allocator):
             return None
         layout, left = outputs
+        keep = tuple(i for i in dict.fromkeys(request.keep) if i not in into)
         return cls(request.node_compute_info, request.output_allocator, request.inline_limit, inputs, layout,
-                   sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n in layout), into, left)
+                   sum(n for _, _, n, h in inputs if not h), sum(n for _, _, n in layout), into, left, keep)
 
     def sizes(self, arrays: list) -> tuple[int, int]:
         """(the inline outputs' bytes, the KEPT reply's payload: those and a record per output left in the
@@ -294,7 +296,8 @@ class ShapedCall:
 
     @property
     def placed(self) -> tuple[int, ...]:
-        """The outputs left in the allocator: those the EP keeps there (`keep`)."""
+        """The outputs left in the allocator: those its first reply left there (`keep`, and those too large to go
+        inline), which the EP is told to keep there."""
         return self.keep
 
     @classmethod
@@ -302,9 +305,8 @@ class ShapedCall:
         """What to keep, or None where the call does not qualify (as KeptCall.of, and no output_buffers)."""
         if request.stream or request.output_buffers:
             return None
-        placed = frozenset(request.keep)
-        inputs, outputs = _input_layout(request.inputs), _output_layout(reply.outputs, {}, placed)
-        if inputs is None or outputs is None or (placed and not request.output_allocator):
+        inputs, outputs = _input_layout(request.inputs), _output_layout(reply.outputs, {})
+        if inputs is None or outputs is None or (outputs[1] and not request.output_allocator):
             return None
         inline, left, kinds = iter(outputs[0]), outputs[1], []
         for i in range(len(reply.outputs)):

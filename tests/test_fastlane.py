@@ -1098,15 +1098,10 @@ def test_kept_calls_on_the_wire(lane_worker):
         assert other.recv(2) == b"OK"
         assert kept_frame(other, kid + x.tobytes()).status == 5
         other.close()
-        # Not asked, or an output left in a buffer it did not ask for (over its inline limit), or over gRPC:
-        # not kept.
+        # Not asked, or over gRPC: not kept.
         request.keep_call = False
         assert lane_call(sock, "Ep/Compute", request)[1].kept_call == 0
         request.keep_call = True
-        left_in_buffer = ep_pb2.ComputeRequest()
-        left_in_buffer.CopyFrom(request)
-        left_in_buffer.output_allocator, left_in_buffer.inline_limit = host_allocator(raw), 1
-        assert lane_call(sock, "Ep/Compute", left_in_buffer)[1].kept_call == 0
         assert raw(raw.ep.Compute, request).kept_call == 0
 
         # Past MAX_KEPT, the oldest go.
@@ -1708,15 +1703,21 @@ def test_kept_copies_on_the_wire(lane_worker):
         raw.close()
 
 
-def test_kept_calls_leaving_outputs_in_the_worker_on_the_wire(lane_worker):
+@pytest.mark.parametrize("why", ["keep", "too large to go inline"])
+def test_kept_calls_leaving_outputs_in_the_worker_on_the_wire(lane_worker, why):
     """A kept call whose output the worker leaves in a new buffer of the call's allocator (`keep`, an
-    IOBinding's output bound to a device): each KEPT reply is a PLACED record naming a new buffer (a handle of
-    the client's, where it lies in a region the connection was handed) holding that run's result."""
+    IOBinding's output bound to a device; or an output over the call's inline limit, as a run's large output
+    is): each KEPT reply is a PLACED record naming a new buffer (a handle of the client's, where it lies in a
+    region the connection was handed) holding that run's result."""
     raw = RawClient(lane_worker.address)
     try:
         _, _, request = kept_partition(raw)
         allocator = host_allocator(raw)
-        request.output_allocator, request.keep[:] = allocator, [0]
+        request.output_allocator = allocator
+        if why == "keep":
+            request.keep[:] = [0]
+        else:
+            request.inline_limit = 16  # the output's 16 bytes are not under it
         sock, _ = open_lane(raw)
         assert sock.recv(2) == b"OK"
         frame, reply = lane_call(sock, "Ep/Compute", request)

@@ -330,6 +330,65 @@ def test_a_kept_value_the_run_does_not_hand_out_goes_into_a_tensor_the_steady_ru
             "the runs left buffers in the worker, freed since"
 
 
+LARGE = (1, 1 << 17)  # 512 KiB of floats: not under the inline limit, so a worker leaves them in its memory
+
+
+@pytest.mark.parametrize("names", [("relu", "neg"), ("relu",)])
+def test_values_too_large_to_come_back_inline_leave_a_steady_run_steady(workers, names):
+    """A Relu then a Neg on 512 KiB, each output left in a new buffer of its worker's (too large for the reply):
+    a kept call hands such an output over by its PLACED record, as one `keep` names, so from the third run on
+    each worker's partition is made again straight. The Neg's worker (or the CPU fallback, in this process) reads
+    the Relu's output through this process's mapping, the application gets the Neg's as an array of its own,
+    every result right after later runs too; the buffers go back to the workers once the arrays go."""
+    rng = np.random.default_rng(12)
+    ops = ["Relu", "Neg"]
+    with InferenceSession(models.chain(ops, shape=LARGE), options_for(workers, *names), env=workers) as s:
+        partitions = s._runner.partitions
+        assert not any(p.keep for p in partitions)
+        computes = Computes(s)
+        before = {name: worker_stats(workers, name) for name in names}
+        runs = []
+        for _ in range(6):
+            x = rng.standard_normal(LARGE).astype(np.float32)
+            (y,) = s.run(None, {"x": x})
+            assert type(y) is np.ndarray
+            np.testing.assert_array_equal(y, chain_expected(x, ops))
+            runs.append((x, y))
+        for x, y in runs:  # each run's output its own, whatever ran since
+            np.testing.assert_array_equal(y, chain_expected(x, ops))
+        assert computes.counts == [2, 2 if len(names) == 2 else 6], "a worker's partition went the general path"
+        for name in names:
+            after = worker_stats(workers, name)
+            assert after.kept_calls - before[name].kept_calls == 5  # the second run's repeat, and the steady runs'
+            assert after.compute_outputs_copied - before[name].compute_outputs_copied == 6  # into new buffers
+        del runs, y
+        for p in partitions:
+            if p.allocator is not None:
+                assert p.allocator.flush_frees()
+        # Left in each worker: the buffer this thread keeps for its partition's input (staged, as large)
+        for name in names:
+            assert worker_stats(workers, name).buffers_live == before[name].buffers_live + 1
+
+
+def test_an_ort_output_too_large_to_come_back_inline_is_written_where_a_kept_call_leaves_it(env):
+    """ORT's CPU EP in a worker writes a 1 MiB output straight into a new buffer of the call's allocator (no
+    copy), and the call is still kept: runs after the second repeat it straight, every result right."""
+    rng = np.random.default_rng(13)
+    shape = (1, 1 << 18)
+    with InferenceSession(models.chain(["Relu"], shape=shape), options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        before = worker_stats(env, "ort")
+        for _ in range(5):
+            x = rng.standard_normal(shape).astype(np.float32)
+            (y,) = s.run(None, {"x": x})
+            np.testing.assert_array_equal(y, np.maximum(x, 0))
+        after = worker_stats(env, "ort")
+        assert computes.count == 2
+        assert after.kept_calls - before.kept_calls == 4
+        assert after.compute_outputs_in_place - before.compute_outputs_in_place == 5
+        assert after.compute_outputs_copied == before.compute_outputs_copied
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
 @pytest.mark.parametrize("handed_out", [True, False])
