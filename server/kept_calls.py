@@ -283,22 +283,19 @@ class ShapedCall:
     inline_limit: int
     inputs: tuple[tuple[int, np.dtype, bool], ...]   # (rank, dtype, in a buffer) of each input
     outputs: tuple[tuple[int, np.dtype, bool], ...]  # (rank, dtype, left in the worker) of each output
+    keep: tuple[int, ...] = field(default=(), compare=False)  # the request's `keep` (what the EP is told)
     _views: _Views = field(default_factory=_Views, compare=False, repr=False)
     _structs: tuple = field(default=(), init=False, compare=False, repr=False)  # dims in, handles, dims out
-    keep: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)
+    # the outputs left in new buffers of the allocator, as its first reply left them (`keep`'s, and those too large
+    # to go inline then): every repeat leaves them there
+    placed: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)
 
     def __post_init__(self):
         named = sum(1 for *_, h in self.inputs if h)
         object.__setattr__(self, "_structs", (struct.Struct(f"<{sum(r for r, _, _ in self.inputs)}Q"),
                                               struct.Struct(f"<{named}Q"),
                                               struct.Struct(f"<{sum(r for r, _, _ in self.outputs)}Q")))
-        object.__setattr__(self, "keep", tuple(i for i, (*_, left) in enumerate(self.outputs) if left))
-
-    @property
-    def placed(self) -> tuple[int, ...]:
-        """The outputs left in the allocator: those its first reply left there (`keep`, and those too large to go
-        inline), which the EP is told to keep there."""
-        return self.keep
+        object.__setattr__(self, "placed", tuple(i for i, (*_, left) in enumerate(self.outputs) if left))
 
     @classmethod
     def of(cls, request, reply) -> "ShapedCall | None":
@@ -313,7 +310,8 @@ class ShapedCall:
             shape, dtype, _ = left[i] if i in left else next(inline)
             kinds.append((len(shape), dtype, i in left))
         return cls(request.node_compute_info, request.output_allocator, request.inline_limit,
-                   tuple((len(shape), dtype, h) for shape, dtype, _, h in inputs), tuple(kinds))
+                   tuple((len(shape), dtype, h) for shape, dtype, _, h in inputs), tuple(kinds),
+                   tuple(dict.fromkeys(request.keep)))
 
     def counts(self) -> dict[str, int]:
         return {"kept_calls": 1}
