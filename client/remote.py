@@ -402,6 +402,11 @@ class SteadyCompute:
         link.between_calls()
         return outputs, kept
 
+    @property
+    def inline(self) -> bool:
+        """Whether every output comes back in the reply (none left in the worker or written into its tensors)."""
+        return not (self._placed or self._into or self._spilled)
+
     def _named(self, values: Sequence[Any]) -> bytes | None:
         """The handles a repeat names: the staging buffers', and the held tensors' of this run (None where one is
         not a tensor of this worker's)."""

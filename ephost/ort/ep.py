@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from ctypes import c_int64, c_size_t, c_void_p
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from ephost.ort.factory import BridgeFactory
 
 log = logging.getLogger(__name__)
+
+STEADY_MISSES = 8  # general-path Computes in a row that made no steady call, after which one is tried ...
+STEADY_RETRY = 64  # ... only every this many
 
 
 class BridgeEp:
@@ -184,6 +188,7 @@ class BridgeComputeInfo:
             "ReleaseState": lambda this, state: None,
         })
         self.address = keep(self, self.struct)
+        self._local = _ThreadCompute()
 
     def _state(self, state_out) -> None:
         state_out[0] = self.address
@@ -191,19 +196,43 @@ class BridgeComputeInfo:
     def compute(self, context: int) -> None:
         api, check = self.abi.api, self.abi.check
         factory = self.ep.factory
-        memory = factory.memory
         n = c_size_t()
         check(api.KernelContext_GetInputCount(context, ctypes.byref(n)), "KernelContext_GetInputCount")
-        inputs: list[Any] = []
-        in_place = in_bytes = 0
+        arrays = []
         for i in range(n.value):
             value = c_void_p()
             check(api.KernelContext_GetInput(context, i, ctypes.byref(value)), "KernelContext_GetInput")
             if not value.value:
                 raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
-            array = tensor_view(self.abi, value.value)
+            arrays.append(tensor_view(self.abi, value.value))
+        local = self._local
+        if local.steady is not None:
+            try:
+                made = local.steady(arrays)
+            except BaseException:  # the worker died, say: the next Compute goes the general way, which waits for it
+                local.steady = None
+                raise
+            if made is not None:
+                outputs, kept = made
+                local.misses = 0
+                self._write_outputs(context, outputs, sum(a.nbytes for a in arrays), steady=True, checked=kept)
+                return
+            local.steady = None
+            local.misses += 1
+        self._compute(context, arrays)
+
+    def _compute(self, context: int, arrays: list[np.ndarray]) -> None:
+        """A Compute on the general path: ORT's tensors in the worker's memory named by handle, the others' bytes
+        sent; a steady call made of it for the next Compute on this thread where it repeats (_SteadyCompute)."""
+        factory = self.ep.factory
+        memory = factory.memory
+        inputs: list[Any] = []
+        in_place = in_bytes = 0
+        plain = True
+        for array in arrays:
             if array.dtype == object:
                 inputs.append(array)
+                plain = False
                 continue
             buffer = memory.buffer_at(array.ctypes.data) if memory is not None and array.size else None
             if buffer is not None:  # in the worker's memory already: named by handle
@@ -215,7 +244,27 @@ class BridgeComputeInfo:
         # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory); small
         # ones come back inline: a buffer per small output and its free cost more than the copy (measured on the
         # tiny model: ~450 µs more per run with every output in a buffer).
-        outputs = self.remote.compute(inputs, factory.output_allocator())
+        allocator = factory.output_allocator()
+        outputs = self.remote.compute(inputs, allocator)
+        self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place)
+        local = self._local
+        # Made after the outputs went into ORT's, their types checked against ORT's there: a steady call's outputs
+        # come back of the same types, or whole. Where none can be made (no fast lane, a call not kept, inputs of
+        # other shapes every run), tried again every STEADY_RETRY-th run only.
+        if plain and not in_place and (local.misses < STEADY_MISSES or local.misses % STEADY_RETRY == 0):
+            local.steady = _SteadyCompute.of(self.remote, inputs, allocator, outputs)
+            if local.steady is None:
+                local.misses += 1
+
+    def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0,
+                       steady: bool = False, checked: bool = False) -> None:
+        """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
+        output tensor is the worker's buffer), the others' bytes copied into ORT's (`checked`: outputs of the
+        types ORT's were found to have on an earlier Compute, copied without reading ORT's type again)."""
+        api, check = self.abi.api, self.abi.check
+        factory = self.ep.factory
+        memory = factory.memory
+        n = c_size_t()
         check(api.KernelContext_GetOutputCount(context, ctypes.byref(n)), "KernelContext_GetOutputCount")
         if n.value != len(outputs):
             raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects {n.value}")
@@ -230,16 +279,62 @@ class BridgeComputeInfo:
                 check(api.KernelContext_GetOutput(context, i, dims, array.ndim, ctypes.byref(value)),
                       "KernelContext_GetOutput")
             finally:
-                taken = offered is not None and memory.taken(offered, array_address(self.abi, value.value))
+                address = array_address(self.abi, value.value)
+                taken = offered is not None and memory.taken(offered, address)
             if taken:  # ORT's output is the worker's buffer: it is ORT's to free now
                 out.detach_buffer()
                 out_place += 1
                 continue
             if array.dtype == object:
                 write_strings(self.abi, value.value, array)
+            elif checked and array.flags.c_contiguous:  # ORT made it of this shape, and of this type as before
+                if array.nbytes:
+                    ctypes.memmove(address, array.ctypes.data, array.nbytes)
+                out_bytes += array.nbytes
             elif array.size:
                 np.copyto(tensor_view(self.abi, value.value), array, casting="no")
                 out_bytes += array.nbytes
             if isinstance(out, Tensor):
                 out.release()
-        factory.stats.count(in_bytes, out_bytes, in_place, out_place)
+        factory.stats.count(in_bytes, out_bytes, in_place, out_place, steady)
+
+
+class _ThreadCompute(threading.local):
+    """A compute info's state on one of ORT's threads: its steady call, and how many runs in a row made none."""
+
+    steady: "_SteadyCompute | None" = None
+    misses = 0
+
+
+class _SteadyCompute:
+    """One thread's Compute of a partition made again as the last one went (client/remote.py's SteadyCompute):
+    ORT's inputs of the types and shapes it was made with, each in this process's memory, sent as they are, the
+    outputs' bytes back, nothing looked up or made on the way (the tiny model through the bridge: 100-102 -> 79 µs a
+    run, against 34 through ephost's own session on the same worker and 5.5 on ORT's CPU EP in process)."""
+
+    __slots__ = ("_kinds", "_call")
+
+    def __init__(self, kinds: list[tuple[np.dtype, tuple[int, ...]]], call):
+        self._kinds, self._call = kinds, call
+
+    @classmethod
+    def of(cls, remote, inputs: list[Tensor], allocator, outputs: list[Any]) -> "_SteadyCompute | None":
+        """Where the Compute just made (`inputs`, arrays in this process's memory, and what it returned) is a kept
+        call on this thread's fast lane whose outputs all come back in its reply; else None."""
+        if not all(type(out) is Tensor and out.buffer is None for out in outputs):
+            return None
+        call = remote.steady(inputs, allocator, outputs)
+        if call is None or not call.inline:
+            return None
+        return cls([(t.dtype, t.shape) for t in inputs], call)
+
+    def __call__(self, arrays: list[np.ndarray]) -> tuple[list[Any], bool] | None:
+        """The outputs, and whether they are as the call was kept: arrays over the reply (True), else as compute
+        returns them (False: of other types or shapes); None where these inputs are not of the kinds it repeats, or
+        the call no longer repeats (nothing ran)."""
+        if len(arrays) != len(self._kinds):
+            return None
+        for array, (dtype, shape) in zip(arrays, self._kinds):
+            if array.dtype != dtype or array.shape != shape:
+                return None
+        return self._call(arrays, None)
