@@ -128,6 +128,35 @@ def test_repeated_computes_are_made_again_as_the_one_before_and_stay_right(npu):
     del session
 
 
+def test_inputs_of_any_rank_size_and_type_cross_the_bridge(npu):
+    """The kernel context's inputs are read in one call into records of up to 8 dimensions (ephost/ort/shim.c):
+    one of 9 dimensions is read the long way, a scalar and an empty tensor as they are; every output right, on
+    the general Compute and on the steady one after it."""
+    nodes = [helper.make_node("Relu", ["a"], ["ra"], name="relu"), helper.make_node("Neg", ["b"], ["nb"], name="neg"),
+             helper.make_node("Abs", ["c"], ["ac"], name="abs"), helper.make_node("Not", ["d"], ["nd"], name="not")]
+    long = (1, 2, 1, 2, 1, 2, 1, 2, 2)
+    model = models.model(nodes, [models.tensor("a", list(long)), models.tensor("b", [], onnx.TensorProto.INT64),
+                                 models.tensor("c", [0, 3]), models.tensor("d", [2], onnx.TensorProto.BOOL)],
+                         [models.tensor("ra", list(long)), models.tensor("nb", [], onnx.TensorProto.INT64),
+                          models.tensor("ac", [0, 3]), models.tensor("nd", [2], onnx.TensorProto.BOOL)])
+    session = session_on(npu, model)
+    assert set(owners(session).values()) == {npu}
+    rng = np.random.default_rng(5)
+    before = ephost.ort.stats(npu)
+    for _ in range(3):
+        a = rng.standard_normal(long).astype(np.float32)
+        b = np.array(rng.integers(-9, 9), np.int64)
+        d = rng.random(2) > 0.5
+        ra, nb, ac, nd = session.run(None, {"a": a, "b": b, "c": np.zeros((0, 3), np.float32), "d": d})
+        np.testing.assert_array_equal(ra, np.maximum(a, 0))
+        assert nb.shape == () and nb == -b
+        assert ac.shape == (0, 3) and ac.dtype == np.float32
+        np.testing.assert_array_equal(nd, ~d)
+    after = ephost.ort.stats(npu)
+    assert (after.computes - before.computes, after.computes_steady - before.computes_steady) == (3, 2)
+    del session
+
+
 @pytest.mark.parametrize("name", ["squeezenet", "resnet50"])
 def test_a_real_model_matches_onnx_runtime_alone(npu, name, caplog):
     path, _ = bundled_model(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from ctypes import c_int64, c_size_t, c_void_p
+from ctypes import c_size_t, c_void_p
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,7 +16,7 @@ from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
 from ephost.ort.graph_reader import GraphReader
-from ephost.ort.values import array_address, tensor_view, write_strings
+from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -189,22 +189,16 @@ class BridgeComputeInfo:
         })
         self.address = keep(self, self.struct)
         self._local = _ThreadCompute()
+        self._output_count: int | None = None
 
     def _state(self, state_out) -> None:
         state_out[0] = self.address
 
     def compute(self, context: int) -> None:
-        api, check = self.abi.api, self.abi.check
-        factory = self.ep.factory
-        n = c_size_t()
-        check(api.KernelContext_GetInputCount(context, ctypes.byref(n)), "KernelContext_GetInputCount")
-        arrays = []
-        for i in range(n.value):
-            value = c_void_p()
-            check(api.KernelContext_GetInput(context, i, ctypes.byref(value)), "KernelContext_GetInput")
-            if not value.value:
+        arrays = self.ep.factory.kernel_io.inputs(context)
+        for i, array in enumerate(arrays):
+            if array is None:
                 raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
-            arrays.append(tensor_view(self.abi, value.value))
         local = self._local
         if local.steady is not None:
             try:
@@ -261,38 +255,38 @@ class BridgeComputeInfo:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
         output tensor is the worker's buffer), the others' bytes copied into ORT's (`checked`: outputs of the
         types ORT's were found to have on an earlier Compute, copied without reading ORT's type again)."""
-        api, check = self.abi.api, self.abi.check
         factory = self.ep.factory
-        memory = factory.memory
-        n = c_size_t()
-        check(api.KernelContext_GetOutputCount(context, ctypes.byref(n)), "KernelContext_GetOutputCount")
-        if n.value != len(outputs):
-            raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects {n.value}")
+        memory, io = factory.memory, factory.kernel_io
+        if self._output_count is None:  # the fused node's, the same every Compute
+            n = c_size_t()
+            self.abi.check(self.abi.api.KernelContext_GetOutputCount(context, ctypes.byref(n)),
+                           "KernelContext_GetOutputCount")
+            self._output_count = n.value
+        if self._output_count != len(outputs):
+            raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects "
+                                    f"{self._output_count}")
         out_place = out_bytes = 0
         for i, out in enumerate(outputs):
             array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
-            dims = (c_int64 * array.ndim)(*array.shape)
             offered = memory.offer(out.buffer) if memory is not None and isinstance(out, Tensor) \
                 and out.buffer is not None else None
-            value = c_void_p()
+            value = address = 0
             try:
-                check(api.KernelContext_GetOutput(context, i, dims, array.ndim, ctypes.byref(value)),
-                      "KernelContext_GetOutput")
+                value, address = io.output(context, i, array.shape)
             finally:
-                address = array_address(self.abi, value.value)
                 taken = offered is not None and memory.taken(offered, address)
             if taken:  # ORT's output is the worker's buffer: it is ORT's to free now
                 out.detach_buffer()
                 out_place += 1
                 continue
             if array.dtype == object:
-                write_strings(self.abi, value.value, array)
+                write_strings(self.abi, value, array)
             elif checked and array.flags.c_contiguous:  # ORT made it of this shape, and of this type as before
                 if array.nbytes:
                     ctypes.memmove(address, array.ctypes.data, array.nbytes)
                 out_bytes += array.nbytes
             elif array.size:
-                np.copyto(tensor_view(self.abi, value.value), array, casting="no")
+                np.copyto(tensor_view(self.abi, value), array, casting="no")
                 out_bytes += array.nbytes
             if isinstance(out, Tensor):
                 out.release()

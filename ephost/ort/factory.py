@@ -13,6 +13,7 @@ from ephost.ort.ep import BridgeEp
 from ephost.ort.memory import BridgeMemory
 
 if TYPE_CHECKING:
+    from ephost.ort.kernel_io import KernelIO
     from ephost.ort.library import Binding
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ def provider_options(config_entries: dict[str, str], ep_name: str) -> dict[str, 
 
 
 class BridgeFactory:
-    def __init__(self, binding: "Binding", abi: A.OrtAbi):
+    def __init__(self, binding: "Binding", abi: A.OrtAbi, kernel_io: "KernelIO"):
         self.binding, self.abi = binding, abi
+        self.kernel_io = kernel_io  # what Compute reads its inputs and makes its outputs with
         self.stats = binding.stats
         self.name = binding.ort_name
         self.registration = binding.registration

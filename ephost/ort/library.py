@@ -16,6 +16,7 @@ from ephost.ort import abi as A
 from ephost.ort import callbacks
 from ephost.ort.build import built_library
 from ephost.ort.factory import BridgeFactory
+from ephost.ort.kernel_io import KernelIO
 from ephost.ort.stats import BridgeStats
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Library:
         self._bindings: dict[str, Binding] = {}
         self._lock = threading.Lock()
         self._abi: A.OrtAbi | None = None
+        self._kernel_io: KernelIO | None = None
         self._create = A.CreateEpFactoriesFn(self._create_factories)
         self._release = A.ReleaseEpFactoryFn(self._release_factory)
         self._cdll.ephost_ort_set_callbacks.argtypes = [c_void_p, c_void_p]
@@ -84,11 +86,12 @@ class Library:
         try:
             if self._abi is None:
                 self._abi = A.OrtAbi.load(api_base)
+                self._kernel_io = KernelIO(self._abi, self._cdll)
             binding = self.binding((name or b"").decode())
             if binding is None:
                 raise EpNotFound(f"{name.decode()!r} was registered with ONNX Runtime directly; register it with "
                                  "ephost.ort.register(name, target) instead")
-            factory = BridgeFactory(binding, self._abi)
+            factory = BridgeFactory(binding, self._abi, self._kernel_io)
             binding.factories.append(factory)
             factories[0] = factory.address
             num_factories[0] = 1

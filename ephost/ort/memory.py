@@ -16,7 +16,7 @@ import ctypes
 import logging
 import threading
 from ctypes import c_void_p
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,10 +44,10 @@ class Block:
     view: np.ndarray
     buffer: Buffer | None = None
     adopted: bool = False  # a partition's output handed over; freed back to the worker, not kept for reuse
+    address: int = field(init=False)  # where the view's data lies (ORT's pointer): asked every Alloc
 
-    @property
-    def address(self) -> int:
-        return self.view.ctypes.data
+    def __post_init__(self) -> None:
+        self.address = self.view.ctypes.data
 
 
 class BridgeMemory:

@@ -71,16 +71,16 @@ def write_strings(abi: OrtAbi, value: int, array: np.ndarray) -> None:
                   "FillStringTensor")
 
 
-def array_address(abi: OrtAbi, value: int | None) -> int:
-    """Where a tensor OrtValue's data lies (0 for none)."""
-    if not value:
-        return 0
+def array_at(abi: OrtAbi, value: int, elem: int, dims: list[int]) -> np.ndarray:
+    if not math.prod(dims):
+        return array_over(0, elem, dims)
     data = c_void_p()
     abi.check(abi.api.GetTensorMutableData(value, ctypes.byref(data)), "GetTensorMutableData")
-    return data.value or 0
+    return array_over(data.value, elem, dims)
 
 
-def array_at(abi: OrtAbi, value: int, elem: int, dims: list[int]) -> np.ndarray:
+def array_over(address: int, elem: int, dims: list[int]) -> np.ndarray:
+    """A numpy view of a tensor's data of ONNX element type `elem` at `address` (a new empty array for none)."""
     try:
         dtype = dtype_of(elem)
     except EpInvalidArgument:
@@ -91,7 +91,5 @@ def array_at(abi: OrtAbi, value: int, elem: int, dims: list[int]) -> np.ndarray:
     count = math.prod(dims)
     if count == 0:
         return np.empty(dims, dtype)
-    data = c_void_p()
-    abi.check(abi.api.GetTensorMutableData(value, ctypes.byref(data)), "GetTensorMutableData")
-    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(data.value)
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
     return np.frombuffer(raw, dtype).reshape(dims)

@@ -1,0 +1,91 @@
+"""Compute's reads and writes of ORT's kernel context through the shim's two helpers (shim.c): every input's type,
+shape and data in one call, an output made and located in one. Through ctypes each OrtApi call costs about a
+microsecond of Python, and one tensor's type, shape and data are six of them (the tiny model through the bridge,
+medians of 5000 runs: reading its input 12.1 -> 5.5 µs; writing its output 18.3 -> 12.9, with the fused node's
+output count read once and the device memory's blocks knowing their address)."""
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import POINTER, Structure, c_int32, c_int64, c_size_t, c_void_p
+
+import numpy as np
+
+from ephost.errors import EpInvalidArgument
+from ephost.ort.abi import OrtAbi
+from ephost.ort.values import STRING, array_over, tensor_view
+
+DIMS = 8  # EPHOST_DIMS: a tensor of more dimensions is read the long way
+MISSING, LONG = -2, -1  # ephost_tensor_t.rank of an input ORT gave none for, and of one of more than DIMS dimensions
+
+
+class _Tensor(Structure):
+    _fields_ = [("value", c_void_p), ("data", c_void_p), ("elem", c_int32), ("rank", c_int32),
+                ("dims", c_int64 * DIMS)]
+
+
+class _Api(Structure):
+    """ephost_kernel_api_t: the OrtApi functions the helpers call, in its order."""
+
+    _fields_ = [(name, c_void_p) for name in ("input_count", "input", "output", "type_and_shape", "element_type",
+                                              "dims_count", "dims", "release_info", "data")]
+
+
+class KernelIO:
+    """A kernel context's inputs as numpy views of ORT's memory, and its outputs made, through the loaded shim."""
+
+    def __init__(self, abi: OrtAbi, shim: ctypes.CDLL):
+        api = abi.api
+        functions = (api.KernelContext_GetInputCount, api.KernelContext_GetInput, api.KernelContext_GetOutput,
+                     api.GetTensorTypeAndShape, api.GetTensorElementType, api.GetDimensionsCount, api.GetDimensions,
+                     api.ReleaseTensorTypeAndShapeInfo, api.GetTensorMutableData)
+        self._abi = abi
+        self._api = _Api(*[ctypes.cast(f, c_void_p).value for f in functions])
+        self._api_at = ctypes.addressof(self._api)
+        self._read = shim.ephost_ort_inputs
+        self._read.restype = c_void_p
+        self._read.argtypes = [c_void_p, c_void_p, c_void_p, c_size_t, c_void_p]
+        self._make = shim.ephost_ort_output
+        self._make.restype = c_void_p
+        self._make.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_int64), c_size_t, c_void_p, c_void_p]
+        self._local = threading.local()  # per thread: the records the helpers fill
+
+    def inputs(self, context: int) -> list[np.ndarray | None]:
+        """The context's inputs (None for one ORT gave none for); strings read into an array of str."""
+        local = self._local
+        room = getattr(local, "room", None)
+        if room is None:
+            room = local.room = (_Tensor * 4)()
+            local.count = c_size_t()
+        count = local.count
+        self._abi.check(self._read(self._api_at, context, room, len(room), ctypes.addressof(count)),
+                        "reading the kernel context's inputs")
+        if count.value > len(room):  # more inputs than this thread has read before: room for them, and again
+            room = local.room = (_Tensor * count.value)()
+            self._abi.check(self._read(self._api_at, context, room, len(room), ctypes.addressof(count)),
+                            "reading the kernel context's inputs")
+        arrays: list[np.ndarray | None] = []
+        for i in range(count.value):
+            t = room[i]
+            rank, elem = t.rank, t.elem
+            if rank == MISSING:
+                arrays.append(None)
+            elif rank == LONG or elem == STRING:
+                arrays.append(tensor_view(self._abi, t.value))
+            else:
+                arrays.append(array_over(t.data, elem, t.dims[:rank]))
+        return arrays
+
+    def output(self, context: int, index: int, shape: tuple[int, ...]) -> tuple[int, int]:
+        """Output `index` made by ORT with this shape: its OrtValue, and where its data lies (0 for none)."""
+        local = self._local
+        value = getattr(local, "value", None)
+        if value is None:
+            value, data = local.value, local.data = c_void_p(), c_void_p()
+        else:
+            data = local.data
+        value.value = data.value = None
+        dims = (c_int64 * len(shape))(*shape)
+        self._abi.check(self._make(self._api_at, context, index, dims, len(shape), ctypes.addressof(value),
+                                   ctypes.addressof(data)), "KernelContext_GetOutput")
+        return value.value or 0, data.value or 0
