@@ -195,12 +195,14 @@ class BridgeComputeInfo:
         state_out[0] = self.address
 
     def compute(self, context: int) -> None:
-        arrays = self.ep.factory.kernel_io.inputs(context)
+        factory = self.ep.factory
+        arrays, addresses = factory.kernel_io.inputs(context)
         for i, array in enumerate(arrays):
             if array is None:
                 raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
         local = self._local
-        if local.steady is not None:
+        # (a tensor ORT holds in the worker's memory goes by handle: the general way)
+        if local.steady is not None and (factory.memory is None or not factory.memory.holds(addresses)):
             try:
                 made = local.steady(arrays)
             except BaseException:  # the worker died, say: the next Compute goes the general way, which waits for it
@@ -213,9 +215,9 @@ class BridgeComputeInfo:
                 return
             local.steady = None
             local.misses += 1
-        self._compute(context, arrays)
+        self._compute(context, arrays, addresses)
 
-    def _compute(self, context: int, arrays: list[np.ndarray]) -> None:
+    def _compute(self, context: int, arrays: list[np.ndarray], addresses: list[int]) -> None:
         """A Compute on the general path: ORT's tensors in the worker's memory named by handle, the others' bytes
         sent; a steady call made of it for the next Compute on this thread where it repeats (_SteadyCompute)."""
         factory = self.ep.factory
@@ -223,12 +225,12 @@ class BridgeComputeInfo:
         inputs: list[Any] = []
         in_place = in_bytes = 0
         plain = True
-        for array in arrays:
+        for array, address in zip(arrays, addresses):
             if array.dtype == object:
                 inputs.append(array)
                 plain = False
                 continue
-            buffer = memory.buffer_at(array.ctypes.data) if memory is not None and array.size else None
+            buffer = memory.buffer_at(address) if memory is not None and array.size else None
             if buffer is not None:  # in the worker's memory already: named by handle
                 inputs.append(Tensor(array.shape, array.dtype, buffer.memory_info, buffer=buffer))
                 in_place += 1

@@ -50,8 +50,9 @@ class KernelIO:
         self._make.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_int64), c_size_t, c_void_p, c_void_p]
         self._local = threading.local()  # per thread: the records the helpers fill
 
-    def inputs(self, context: int) -> list[np.ndarray | None]:
-        """The context's inputs (None for one ORT gave none for); strings read into an array of str."""
+    def inputs(self, context: int) -> tuple[list[np.ndarray | None], list[int]]:
+        """The context's inputs (None for one ORT gave none for; strings read into an array of str), and where
+        each one's data lies (0 for none, and for strings)."""
         local = self._local
         room = getattr(local, "room", None)
         if room is None:
@@ -65,16 +66,20 @@ class KernelIO:
             self._abi.check(self._read(self._api_at, context, room, len(room), ctypes.addressof(count)),
                             "reading the kernel context's inputs")
         arrays: list[np.ndarray | None] = []
+        addresses: list[int] = []
         for i in range(count.value):
             t = room[i]
             rank, elem = t.rank, t.elem
             if rank == MISSING:
                 arrays.append(None)
-            elif rank == LONG or elem == STRING:
+                addresses.append(0)
+                continue
+            if rank == LONG or elem == STRING:
                 arrays.append(tensor_view(self._abi, t.value))
             else:
                 arrays.append(array_over(t.data, elem, t.dims[:rank]))
-        return arrays
+            addresses.append(0 if elem == STRING else t.data or 0)
+        return arrays, addresses
 
     def output(self, context: int, index: int, shape: tuple[int, ...]) -> tuple[int, int]:
         """Output `index` made by ORT with this shape: its OrtValue, and where its data lies (0 for none)."""
