@@ -11,7 +11,6 @@ from ctypes import POINTER, Structure, c_int32, c_int64, c_size_t, c_void_p
 
 import numpy as np
 
-from ephost.errors import EpInvalidArgument
 from ephost.ort.abi import OrtAbi
 from ephost.ort.values import STRING, array_over, tensor_view
 
