@@ -201,8 +201,9 @@ class BridgeComputeInfo:
             if array is None:
                 raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
         local = self._local
-        # (a tensor ORT holds in the worker's memory goes by handle: the general way)
-        if local.steady is not None and (factory.memory is None or not factory.memory.holds(addresses)):
+        memory = factory.memory
+        # (a tensor ORT holds in the worker's memory goes by handle: the general way, which asks the same)
+        if local.steady is not None and (memory is None or not any(memory.buffer_at(a) for a in addresses if a)):
             try:
                 made = local.steady(arrays)
             except BaseException:  # the worker died, say: the next Compute goes the general way, which waits for it

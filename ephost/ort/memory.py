@@ -159,12 +159,6 @@ class BridgeMemory:
             return block.buffer
         return None
 
-    def holds(self, addresses: list[int]) -> bool:
-        """Whether ORT holds a tensor at any of these addresses in this memory (a cheap check, the block's owner
-        not asked: buffer_at says whether the running worker can name it)."""
-        blocks = self._blocks
-        return any(a in blocks for a in addresses)
-
     def offer(self, buffer: Buffer) -> Block | None:
         """Make `buffer` (a partition's output, mapped here) the next allocation this thread asks for, where it
         fits; `taken` then says whether ORT took it."""
