@@ -12,7 +12,8 @@ import pytest
 from onnx import helper
 
 import ephost.ort
-from ephost.ort.memory import VENDOR_ID
+from ephost.ort.memory import VENDOR_ID, BridgeMemory
+from ephost.ort.pool import SLOTS
 import models
 
 N = 1 << 18  # floats: 1 MiB tensors, above the size under which outputs come back inside the reply
@@ -32,14 +33,14 @@ def device_memory(name: str):
     return device.memory_info(ort.OrtDeviceMemoryType.DEFAULT)
 
 
-def split_around_cpu():
+def split_around_cpu(n: int = N):
     """y = Relu(x) and z = y + Gelu(y), with Gelu (com.microsoft) on ORT's CPU EP: fusing Relu and Add would put
     Gelu on a path between them, so the worker gets two partitions and the second reads the first's output."""
     nodes = [helper.make_node("Relu", ["x"], ["y"], name="A"),
              helper.make_node("Gelu", ["y"], ["c"], name="C", domain="com.microsoft"),
              helper.make_node("Add", ["y", "c"], ["z"], name="B")]
     opset = [*models.OPSET, helper.make_opsetid("com.microsoft", 1)]
-    return models.model(nodes, [models.tensor("x", [1, N])], [models.tensor("z", [1, N])], opset=opset)
+    return models.model(nodes, [models.tensor("x", [1, n])], [models.tensor("z", [1, n])], opset=opset)
 
 
 def delta(name: str, before) -> dict[str, int]:
@@ -157,3 +158,80 @@ def test_a_tensor_on_the_device_goes_by_handle_after_steady_computes_of_numpy_in
     assert delta(ref, before) == {"computes": 1, "bytes_in_copied": 0, "bytes_out_copied": x.nbytes,
                                   "inputs_in_place": 1, "outputs_in_place": 0}
     del binding, session
+
+
+def gelu_of(x: np.ndarray) -> np.ndarray:
+    """z of split_around_cpu, from ORT's CPU EP in process."""
+    return session_on("CPUExecutionProvider", split_around_cpu(x.shape[1])).run(None, {"x": x})[0]
+
+
+def test_steady_runs_allocate_and_free_in_the_bridged_memory_without_calling_python(ref, monkeypatch):
+    """ORT allocates each bridged partition's small outputs in the device memory and frees them after the run: the
+    shim's pool hands a freed block of the worker's back for the next allocation of its size, in C. Python is asked
+    for blocks on the first two runs only; the second partition still reads the first's output by handle every
+    run."""
+    calls = []
+    for name in ("alloc", "free"):
+        real = getattr(BridgeMemory, name)
+        monkeypatch.setattr(BridgeMemory, name, lambda self, arg, real=real, name=name: calls.append(name) or
+                            real(self, arg))
+    session = session_on(ref, split_around_cpu(16))
+    rng = np.random.default_rng(7)
+    for _ in range(2):  # the first run's y and z, then the block of ORT's memory pattern (its planned values)
+        first = rng.standard_normal((1, 16)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": first})[0], gelu_of(first), rtol=1e-5, atol=1e-6)
+    assert "alloc" in calls  # new blocks of the worker's, made in Python
+    calls.clear()
+    before = ephost.ort.stats(ref)
+    for _ in range(8):
+        x = rng.standard_normal((1, 16)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], gelu_of(x), rtol=1e-5, atol=1e-6)
+    assert calls == []
+    assert delta(ref, before)["inputs_in_place"] == 8
+    del session
+
+
+def test_more_sizes_than_the_pool_keeps_stay_right_and_the_latest_are_kept(ref, monkeypatch):
+    """Outputs of more sizes than the pool has slots for (a symbolic dimension, 80 sizes, twice over): every result
+    right; an idle block is let go (back to the worker) for each new one, so the worker's live buffers stay bounded
+    and the size used last is answered by the pool again."""
+    session = session_on(ref, models.chain(["Relu", "Neg"], shape=(1, "n")))
+    rng = np.random.default_rng(8)
+    for _ in range(2):
+        for n in range(1, 81):
+            x = rng.standard_normal((1, n)).astype(np.float32)
+            np.testing.assert_array_equal(session.run(None, {"x": x})[0], -np.maximum(x, 0))
+    assert ephost.ort.environment(ref).get_worker_stats(ref).buffers_live <= SLOTS + 8
+    calls = []
+    real = BridgeMemory.alloc
+    monkeypatch.setattr(BridgeMemory, "alloc", lambda self, n: calls.append(n) or real(self, n))
+    x = rng.standard_normal((1, 80)).astype(np.float32)
+    for _ in range(3):
+        np.testing.assert_array_equal(session.run(None, {"x": x})[0], -np.maximum(x, 0))
+    assert calls == []
+    del session
+
+
+def test_after_a_restart_small_outputs_are_the_new_workers_again():
+    """The pool's blocks lie in the memory of the worker that made them. After that worker crashes and another takes
+    its place, the pool lets them go: the first partition's small output is again a block of the running worker's,
+    which the second partition reads by handle (a dead worker's block would be copied in, run after run). The first
+    run after the restart may still get one: ORT allocates its memory pattern's block as the run starts."""
+    ephost.ort.register("crashy16", "chaos", {"wrap": "reference", "fault": "segfault", "at": "compute", "after": "7"})
+    try:
+        session = session_on("crashy16", split_around_cpu(16))
+        rng = np.random.default_rng(9)
+        for _ in range(3):  # computes 1-6; the first worker's blocks pooled
+            x = rng.standard_normal((1, 16)).astype(np.float32)
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], gelu_of(x), rtol=1e-5, atol=1e-6)
+        with pytest.raises(Exception, match=r"crashy16: Compute of .*(SIGSEGV|signal 11)"):
+            session.run(None, {"x": x})
+        for run in range(3):
+            before = ephost.ort.stats("crashy16")
+            x = rng.standard_normal((1, 16)).astype(np.float32)
+            np.testing.assert_allclose(session.run(None, {"x": x})[0], gelu_of(x), rtol=1e-5, atol=1e-6)
+            if run:
+                assert delta("crashy16", before)["inputs_in_place"] == 1
+        del session
+    finally:
+        ephost.ort.unregister("crashy16")

@@ -16,6 +16,7 @@ from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
 from ephost.ort.graph_reader import GraphReader
+from ephost.ort.kernel_io import KernelIO, shape_of
 from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor
 
@@ -179,12 +180,11 @@ class BridgeComputeInfo:
     def __init__(self, ep: BridgeEp, graph: FusedGraph, remote):
         self.ep, self.graph, self.remote = ep, graph, remote
         self.abi = ep.abi
-        guard = ep.guard
+        guard, what = ep.guard, f"Compute of {graph.name}"
         self.struct = A.OrtNodeComputeInfo()
         fill(self.struct, A.COMPUTE_INFO_FUNCTIONS, {
             "CreateState": lambda this, context, state: guard.status("CreateState", lambda: self._state(state)),
-            "Compute": lambda this, state, context: guard.status(f"Compute of {graph.name}",
-                                                                 lambda: self.compute(context)),
+            "Compute": lambda this, state, context: guard.status(what, lambda: self.compute(context)),
             "ReleaseState": lambda this, state: None,
         })
         self.address = keep(self, self.struct)
@@ -212,7 +212,12 @@ class BridgeComputeInfo:
             if made is not None:
                 outputs, kept = made
                 local.misses = 0
-                self._write_outputs(context, outputs, sum(a.nbytes for a in arrays), steady=True, checked=kept)
+                in_bytes = sum(a.nbytes for a in arrays)
+                if kept:  # as the call was kept: into ORT's outputs without a look at them
+                    factory.stats.count(in_bytes, local.steady.write(factory.kernel_io, context, outputs),
+                                        steady=True)
+                else:
+                    self._write_outputs(context, outputs, in_bytes, steady=True)
                 return
             local.steady = None
             local.misses += 1
@@ -243,6 +248,8 @@ class BridgeComputeInfo:
         # tiny model: ~450 µs more per run with every output in a buffer).
         allocator = factory.output_allocator()
         outputs = self.remote.compute(inputs, allocator)
+        if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
+            memory.refresh()
         self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place)
         local = self._local
         # Made after the outputs went into ORT's, their types checked against ORT's there: a steady call's outputs
@@ -254,10 +261,9 @@ class BridgeComputeInfo:
                 local.misses += 1
 
     def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0,
-                       steady: bool = False, checked: bool = False) -> None:
+                       steady: bool = False) -> None:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
-        output tensor is the worker's buffer), the others' bytes copied into ORT's (`checked`: outputs of the
-        types ORT's were found to have on an earlier Compute, copied without reading ORT's type again)."""
+        output tensor is the worker's buffer), the others' bytes copied into ORT's."""
         factory = self.ep.factory
         memory, io = factory.memory, factory.kernel_io
         if self._output_count is None:  # the fused node's, the same every Compute
@@ -284,10 +290,6 @@ class BridgeComputeInfo:
                 continue
             if array.dtype == object:
                 write_strings(self.abi, value, array)
-            elif checked and array.flags.c_contiguous:  # ORT made it of this shape, and of this type as before
-                if array.nbytes:
-                    ctypes.memmove(address, array.ctypes.data, array.nbytes)
-                out_bytes += array.nbytes
             elif array.size:
                 np.copyto(tensor_view(self.abi, value), array, casting="no")
                 out_bytes += array.nbytes
@@ -309,10 +311,11 @@ class _SteadyCompute:
     outputs' bytes back, nothing looked up or made on the way (the tiny model through the bridge: 100-102 -> 79 µs a
     run, against 34 through ephost's own session on the same worker and 5.5 on ORT's CPU EP in process)."""
 
-    __slots__ = ("_kinds", "_call")
+    __slots__ = ("_kinds", "_call", "_dims")
 
-    def __init__(self, kinds: list[tuple[np.dtype, tuple[int, ...]]], call):
+    def __init__(self, kinds: list[tuple[np.dtype, tuple[int, ...]]], call, dims: list):
         self._kinds, self._call = kinds, call
+        self._dims = dims  # each output's shape, as KernelIO.put takes it
 
     @classmethod
     def of(cls, remote, inputs: list[Tensor], allocator, outputs: list[Any]) -> "_SteadyCompute | None":
@@ -323,7 +326,7 @@ class _SteadyCompute:
         call = remote.steady(inputs, allocator, outputs)
         if call is None or not call.inline:
             return None
-        return cls([(t.dtype, t.shape) for t in inputs], call)
+        return cls([(t.dtype, t.shape) for t in inputs], call, [shape_of(out.shape) for out in outputs])
 
     def __call__(self, arrays: list[np.ndarray]) -> tuple[list[Any], bool] | None:
         """The outputs, and whether they are as the call was kept: arrays over the reply (True), else as compute
@@ -335,3 +338,13 @@ class _SteadyCompute:
             if array.dtype != dtype or array.shape != shape:
                 return None
         return self._call(arrays, None)
+
+    def write(self, io: KernelIO, context: int, arrays: list[np.ndarray]) -> int:
+        """The outputs of a call that went as kept (arrays over its reply, of the types and shapes of the general
+        Compute's, which went into ORT's outputs: checked against them there) copied into ORT's, made in the C
+        helper with the shapes kept; their bytes."""
+        nbytes = 0
+        for i, (array, dims) in enumerate(zip(arrays, self._dims)):
+            io.put(context, i, dims, array)
+            nbytes += array.nbytes
+        return nbytes

@@ -15,6 +15,7 @@ from ephost.ort.memory import BridgeMemory
 if TYPE_CHECKING:
     from ephost.ort.kernel_io import KernelIO
     from ephost.ort.library import Binding
+    from ephost.ort.pool import PoolFunctions
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def provider_options(config_entries: dict[str, str], ep_name: str) -> dict[str, 
 
 
 class BridgeFactory:
-    def __init__(self, binding: "Binding", abi: A.OrtAbi, kernel_io: "KernelIO"):
+    def __init__(self, binding: "Binding", abi: A.OrtAbi, kernel_io: "KernelIO", pools: "PoolFunctions"):
         self.binding, self.abi = binding, abi
         self.kernel_io = kernel_io  # what Compute reads its inputs and makes its outputs with
         self.stats = binding.stats
@@ -40,7 +41,7 @@ class BridgeFactory:
         self._strings = Strings()
         self._device_of: dict[int, int] = {}  # OrtHardwareDevice* -> the worker's device index
         # the EP's device memory: the worker's shared memory, where it shares this process's host
-        self.memory = BridgeMemory(abi, self.name, self.registration) \
+        self.memory = BridgeMemory(abi, self.name, self.registration, pools) \
             if BridgeMemory.available(self.registration) else None
         remote = self.registration.factory
         text = lambda what, fn: lambda this: self.guard.quiet(what, lambda: self._strings(fn()))  # noqa: E731
@@ -60,7 +61,8 @@ class BridgeFactory:
             "CreateAllocator": lambda this, memory_info, options, out: self.guard.status(
                 "CreateAllocator", lambda: self._allocator(memory_info, out)),
             "ReleaseAllocator": lambda this, allocator: None,  # one allocator, released with the factory
-            "CreateDataTransfer": lambda this, out: self.guard.status("CreateDataTransfer", lambda: self._set_null(out)),
+            "CreateDataTransfer": lambda this, out: self.guard.status("CreateDataTransfer",
+                                                                      lambda: self._set_null(out)),
             "IsStreamAware": lambda this: False,
             "CreateSyncStreamForDevice": lambda this, device, options, out: self.guard.status(
                 "CreateSyncStreamForDevice", lambda: self._set_null(out)),

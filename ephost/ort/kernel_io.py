@@ -47,6 +47,9 @@ class KernelIO:
         self._make = shim.ephost_ort_output
         self._make.restype = c_void_p
         self._make.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_int64), c_size_t, c_void_p, c_void_p]
+        self._put = shim.ephost_ort_put
+        self._put.restype = c_void_p
+        self._put.argtypes = [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_void_p, c_size_t]
         self._local = threading.local()  # per thread: the records the helpers fill
 
     def inputs(self, context: int) -> tuple[list[np.ndarray | None], list[int]]:
@@ -89,7 +92,18 @@ class KernelIO:
         else:
             data = local.data
         value.value = data.value = None
-        dims = (c_int64 * len(shape))(*shape)
+        dims = shape_of(shape)
         self._abi.check(self._make(self._api_at, context, index, dims, len(shape), ctypes.addressof(value),
                                    ctypes.addressof(data)), "KernelContext_GetOutput")
         return value.value or 0, data.value or 0
+
+    def put(self, context: int, index: int, dims: "ctypes.Array", array: np.ndarray) -> None:
+        """Output `index` made with these dimensions (`shape_of(array.shape)`) and the array's bytes copied in: a
+        C-contiguous array of the type ORT's output was found to have (not checked here)."""
+        self._abi.check(self._put(self._api_at, context, index, dims, len(dims), array.ctypes.data, array.nbytes),
+                        "KernelContext_GetOutput")
+
+
+def shape_of(shape: tuple[int, ...]) -> "ctypes.Array":
+    """A shape as the helpers take it."""
+    return (c_int64 * len(shape))(*shape)

@@ -17,6 +17,7 @@ from ephost.ort import callbacks
 from ephost.ort.build import built_library
 from ephost.ort.factory import BridgeFactory
 from ephost.ort.kernel_io import KernelIO
+from ephost.ort.pool import PoolFunctions
 from ephost.ort.stats import BridgeStats
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Library:
         self._lock = threading.Lock()
         self._abi: A.OrtAbi | None = None
         self._kernel_io: KernelIO | None = None
+        self._pools: PoolFunctions | None = None
         self._create = A.CreateEpFactoriesFn(self._create_factories)
         self._release = A.ReleaseEpFactoryFn(self._release_factory)
         self._cdll.ephost_ort_set_callbacks.argtypes = [c_void_p, c_void_p]
@@ -87,11 +89,12 @@ class Library:
             if self._abi is None:
                 self._abi = A.OrtAbi.load(api_base)
                 self._kernel_io = KernelIO(self._abi, self._cdll)
+                self._pools = PoolFunctions(self._cdll)
             binding = self.binding((name or b"").decode())
             if binding is None:
                 raise EpNotFound(f"{name.decode()!r} was registered with ONNX Runtime directly; register it with "
                                  "ephost.ort.register(name, target) instead")
-            factory = BridgeFactory(binding, self._abi, self._kernel_io)
+            factory = BridgeFactory(binding, self._abi, self._kernel_io, self._pools)
             binding.factories.append(factory)
             factories[0] = factory.address
             num_factories[0] = 1

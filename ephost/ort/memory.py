@@ -25,6 +25,7 @@ from ephost.errors import EpError
 from ephost.memory import Buffer
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, fill, forget, keep
+from ephost.ort.pool import PoolFunctions
 from ephost.client.handles import owned
 
 if TYPE_CHECKING:
@@ -52,11 +53,12 @@ class Block:
 
 class BridgeMemory:
     """OrtAllocator over the worker's shared memory, for one registration. Freed blocks of the worker's are kept
-    by size for the next allocation (a steady stream of runs asks the worker for nothing); at most IDLE_BYTES."""
+    by size for the next allocation (a steady stream of runs asks the worker for nothing); at most IDLE_BYTES.
+    The shim's pool (ephost/ort/pool.py) keeps them and answers ORT's Alloc and Free of them without Python."""
 
     IDLE_BYTES = 256 << 20
 
-    def __init__(self, abi: A.OrtAbi, name: str, registration: "Registration"):
+    def __init__(self, abi: A.OrtAbi, name: str, registration: "Registration", pools: PoolFunctions):
         self.abi, self.registration = abi, registration
         self.guard = Guard(abi, name)
         info = c_void_p()
@@ -64,20 +66,24 @@ class BridgeMemory:
                                               A.MEMORY_TYPE_DEFAULT, ALIGNMENT, A.DEVICE_ALLOCATOR,
                                               ctypes.byref(info)), "CreateMemoryInfo_V2")
         self.info = info.value
-        self._blocks: dict[int, Block] = {}  # address -> what ORT holds there
-        self._idle: dict[int, list[Block]] = {}
-        self._idle_bytes = 0
+        self._blocks: dict[int, Block] = {}  # address -> what ORT holds there, or the pool holds idle
         self._lock = threading.Lock()
         self._offered = threading.local()  # the output Compute is about to hand over, on the thread that asks
-        alloc = lambda this, nbytes: self.guard.quiet("Alloc", lambda: self.alloc(nbytes), 0)  # noqa: E731
-        self.struct = A.OrtAllocator()
+        self._pools = pools
+        self._worker = registration.link.current if registration.link is not None else None  # the pool's blocks'
+        # Python's Alloc and Free, for what the pool does not hold (kept alive here: the pool calls them)
+        self._python = (A.ALLOCATOR_FUNCTIONS["Alloc"](
+                            lambda this, nbytes: self.guard.quiet("Alloc", lambda: self.alloc(nbytes), 0)),
+                        A.ALLOCATOR_FUNCTIONS["Free"](lambda this, p: self.guard.quiet("Free", lambda: self.free(p))))
+        self.pool = pools.new(*self._python, self.IDLE_BYTES)
+        self.struct = A.OrtAllocator.from_address(self.pool)  # the pool's first member
         fill(self.struct, A.ALLOCATOR_FUNCTIONS, {
-            "Alloc": alloc,
-            "Free": lambda this, p: self.guard.quiet("Free", lambda: self.free(p)),
+            "Alloc": pools.alloc,
+            "Free": pools.free,
             "Info": lambda this: self.info,
-            "Reserve": alloc,
+            "Reserve": pools.alloc,
             "GetStats": lambda this, out: self.guard.status("GetStats", lambda: self._stats(out)),
-            "AllocOnStream": lambda this, nbytes, stream: alloc(this, nbytes),
+            "AllocOnStream": pools.alloc_on_stream,
         })
         self.address = keep(self, self.struct)
 
@@ -91,51 +97,65 @@ class BridgeMemory:
     # --- OrtAllocator ---
 
     def alloc(self, nbytes: int) -> int:
+        """What the pool did not answer: the partition's output offered on this thread, else a new block, which
+        the pool keeps from its Free on where it is the worker's."""
+        self.refresh()
         block = getattr(self._offered, "block", None)
         if block is not None and nbytes <= block.view.nbytes:
             self._offered.block = None
             block.adopted = True
         else:
-            block = self._idle_block(nbytes) or self._new_block(nbytes)
+            block = self._new_block(nbytes)
         with self._lock:
             self._blocks[block.address] = block
+        if block.buffer is not None and not block.adopted:
+            _, evicted = self._pools.track(self.pool, block.address, nbytes)
+            if evicted:
+                self._let_go([evicted])
         return block.address
 
     def free(self, address: int) -> None:
+        """What the pool does not keep: a block handed over in place, one past its idle bytes or slots, private
+        memory; the worker's go back to it."""
         with self._lock:
             block = self._blocks.pop(address, None)
-            if block is None or block.buffer is None:
-                return
-            mine = owned(block.buffer, self.registration.link)
-            if mine and not block.adopted and self._idle_bytes + block.buffer.nbytes <= self.IDLE_BYTES:
-                self._idle.setdefault(block.buffer.nbytes, []).append(block)
-                self._idle_bytes += block.buffer.nbytes
-                return
-        if mine:  # a dead worker's memory went with it (the mapping here goes with the view)
+        if block is not None and block.buffer is not None and owned(block.buffer, self.registration.link):
             try:
                 self.registration.session_allocator().free_later(block.buffer)
             except EpError as e:  # the registration is closing: its worker takes its memory with it
                 log.debug("freeing a block: %s", e)
 
+    def refresh(self) -> None:
+        """Where the worker was replaced, the pool lets go of the blocks in the memory of the one gone (those ORT
+        holds are freed through Python, and dropped, as it frees them): its memory is not named by handle, and
+        stays mapped here only as long as a block holds it."""
+        link = self.registration.link
+        current = link.current if link is not None else None
+        if current is not self._worker:
+            self._worker = current
+            self._let_go(self._pools.drain(self.pool))
+
+    def _let_go(self, addresses: list[int]) -> None:
+        """Idle blocks the pool let go of, given back to the worker where they are its."""
+        with self._lock:
+            blocks = [self._blocks.pop(a, None) for a in addresses]
+        mine = [b.buffer for b in blocks if b is not None and b.buffer is not None
+                and owned(b.buffer, self.registration.link)]
+        if mine:
+            try:
+                self.registration.session_allocator().free_many(mine)
+            except EpError as e:  # the registration is closing: its worker takes its memory with it
+                log.debug("freeing idle blocks: %s", e)
+
     def _stats(self, out) -> None:
         kvps = c_void_p()
         self.abi.api.CreateKeyValuePairs(ctypes.byref(kvps))
+        idle, idle_blocks = self._pools.idle(self.pool)
         with self._lock:
-            held, idle = len(self._blocks), self._idle_bytes
+            held = len(self._blocks) - idle_blocks
         self.abi.api.AddKeyValuePair(kvps, b"NumAllocs", str(held).encode())
         self.abi.api.AddKeyValuePair(kvps, b"IdleBytes", str(idle).encode())
         out[0] = kvps.value
-
-    def _idle_block(self, nbytes: int) -> Block | None:
-        link = self.registration.link
-        with self._lock:
-            blocks = self._idle.get(nbytes)
-            while blocks:
-                block = blocks.pop()
-                self._idle_bytes -= nbytes
-                if owned(block.buffer, link):
-                    return block
-        return None
 
     def _new_block(self, nbytes: int) -> Block:
         try:
@@ -166,11 +186,13 @@ class BridgeMemory:
         if view is None or not view.nbytes:
             return None
         block = self._offered.block = Block(view, buffer)
+        self._pools.offer(self.pool)  # the pool leaves this thread's next Alloc to Python
         return block
 
     def taken(self, block: Block, address: int) -> bool:
         """Whether ORT's output (at `address`) is the offered buffer; the offer ends here either way."""
         self._offered.block = None
+        self._pools.offer(None)
         if not block.adopted:
             return False  # ORT had the output allocated already (a bound output it kept): the bridge copies
         if block.address == address:
@@ -181,15 +203,7 @@ class BridgeMemory:
         return False
 
     def release(self) -> None:
-        """With the factory. The OrtMemoryInfo stays: ORT's EpDevices hold the pointer itself, and may outlive
-        this by a moment (a small object per registration)."""
-        with self._lock:
-            idle = [b.buffer for blocks in self._idle.values() for b in blocks]
-            self._idle.clear()
-            self._idle_bytes = 0
+        """With the factory. The OrtMemoryInfo and the pool stay: ORT's EpDevices hold the pointer itself, and may
+        outlive this by a moment (small objects per registration); an Alloc after this goes to Python."""
+        self._let_go(self._pools.drain(self.pool))
         forget(self.address)
-        if idle and owned(idle[0], self.registration.link):
-            try:
-                self.registration.session_allocator().free_many(idle)
-            except EpError as e:
-                log.debug("freeing idle blocks: %s", e)

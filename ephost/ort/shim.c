@@ -1,11 +1,15 @@
 /* SPDX-License-Identifier: MIT
  * ephost's ONNX Runtime plugin EP library: the two symbols ORT looks up, forwarded to functions that
  * ephost.ort sets from Python (ctypes) before it registers this library. All EP logic is in Python; below them,
- * the two reads and writes of a kernel context that Compute makes every run, done here in one call each.
+ * the two reads and writes of a kernel context that Compute makes every run, done here in one call each, and the
+ * common case of the bridged device's allocator.
  * Until they are set (or after they are cleared at interpreter exit) CreateEpFactories fails with a status
  * and ReleaseEpFactory does nothing. */
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef void *(*create_fn)(const char *name, const void *api_base, const void *logger, void **factories,
                            size_t max_factories, size_t *num_factories);
@@ -99,3 +103,147 @@ void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, size_t in
   void *status = api->output(context, index, dims, rank, value);
   return status ? status : api->data(*value, data);
 }
+
+/* Output `index` made with these dimensions and `nbytes` copied into it from src (a steady Compute's output, of
+ * the type ORT's was found to have before). */
+void *ephost_ort_put(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims, size_t rank,
+                     const void *src, size_t nbytes) {
+  void *value = 0, *data = 0;
+  void *status = ephost_ort_output(api, context, index, dims, rank, &value, &data);
+  if (!status && nbytes) memcpy(data, src, nbytes);
+  return status;
+}
+
+/* The bridged device's allocator (ephost/ort/memory.py), its common case here: ORT allocates each bridged
+ * partition's outputs in the device memory and frees them after the run, two calls into Python a run each
+ * (about 5 µs with ctypes' trampolines, on a Compute of 60). A pool keeps the blocks Python made in the worker's
+ * memory: a block ORT frees waits idle here and is handed back for the next allocation of its size, Python asked
+ * only for what the pool does not hold (a new size, a partition's output offered in place, private memory).
+ * The pool begins with an OrtAllocator (filled from Python), so ORT calls these with the pool itself. */
+#define EPHOST_POOL 64
+enum { SLOT_EMPTY, SLOT_IDLE, SLOT_HANDED };
+
+typedef void *(*pool_alloc_fn)(void *self, size_t size);
+typedef void (*pool_free_fn)(void *self, void *p);
+
+typedef struct {
+  uint32_t version; /* OrtAllocator's members, as onnxruntime_c_api.h lays them out */
+  void *alloc, *free, *info, *reserve, *get_stats, *alloc_on_stream;
+  pool_alloc_fn python_alloc; /* what the pool does not hold goes to Python's */
+  pool_free_fn python_free;
+  pthread_mutex_t lock;
+  size_t idle_bytes, idle_limit;
+  struct { void *p; size_t size; int state; } slots[EPHOST_POOL];
+} ephost_pool_t;
+
+/* The pool whose next Alloc on this thread Python answers (a partition's output it offers ORT in place). */
+static __thread const ephost_pool_t *g_offered;
+
+/* A pool, never freed: ORT may hold its allocator past the registration (a small object per registration). */
+ephost_pool_t *ephost_pool_new(pool_alloc_fn python_alloc, pool_free_fn python_free, size_t idle_limit) {
+  ephost_pool_t *pool = calloc(1, sizeof *pool);
+  if (!pool) return 0;
+  pool->python_alloc = python_alloc;
+  pool->python_free = python_free;
+  pool->idle_limit = idle_limit;
+  pthread_mutex_init(&pool->lock, 0);
+  return pool;
+}
+
+void *ephost_pool_alloc(void *self, size_t size) {
+  ephost_pool_t *pool = self;
+  if (g_offered != pool) {
+    pthread_mutex_lock(&pool->lock);
+    for (int i = 0; i < EPHOST_POOL; i++) {
+      if (pool->slots[i].state == SLOT_IDLE && pool->slots[i].size == size) {
+        pool->slots[i].state = SLOT_HANDED;
+        pool->idle_bytes -= size;
+        void *p = pool->slots[i].p;
+        pthread_mutex_unlock(&pool->lock);
+        return p;
+      }
+    }
+    pthread_mutex_unlock(&pool->lock);
+  }
+  return pool->python_alloc(self, size);
+}
+
+void *ephost_pool_alloc_on_stream(void *self, size_t size, void *stream) {
+  (void)stream;
+  return ephost_pool_alloc(self, size);
+}
+
+void ephost_pool_free(void *self, void *p) {
+  ephost_pool_t *pool = self;
+  pthread_mutex_lock(&pool->lock);
+  for (int i = 0; i < EPHOST_POOL; i++) {
+    if (pool->slots[i].state == SLOT_HANDED && pool->slots[i].p == p) {
+      if (pool->idle_bytes + pool->slots[i].size <= pool->idle_limit) {
+        pool->slots[i].state = SLOT_IDLE;
+        pool->idle_bytes += pool->slots[i].size;
+        pthread_mutex_unlock(&pool->lock);
+        return;
+      }
+      pool->slots[i].state = SLOT_EMPTY; /* no room to keep it idle: Python gives it back to the worker */
+      break;
+    }
+  }
+  pthread_mutex_unlock(&pool->lock);
+  pool->python_free(self, p);
+}
+
+/* Python made block p of `size` bytes for an Alloc and lets the pool keep it from its Free on. Where no slot is
+ * free, an idle block is let go for it: *evicted says which (Python frees it; NULL: none). 0 where not kept (every
+ * slot's block is in use): its Free goes to Python. */
+int ephost_pool_track(void *self, void *p, size_t size, void **evicted) {
+  ephost_pool_t *pool = self;
+  int empty = -1, idle = -1;
+  *evicted = 0;
+  pthread_mutex_lock(&pool->lock);
+  for (int i = 0; i < EPHOST_POOL && empty < 0; i++) {
+    if (pool->slots[i].state == SLOT_EMPTY) empty = i;
+    else if (pool->slots[i].state == SLOT_IDLE && idle < 0) idle = i;
+  }
+  if (empty < 0 && idle >= 0) {
+    *evicted = pool->slots[idle].p;
+    pool->idle_bytes -= pool->slots[idle].size;
+    empty = idle;
+  }
+  if (empty >= 0) {
+    pool->slots[empty].p = p;
+    pool->slots[empty].size = size;
+    pool->slots[empty].state = SLOT_HANDED;
+  }
+  pthread_mutex_unlock(&pool->lock);
+  return empty >= 0;
+}
+
+/* Let go of every block: the idle ones' addresses into idle[] (at most EPHOST_POOL; Python frees them), their
+ * count returned; those ORT holds are freed through Python from now on. */
+size_t ephost_pool_drain(void *self, void **idle) {
+  ephost_pool_t *pool = self;
+  size_t n = 0;
+  pthread_mutex_lock(&pool->lock);
+  for (int i = 0; i < EPHOST_POOL; i++) {
+    if (pool->slots[i].state == SLOT_IDLE) idle[n++] = pool->slots[i].p;
+    pool->slots[i].state = SLOT_EMPTY;
+  }
+  pool->idle_bytes = 0;
+  pthread_mutex_unlock(&pool->lock);
+  return n;
+}
+
+/* The bytes of the blocks the pool holds idle, and (*idle_blocks) how many. */
+size_t ephost_pool_idle_bytes(void *self, size_t *idle_blocks) {
+  ephost_pool_t *pool = self;
+  size_t n = 0, bytes;
+  pthread_mutex_lock(&pool->lock);
+  for (int i = 0; i < EPHOST_POOL; i++) n += pool->slots[i].state == SLOT_IDLE;
+  bytes = pool->idle_bytes;
+  pthread_mutex_unlock(&pool->lock);
+  *idle_blocks = n;
+  return bytes;
+}
+
+/* The next Alloc of `pool` on this thread goes to Python (NULL: none does). */
+void ephost_pool_offer(const ephost_pool_t *pool) { g_offered = pool; }
