@@ -111,19 +111,13 @@ class BridgeMemory:
         if block.buffer is not None and not block.adopted:
             _, evicted = self._pools.track(self.pool, block.address, nbytes)
             if evicted:
-                self._let_go([evicted])
+                self._give_back([evicted])
         return block.address
 
     def free(self, address: int) -> None:
         """What the pool does not keep: a block handed over in place, one past its idle bytes or slots, private
-        memory; the worker's go back to it."""
-        with self._lock:
-            block = self._blocks.pop(address, None)
-        if block is not None and block.buffer is not None and owned(block.buffer, self.registration.link):
-            try:
-                self.registration.session_allocator().free_later(block.buffer)
-            except EpError as e:  # the registration is closing: its worker takes its memory with it
-                log.debug("freeing a block: %s", e)
+        memory."""
+        self._give_back([address])
 
     def refresh(self) -> None:
         """Where the worker was replaced, the pool lets go of the blocks in the memory of the one gone (those ORT
@@ -133,19 +127,26 @@ class BridgeMemory:
         current = link.current if link is not None else None
         if current is not self._worker:
             self._worker = current
-            self._let_go(self._pools.drain(self.pool))
+            self._give_back(self._pools.drain(self.pool))
 
-    def _let_go(self, addresses: list[int]) -> None:
-        """Idle blocks the pool let go of, given back to the worker where they are its."""
+    def _give_back(self, addresses: list[int], now: bool = False) -> None:
+        """Blocks ORT or the pool let go of: the worker's back to it (batched with its other frees, or `now`), a
+        dead worker's and private memory dropped (their mapping goes with the last view)."""
         with self._lock:
             blocks = [self._blocks.pop(a, None) for a in addresses]
         mine = [b.buffer for b in blocks if b is not None and b.buffer is not None
                 and owned(b.buffer, self.registration.link)]
-        if mine:
-            try:
-                self.registration.session_allocator().free_many(mine)
-            except EpError as e:  # the registration is closing: its worker takes its memory with it
-                log.debug("freeing idle blocks: %s", e)
+        if not mine:
+            return
+        try:
+            allocator = self.registration.session_allocator()
+            if now:
+                allocator.free_many(mine)
+            else:
+                for buffer in mine:
+                    allocator.free_later(buffer)
+        except EpError as e:  # the registration is closing: its worker takes its memory with it
+            log.debug("freeing blocks: %s", e)
 
     def _stats(self, out) -> None:
         kvps = c_void_p()
@@ -205,5 +206,5 @@ class BridgeMemory:
     def release(self) -> None:
         """With the factory. The OrtMemoryInfo and the pool stay: ORT's EpDevices hold the pointer itself, and may
         outlive this by a moment (small objects per registration); an Alloc after this goes to Python."""
-        self._let_go(self._pools.drain(self.pool))
+        self._give_back(self._pools.drain(self.pool), now=True)
         forget(self.address)
