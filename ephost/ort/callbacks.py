@@ -98,11 +98,16 @@ class Guard:
             body()
             return None
         except BaseException as e:  # noqa: BLE001 - nothing may unwind into ORT
-            log.warning("%s: %s failed: %s", self.name, what, describe(e))
-            try:
-                return self.abi.status(A.ORT_EP_FAIL, f"{self.name}: {what}: {describe(e)}")
-            except BaseException:  # noqa: BLE001
-                return None
+            return self.failed(what, e)
+
+    def failed(self, what: str, error: BaseException) -> int | None:
+        """The OrtStatus of a callback that raised `error` (logged), for a callback that catches it itself (one
+        called every run, where a closure a call costs)."""
+        log.warning("%s: %s failed: %s", self.name, what, describe(error))
+        try:
+            return self.abi.status(A.ORT_EP_FAIL, f"{self.name}: {what}: {describe(error)}")
+        except BaseException:  # noqa: BLE001
+            return None
 
     def quiet(self, what: str, body: Callable[[], object], default=None):
         log.debug("%s: %s", self.name, what)
