@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_int, c_size_t, c_void_p
 
+from ephost.errors import EpResourceExhausted
+
 SLOTS = 64  # EPHOST_POOL: the blocks one pool keeps, idle or held by ORT
 
 
@@ -43,7 +45,7 @@ class PoolFunctions:
         most `idle_limit` bytes idle."""
         address = self._new(ctypes.cast(python_alloc, c_void_p), ctypes.cast(python_free, c_void_p), idle_limit)
         if not address:
-            raise MemoryError("no memory for the bridged device's allocator")
+            raise EpResourceExhausted("no memory for the bridged device's allocator pool")
         return address
 
     def track(self, pool: int, address: int, nbytes: int) -> tuple[bool, int]:
