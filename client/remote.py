@@ -212,13 +212,13 @@ class RemoteComputeInfo(RemoteHandle):
         if kept is None or (keep and allocator is None) or (targets and self._owned(targets) is not targets):
             return None
         layout, _, nbytes, large, named = kept
-        kinds, sizes = self._kinds(inputs, layout, large)
-        buffers = self._staging.buffers(kinds, sizes) if large else ()
         placed = tuple(i for i in keep if i not in targets)
         repeat = conn.lane.repeater(COMPUTE, self._key(allocator, layout, targets, placed))
         if repeat is None or repeat.outputs != [(getattr(v, "shape", None), getattr(v, "dtype", None))
                                                 for i, v in enumerate(outputs) if i not in targets]:
             return None
+        kinds, sizes = self._kinds(inputs, layout, large)
+        buffers = self._staging.buffers(kinds, sizes) if large else ()  # (the worker's memory: only for a kept call)
         # Outputs too large to come back in the reply, left in new buffers of the worker's though not in `keep`
         # (as the call was kept: the run it is made from may have had them from elsewhere, the failure policy's
         # fallback)

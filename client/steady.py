@@ -122,6 +122,16 @@ class ScratchStep:
         return out, self._compute is not None
 
 
+def _made(make: Callable[..., Any], *args) -> Any:
+    """A kept call made by `make(*args)`, or None where it cannot be made now (its worker died since the run it is
+    made from, or has no memory for the staging buffers): that run's outputs stand whatever this does, and the
+    next run goes the general path, under the failure policy."""
+    try:
+        return make(*args)
+    except EpError:
+        return None
+
+
 def _as_made(outputs: Sequence[Any], made: Sequence[tuple[np.dtype, tuple[int, ...], bool]]) -> list | None:
     """A step's outputs as a steady run hands them on, where each is a tensor of the type and shape the general
     run saw (`made`: each one's dtype, shape and whether it stays where it was made): arrays, but those that stay
@@ -219,7 +229,7 @@ class SteadyRun:
             elif scratch:
                 compute = ScratchStep.of(p, outputs, scratch)
             else:
-                compute = steady(inputs, p.allocator, outputs, p.keep)
+                compute = _made(steady, inputs, p.allocator, outputs, p.keep)
             if compute is None:
                 return None
             if steady is not None:  # what another worker left, read here through this process's mapping
@@ -336,7 +346,7 @@ class SteadyBinding:
         tensors = {p.graph.outputs.index(n): b.tensor for n, b in binding.bound_outputs().items()
                    if b.tensor is not None}
         bound = getattr(p.compute_info, "bound_steady", None)
-        compute = bound(inputs, p.allocator, made, tensors) if bound is not None else None
+        compute = _made(bound, inputs, p.allocator, made, tensors) if bound is not None else None
         if compute is None:
             return None
         raw = p.allocator.memory_info if p.allocator is not None else None

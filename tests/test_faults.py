@@ -269,6 +269,22 @@ def test_crash_limit_marks_the_ep_failed_and_fallback_takes_over():
 
 
 @pytest.mark.timeout(60)
+def test_an_ep_whose_every_allocation_fails_falls_back_run_after_run():
+    # Each run's Compute fails in its Alloc and falls back; a run after one with the same feeds then makes its
+    # steady run, which must not ask the worker for memory for a call it did not keep (nor fail a run whose
+    # outputs are made where making it fails: CI saw a worker killed just then raise out of a run that fell back)
+    env = ephost.Environment()
+    env.register_execution_provider_library("chaos", "chaos", {"fault": "raise", "at": "alloc", "every": "1"})
+    try:
+        with session(env, "fallback") as s:
+            for _ in range(4):
+                np.testing.assert_allclose(s.run(None, {"x": X})[0], EXPECTED, rtol=1e-6)
+            assert s.failure_counters["failed"] == 4 and s.failure_counters["fell back"] == 4
+    finally:
+        env.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_hang_past_the_run_deadline_kills_the_worker_and_the_next_run_works():
     env = chaos_env("hang", "compute")
     try:
