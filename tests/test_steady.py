@@ -2,6 +2,7 @@
 kept calls, and the general path wherever anything it was made with changed."""
 from __future__ import annotations
 
+import signal
 import threading
 
 import numpy as np
@@ -169,6 +170,36 @@ def test_a_worker_that_dies_in_a_steady_run_is_answered_by_the_failure_policy(po
             for _ in range(2):  # (the new worker's 4th Compute would die too)
                 check(s, feeds(rng))
             assert s.failure_counters["runs"] == 6
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_worker_dies_as_its_steady_run_is_made_gives_its_outputs():
+    """The worker's EP dies (a real SIGSEGV) in an Alloc made as a run makes its steady run (its staging buffers,
+    where the thread's are not the worker's; CI once saw a worker killed just then): the run's outputs were made
+    and stand; the runs after it are right, on the restarted worker."""
+    rng = np.random.default_rng(5)
+    with ephost.Environment() as env:
+        # The worker's first Alloc is the first run's staging buffer; it dies in its second
+        env.register_execution_provider_library("w", "chaos", {
+            "wrap": "onnxruntime", "fault": "segfault", "at": "alloc", "after": "2", "intra_op_num_threads": "1"})
+        options = options_for(env, "w")
+        options.ep_failure_policy = "retry"
+        with InferenceSession(staged_model(), options, env=env) as s:
+            (partition,) = s._runner.partitions
+            info, steady, dead = partition.compute_info, partition.compute_info.steady, []
+
+            def allocating(*args, **kwargs):
+                dead.append(env.registration("w").process)
+                partition.allocator.alloc(1 << 20)  # the worker's second Alloc, as a staging buffer's
+                return steady(*args, **kwargs)
+
+            info.steady = allocating
+            check(s, feeds(rng))  # the general path, its feeds remembered
+            check(s, feeds(rng))  # the general path, then its steady run made: the worker dies there
+            del info.steady
+            assert dead and dead[0].exited.wait(5) and dead[0].returncode == -signal.SIGSEGV
+            for _ in range(3):
+                check(s, feeds(rng))
 
 
 CHAIN = ["Relu", "Neg"] * 4
