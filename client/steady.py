@@ -101,11 +101,9 @@ class ScratchStep:
         if any(type(v) is not Tensor for v in outputs):
             return None
         made = [(v.dtype, v.shape, i in partition.keep) for i, v in enumerate(outputs)]
-        try:
-            targets = {i: Tensor.empty(outputs[i].shape, outputs[i].dtype, partition.allocator) for i in scratch}
-        except EpError:
-            return None
-        return cls(partition, targets, made)
+        targets = _made(lambda: {i: Tensor.empty(outputs[i].shape, outputs[i].dtype, partition.allocator)
+                                 for i in scratch})
+        return None if targets is None else cls(partition, targets, made)
 
     def __call__(self, inputs: list, timeout: float | None) -> tuple[list, bool] | None:
         compute = self._compute
@@ -123,9 +121,9 @@ class ScratchStep:
 
 
 def _made(make: Callable[..., Any], *args) -> Any:
-    """A kept call made by `make(*args)`, or None where it cannot be made now (its worker died since the run it is
-    made from, or has no memory for the staging buffers): that run's outputs stand whatever this does, and the
-    next run goes the general path, under the failure policy."""
+    """What a steady step is made with (a kept call, its targets), `make(*args)`, or None where it cannot be made
+    now (its worker died since the run it is made from, or has no memory for the staging buffers or targets): that
+    run's outputs stand whatever this does, and the next run goes the general path, under the failure policy."""
     try:
         return make(*args)
     except EpError:
