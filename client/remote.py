@@ -384,9 +384,10 @@ class SteadyCompute:
         parts = [handles, *[arrays[i] for i in self._small]]
         write = None
         if buffers:
-            def write():
+            def write_large() -> None:
                 for i, buffer in zip(self._large, buffers):
                     self._stager.write(buffer, arrays[i].reshape(-1).view(np.uint8))
+            write = write_large
         result = link.run(lambda c: self._repeat(parts, self._nbytes, timeout or c.timeout_s, write), conn=self._conn)
         if result is None:
             return None
