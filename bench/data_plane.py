@@ -19,7 +19,9 @@ several times over).
 - the same split between two workers with one of them keeping a value for its next partition each time (a
   vendor EP's partitions on either side of one it does not take, a value of the first read by the second: the
   plan's `keep`): 30 blocks, 61 partitions, per partition call;
-- squeezenet and shufflenet from the onnx package: out-of-process / in-process ratio;
+- squeezenet and shufflenet from the onnx package: out-of-process / in-process ratio, beside it the same run with
+  its input in the worker's memory (IOBinding: nothing copied a run) and the floor, ORT's session in a plain
+  child process run for a byte (what another process costs here before ephost does anything);
 - CopyTensors of 4 KiB, 64 KiB and 1 MiB between two buffers of a worker: calls per second, and bytes per
   second against memcpy of the same size here.
 """
@@ -35,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -52,7 +55,8 @@ CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
 TRANSPORTS = {"lane": {}, "socket": {"fast_lane_slots": "false"}, "unkept": {"kept_calls": "false"},
               "grpc": {"fast_lane": "false"}}
 LABELS = {"in": "in process", "lane": "fast lane", "socket": "fast lane, socket only",
-          "unkept": "fast lane, calls not kept", "grpc": "gRPC"}
+          "unkept": "fast lane, calls not kept", "grpc": "gRPC",
+          "bound": "fast lane, input in the worker (IOBinding)", "floor": "ORT in a child process, a byte a run"}
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -266,8 +270,12 @@ def chain(blocks: int, per_block: int, nodes: int = 60, split: bool = False) -> 
 
 def cnns(env, blocks: int, per_block: int) -> None:
     print("\nCNNs from the onnx package, ORT CPU EP: median per run, and out of process / in process (the median of "
-          "the ratios of each round's two blocks)\n")
-    _cnn_table(env, blocks, per_block, {k: f"ort-{k}" for k in ("lane", "socket", "unkept", "grpc")}, SESSION_CONFIG)
+          "the ratios of each round's two blocks). Beside the ways the fast lane goes: the fast lane's session run "
+          "through an IOBinding with its input in a tensor of the worker's shared memory, written there once (no "
+          "input copied a run, as in process), and the floor: ORT's session in a plain child process that holds "
+          "its input and runs once for each byte it reads from a socket (nothing sent, framed or copied)\n")
+    _cnn_table(env, blocks, per_block, {k: f"ort-{k}" for k in ("lane", "socket", "unkept", "grpc")}, SESSION_CONFIG,
+               beside=True)
 
 
 def cnns_with_ort_defaults(env, blocks: int, per_block: int) -> None:
@@ -284,11 +292,14 @@ def cnns_with_ort_defaults(env, blocks: int, per_block: int) -> None:
 
 
 def _cnn_table(env, blocks: int, per_block: int, ways: dict[str, str], config: dict[str, str],
-               settle: float = 0.0) -> None:
-    """A row per CNN: ORT in process (with session config `config`) against each way (by its registration)."""
-    print("| model | in process | " + " | ".join(LABELS[k] for k in ways) + " | " +
-          " | ".join(f"{LABELS[k]} / in" for k in ways) + " |")
-    print("|---|---|" + "---|---|" * len(ways))
+               settle: float = 0.0, beside: bool = False) -> None:
+    """A row per CNN: ORT in process (with session config `config`) against each way (by its registration), and
+    with `beside` the "lane" session with its input bound in the worker (`bound_input`) and the floor
+    (`OneByteRuns`)."""
+    columns = [*ways, *(("bound", "floor") if beside else ())]
+    print("| model | in process | " + " | ".join(LABELS[k] for k in columns) + " | " +
+          " | ".join(f"{LABELS[k]} / in" for k in columns) + " |")
+    print("|---|---|" + "---|---|" * len(columns))
     for name in ("squeezenet", "shufflenet"):
         path, _ = bundled_model(name)
         model = onnx.load(path)
@@ -298,12 +309,81 @@ def _cnn_table(env, blocks: int, per_block: int, ways: dict[str, str], config: d
                         for k, r in ways.items()}
             (arg,) = sessions["lane"].get_inputs()
             feeds = {arg.name: bundled_input(arg)}
-            rounds = interleaved_blocks({"in": lambda: inproc.run(None, feeds),
-                                         **{k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()}},
-                                        blocks, per_block, settle)
+            fns = {"in": lambda: inproc.run(None, feeds),
+                   **{k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()}}
+            if beside:
+                fns["bound"] = bound_input(env, sessions["lane"], ways["lane"], feeds)
+                fns["floor"] = stack.enter_context(OneByteRuns(name)).run
+            rounds = interleaved_blocks(fns, blocks, per_block, settle)
         t = medians(rounds)
-        print(f"| {name} | {t['in'] * 1e3:.2f} ms | " + " | ".join(f"{t[k] * 1e3:.2f} ms" for k in ways) + " | " +
-              " | ".join(f"{paired_ratio(rounds, k, 'in'):.3f}" for k in ways) + " |")
+        print(f"| {name} | {t['in'] * 1e3:.2f} ms | " + " | ".join(f"{t[k] * 1e3:.2f} ms" for k in columns) +
+              " | " + " | ".join(f"{paired_ratio(rounds, k, 'in'):.3f}" for k in columns) + " |")
+
+
+def bound_input(env, session, registration: str, feeds: dict[str, np.ndarray]) -> Callable[[], list]:
+    """Runs of `session` through an IOBinding whose inputs are tensors of its worker's device memory holding `feeds`
+    (put there once, as ORT's `OrtValue.ortvalue_from_numpy(array, device)` does), its outputs bound to this process:
+    a run with no input copied."""
+    (device,) = [d for d in env.get_ep_devices() if d.registration_name == registration]
+    allocator = env.allocator_for(device.memory_info(DeviceMemoryType.DEFAULT))
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, Tensor.from_numpy(array, allocator))
+    for out in session.get_outputs():
+        binding.bind_output(out.name, "cpu")
+
+    def run() -> list:
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()
+    return run
+
+
+# A child process holding ORT's session of a bundled model and its input, which runs it once for each byte it reads
+# (asleep in recv between runs) and answers with a byte. Run from the repository's root (it imports bench).
+_RUNS_ON_A_BYTE = """
+import os, socket, onnx
+from ephost.run_command import bundled_input, bundled_model
+from bench.session_overhead import in_process_session
+session = in_process_session(onnx.load(bundled_model(os.environ["MODEL"])[0]), "ORT CPU")
+feeds = {arg.name: bundled_input(arg) for arg in session.get_inputs()}
+sock = socket.socket(fileno=int(os.environ["FD"]))
+sock.send(b"r")
+while sock.recv(1):
+    session.run(None, feeds)
+    sock.send(b"k")
+"""
+
+
+class OneByteRuns:
+    """The floor under a CNN's run in another process: ORT's session (spinning off, as `SESSION_CONFIG`) in a plain
+    child process that holds its input, run for a byte each time (`run`): two wakes of a process asleep, and nothing
+    sent, framed, copied or checked."""
+
+    def __init__(self, model: str):
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.process = subprocess.Popen([sys.executable, "-c", _RUNS_ON_A_BYTE], pass_fds=(theirs.fileno(),), cwd=root,
+                                        env={**os.environ, "MODEL": model, "FD": str(theirs.fileno())},
+                                        stdin=subprocess.DEVNULL)
+        theirs.close()
+        if self._sock.recv(1) != b"r":
+            self.close()
+            raise RuntimeError(f"the child process running {model} did not start")
+
+    def run(self) -> None:
+        self._sock.send(b"g")
+        if not self._sock.recv(1):
+            raise RuntimeError("the child process running the model ended")
+
+    def close(self) -> None:
+        self._sock.close()  # the child reads end of file and exits
+        self.process.wait(10)
+
+    def __enter__(self) -> "OneByteRuns":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def copies(env, blocks: int, per_block: int) -> None:

@@ -150,3 +150,41 @@ def test_the_split_chain_keeps_a_value_in_one_worker_for_its_next_partition_and_
             assert [p.keep for p in session._runner.partitions][0::2] == [(0,)] * 3 + [()]
             for _ in range(3):  # the general path, then steady runs
                 np.testing.assert_allclose(session.run(None, {"x": x})[0], expected[0], rtol=1e-6)
+
+
+def test_the_cnn_table_runs_the_input_bound_in_the_worker_and_the_floor_as_ort_runs_them():
+    """bench dataplane's columns beside the fast lane's ways: the session run through an IOBinding with its input in
+    a tensor of the worker's memory gives ORT's outputs with nothing of the input staged or copied a run, and the
+    floor's child process runs the model for a byte, ends when its socket closes, and says so where it cannot
+    start."""
+    import numpy as np
+    import onnx
+    import ephost
+    from ephost.run_command import bundled_input, bundled_model
+    from bench.data_plane import OneByteRuns, bound_input
+    from bench.session_overhead import in_process_session, options_for
+    model = onnx.load(bundled_model("squeezenet")[0])
+    ort_session = in_process_session(model, "ORT CPU")
+    feeds = {arg.name: bundled_input(arg) for arg in ort_session.get_inputs()}
+    expected = ort_session.run(None, feeds)[0]
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ort", "onnxruntime")
+        def calls() -> dict[str, int]:
+            methods = env.get_worker_stats("ort").methods
+            return {m: methods[m].calls if m in methods else 0
+                    for m in ("Ep/Compute", "Allocator/Alloc", "DataTransfer/CopyTensors")}
+        with ephost.InferenceSession(model, options_for(env, "ort"), env=env) as session:
+            run = bound_input(env, session, "ort", feeds)
+            before = calls()
+            for _ in range(3):  # a general run, then steady IOBinding runs
+                (y,) = run()
+                np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-5)
+            # The input went by handle: no staging buffer made for it, no copy into the worker
+            assert calls() == {**before, "Ep/Compute": before["Ep/Compute"] + 3}
+    with OneByteRuns("squeezenet") as floor:
+        for _ in range(3):
+            floor.run()
+        assert floor.process.poll() is None
+    assert floor.process.returncode == 0
+    with pytest.raises(RuntimeError, match="did not start"):
+        OneByteRuns("no_such_model")
