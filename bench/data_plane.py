@@ -271,8 +271,8 @@ def chain(blocks: int, per_block: int, nodes: int = 60, split: bool = False) -> 
 def cnns(env, blocks: int, per_block: int) -> None:
     print("\nCNNs from the onnx package, ORT CPU EP: median per run, and out of process / in process (the median of "
           "the ratios of each round's two blocks). Beside the ways the fast lane goes: the fast lane's session run "
-          "through an IOBinding with its input in a tensor of the worker's shared memory, written there once (no "
-          "input copied a run, as in process), and the floor: ORT's session in a plain child process that holds "
+          "through an IOBinding with its input in a tensor of the worker's memory, put there once (no input copied "
+          "a run, as in process), and the floor: ORT's session in a plain child process that holds "
           "its input and runs once for each byte it reads from a socket (nothing sent, framed or copied)\n")
     _cnn_table(env, blocks, per_block, {k: f"ort-{k}" for k in ("lane", "socket", "unkept", "grpc")}, SESSION_CONFIG,
                beside=True)
