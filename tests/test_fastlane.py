@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import mmap
 import os
 import select
