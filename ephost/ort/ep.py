@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import threading
 from ctypes import c_size_t, c_void_p
 from typing import TYPE_CHECKING, Any
@@ -323,10 +322,10 @@ class _SteadyCompute:
 
     __slots__ = ("_kinds", "_call", "_dims", "in_bytes")
 
-    def __init__(self, kinds: list[tuple[np.dtype, tuple[int, ...]]], call, dims: list):
+    def __init__(self, kinds: list[tuple[np.dtype, tuple[int, ...]]], call, dims: list, in_bytes: int):
         self._kinds, self._call = kinds, call
         self._dims = dims  # each output's shape, as KernelIO.put takes it
-        self.in_bytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in kinds)  # what a call sends
+        self.in_bytes = in_bytes  # what a call sends
 
     @classmethod
     def of(cls, remote, inputs: list[Tensor], allocator, outputs: list[Any]) -> "_SteadyCompute | None":
@@ -337,7 +336,8 @@ class _SteadyCompute:
         call = remote.steady(inputs, allocator, outputs)
         if call is None or not call.inline:
             return None
-        return cls([(t.dtype, t.shape) for t in inputs], call, [shape_of(out.shape) for out in outputs])
+        return cls([(t.dtype, t.shape) for t in inputs], call, [shape_of(out.shape) for out in outputs],
+                   sum(t.nbytes for t in inputs))
 
     def __call__(self, arrays: list[np.ndarray]) -> tuple[list[Any], bool] | None:
         """The outputs, and whether they are as the call was kept: arrays over the reply (True), else as compute

@@ -70,7 +70,7 @@ class BridgeMemory:
         self._lock = threading.Lock()
         self._offered = threading.local()  # the output Compute is about to hand over, on the thread that asks
         self._pools = pools
-        self._worker = registration.link.current if registration.link is not None else None  # the pool's blocks'
+        self._worker = self._current_worker()  # whose memory the pool's blocks are in
         # Python's Alloc and Free, for what the pool does not hold (kept alive here: the pool calls them)
         self._python = (A.ALLOCATOR_FUNCTIONS["Alloc"](
                             lambda this, nbytes: self.guard.quiet("Alloc", lambda: self.alloc(nbytes), 0)),
@@ -123,11 +123,14 @@ class BridgeMemory:
         """Where the worker was replaced, the pool lets go of the blocks in the memory of the one gone (those ORT
         holds are freed through Python, and dropped, as it frees them): its memory is not named by handle, and
         stays mapped here only as long as a block holds it."""
-        link = self.registration.link
-        current = link.current if link is not None else None
+        current = self._current_worker()
         if current is not self._worker:
             self._worker = current
             self._give_back(self._pools.drain(self.pool))
+
+    def _current_worker(self):
+        link = self.registration.link
+        return link.current if link is not None else None
 
     def _give_back(self, addresses: list[int], now: bool = False) -> None:
         """Blocks ORT or the pool let go of: the worker's back to it (batched with its other frees, or `now`), a

@@ -11,15 +11,18 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_int, c_size_t, c_void_p
 
-from ephost.errors import EpResourceExhausted
+from ephost.errors import EpInternal, EpResourceExhausted
 
-SLOTS = 64  # EPHOST_POOL: the blocks one pool keeps, idle or held by ORT
+SLOTS = 64  # the blocks one pool keeps, idle or held by ORT (the shim's EPHOST_POOL, checked as it loads)
 
 
 class PoolFunctions:
     """The loaded shim's pool functions."""
 
     def __init__(self, shim: ctypes.CDLL):
+        slots = c_size_t.in_dll(shim, "ephost_pool_slots").value
+        if slots != SLOTS:
+            raise EpInternal(f"the ONNX Runtime shim's pool keeps {slots} blocks where ephost.ort.pool says {SLOTS}")
         self.alloc = ctypes.cast(shim.ephost_pool_alloc, c_void_p).value
         self.free = ctypes.cast(shim.ephost_pool_free, c_void_p).value
         self.alloc_on_stream = ctypes.cast(shim.ephost_pool_alloc_on_stream, c_void_p).value

@@ -122,6 +122,7 @@ void *ephost_ort_put(const ephost_kernel_api_t *api, void *context, size_t index
  * The pool begins with an OrtAllocator (filled from Python), so ORT calls these with the pool itself. */
 #define EPHOST_POOL 64
 enum { SLOT_EMPTY, SLOT_IDLE, SLOT_HANDED };
+const size_t ephost_pool_slots = EPHOST_POOL; /* read by ephost/ort/pool.py: the room ephost_pool_drain fills */
 
 typedef void *(*pool_alloc_fn)(void *self, size_t size);
 typedef void (*pool_free_fn)(void *self, void *p);
