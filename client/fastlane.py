@@ -26,8 +26,9 @@ import numpy as np
 from ephost import lane_slots
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
                            error_for_status)
-from ephost.fastlane import (KEPT, KEPT_ID, KEPT_WRITING, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK,
-                             FrameError, FrameReader, Method, configure, decode_error, put_parts, send_parts)
+from ephost.fastlane import (HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGIC, MAX_KEPT, METHODS, PLACED, STATUS_OK,
+                             TICKET_OK, FrameError, FrameReader, Method, configure, decode_error, put_parts,
+                             send_parts)
 from ephost.lane_slots import Slots
 from ephost.types import checked_desc, nbytes_of
 from ephost.wire import SPIN_S
@@ -412,6 +413,48 @@ class FastLane:
             frame = None
         finally:
             conn.busy = False
+        return self._replied(conn, frame, method, name)
+
+    def _exchange_written(self, conn: _Connection, frame: bytes, copies: list, arrays, timeout: float,
+                          key: Hashable, name: str):
+        """_exchange of a kept call's repeat made whole beforehand (`frame`: KEPT_WRITING where it names large
+        inputs to write, else KEPT), through the slots: the frame put, then each `(destination, k)` of `copies`
+        written, `arrays[k]` into its staging buffer's view, as _write_after does. The steady run's way
+        (KeptRepeat.written): on a run's cold caches each Python call the general way makes costs a microsecond
+        or two, and it makes about twenty more. None where the frame does not go into the slot (nothing sent)."""
+        if conn.busy:
+            raise LaneUnavailable(f"this thread's fast-lane connection is in a call ({name} came inside it)")
+        slots = conn.slots
+        conn.busy = True
+        try:
+            if conn.timeout != timeout:
+                conn.sock.settimeout(timeout)
+                conn.timeout = timeout
+            if not slots.put(frame):
+                return None
+            if copies:
+                try:
+                    for destination, k in copies:
+                        destination[...] = arrays[k]  # (np.copyto: a Python call more)
+                except BaseException:
+                    self._drop(conn)  # the worker, waiting for them, sees its end
+                    raise
+                slots.inputs_written()
+                os.sched_yield()  # see _write_after
+            reply = conn.reader.read(key)
+        except TimeoutError:
+            self._drop(conn)
+            raise EpDeadlineExceeded(f"{name} did not finish within its deadline of {timeout:g} s") from None
+        except (OSError, FrameError):
+            reply = None
+        finally:
+            conn.busy = False
+        if reply is not None and reply.status == STATUS_OK:
+            return reply
+        return self._replied(conn, reply, KEPT, name)
+
+    def _replied(self, conn: _Connection, frame, method: int, name: str):
+        """A call's reply frame (None: end of file), or its typed error."""
         if frame is None:
             self._drop(conn)
             raise self._lost(name)
@@ -473,10 +516,11 @@ class KeptRepeat:
     """A kept call of one thread's connection (FastLane.repeater), repeated as call_kept repeats it while the
     thread's connection is the one it was kept on and the call is still kept there."""
 
-    __slots__ = ("_lane", "_conn", "_key", "_kept", "_method")
+    __slots__ = ("_lane", "_conn", "_key", "_kept", "_method", "_header")
 
     def __init__(self, lane: FastLane, conn: _Connection, key: Hashable, kept: _Kept, method: Method):
         self._lane, self._conn, self._key, self._kept, self._method = lane, conn, key, kept, method
+        self._header = (None, b"")  # (what it was packed for, a frame's header and the kept call's id)
 
     @property
     def outputs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
@@ -497,6 +541,36 @@ class KeptRepeat:
             return None
         result = lane._repeat(conn, self._key, self._kept, self._method, parts, nbytes, timeout, write)
         return None if result is _UNKEPT else result
+
+    def written(self, parts: list, nbytes: int, copies: list, arrays, timeout: float):
+        """__call__ for a steady run's partition whose large inputs' staging buffers this process maps: each
+        `(destination, k)` of `copies` is written from `arrays[k]` (`destination`: an array over its buffer, of
+        the input's type and shape) after the frame went, as the worker reads it (KEPT_WRITING). Made in fewer
+        Python calls than __call__ (FastLane._exchange_written); None where __call__ would give None, or where
+        the frame does not fit a slot."""
+        lane, conn, kept = self._lane, self._conn, self._kept
+        if getattr(lane._local, "conn", None) is not conn or conn.busy or conn.kept.get(self._key) is not kept \
+                or conn.slots is None:
+            return None
+        made, header = self._header
+        if made != (timeout, nbytes, bool(copies)):
+            made = (timeout, nbytes, bool(copies))
+            header = HEADER.pack(MAGIC, KEPT_WRITING if copies else KEPT, STATUS_OK, timeout,
+                                 KEPT_ID.size + nbytes) + kept.id_bytes
+            self._header = (made, header)
+        kept.used = True
+        try:
+            frame = lane._exchange_written(conn, header + parts[0] if len(parts) == 1 else
+                                           b"".join((header, *parts)), copies, arrays, timeout, self._key,
+                                           self._method.name)
+        except EpUnknownKeptCall:
+            del conn.kept[self._key]
+            return None
+        if frame is None:
+            return None
+        if frame.method == KEPT:
+            return kept.arrays(frame.payload)
+        return self._method.reply.FromString(frame.payload)
 
 
 def _after_fork_in_child() -> None:

@@ -96,7 +96,7 @@ class ProcessSupervisor:
 
     @property
     def dead(self) -> bool:
-        return self.process is not None and self.process.returncode is not None
+        return self.process is not None and self.process.proc.returncode is not None  # (set by its watcher)
 
     def _on_exit(self, process: WorkerProcess) -> None:
         try:
@@ -251,14 +251,14 @@ class WorkerLink:
         client (they restarted) get a new Hello."""
         return self.run(lambda c: c.call(method_of(c), request, **kw), conn=conn)
 
-    def run(self, fn: Callable[[WorkerConnection], object], *, conn: WorkerConnection | None = None):
-        """`fn(conn)` on the current connection (or the one given), with what `call` does around a call."""
+    def run(self, fn: Callable[..., object], *args, conn: WorkerConnection | None = None):
+        """`fn(conn, *args)` on the current connection (or the one given), with what `call` does around a call."""
         conn = conn or self.conn
         if not self.serving:
             raise EpWorkerUnavailable(f"worker for {self.name!r} at {self.address} is not serving ({self.health}, "
                                       "says grpc.health.v1); calls resume when it answers again")
         try:
-            return fn(conn)
+            return fn(conn, *args)
         except EpDeadlineExceeded:
             # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
             self.kill("a call ran past its deadline")

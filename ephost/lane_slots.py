@@ -124,13 +124,9 @@ class Slots:
         words[out // 8 + LENGTH] = n
         self._sent += 1
         words[out // 8 + COUNT] = self._sent
-        self._ring()
-        return True
-
-    def _ring(self) -> None:
-        """Wake the peer if it says it sleeps (see above for the race a bounded first sleep covers)."""
-        if self._words[self._asleep_out]:
+        if words[self._asleep_out]:  # the peer says it sleeps: rung for (see above for the race a first sleep covers)
             self._sock.send(DOORBELL)
+        return True
 
     def arrived(self) -> bool:
         return self._words[self._count_in] != self._taken
@@ -143,8 +139,10 @@ class Slots:
     def inputs_written(self) -> None:
         """Say that the inputs of the last frame put (a KEPT_WRITING frame) are written: READY is its count (the
         inputs' stores come before this one: x86 keeps stores in order), and the peer is rung for as for a frame."""
-        self._words[self._out // 8 + READY] = self._sent
-        self._ring()
+        words = self._words
+        words[self._out // 8 + READY] = self._sent
+        if words[self._asleep_out]:
+            self._sock.send(DOORBELL)
 
     def written(self, count: int) -> bool:
         """Whether the peer says the inputs of its frame number `count` are written."""

@@ -1490,14 +1490,20 @@ def test_large_inputs_are_written_while_the_worker_reads_the_call(ort_env, monke
     """A repeated run writes its large input into the buffer kept for it after the call went through the slots
     (KEPT_WRITING): the worker waits for it, so that a write made slow is time spent inside the worker's Compute,
     and every result is of its own run's input. With the lane's frames on its socket, and over gRPC, the input is
-    written before the call."""
+    written before the call. (A steady run writes it straight into the buffer's view, the general path through
+    the stager: both are made slow, the first by its telling the worker late.)"""
     from ephost.client.transfer import Stager
+    from ephost.lane_slots import Slots
     rng = np.random.default_rng(9)
-    write = Stager.write
+    write, written = Stager.write, Slots.inputs_written
 
     def slow_write(self, buffer, data):
         time.sleep(0.05)
         write(self, buffer, data)
+
+    def slow_written(self):
+        time.sleep(0.05)
+        written(self)
 
     ort_env.register_execution_provider_library("ort_socket", "onnxruntime", {"intra_op_num_threads": "1",
                                                                               "fast_lane_slots": "false"})
@@ -1509,6 +1515,7 @@ def test_large_inputs_are_written_while_the_worker_reads_the_call(ort_env, monke
                 before = worker_stats(ort_env, registration).methods["Ep/Compute"]
                 with monkeypatch.context() as patch:
                     patch.setattr(Stager, "write", slow_write)
+                    patch.setattr(Slots, "inputs_written", slow_written)
                     for _ in range(3):
                         staged_run(s, rng)
                 after = worker_stats(ort_env, registration).methods["Ep/Compute"]
