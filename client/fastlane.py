@@ -26,8 +26,8 @@ import numpy as np
 from ephost import lane_slots
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
                            error_for_status)
-from ephost.fastlane import (HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGIC, MAX_KEPT, METHODS, PLACED, STATUS_OK,
-                             TICKET_OK, FrameError, FrameReader, Method, configure, decode_error, put_parts,
+from ephost.fastlane import (HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGIC, MAX_KEPT, METHODS, PACKET, PLACED,
+                             STATUS_OK, TICKET_OK, FrameError, FrameReader, Method, configure, decode_error, put_parts,
                              send_parts)
 from ephost.lane_slots import Slots
 from ephost.types import checked_desc, nbytes_of
@@ -421,7 +421,8 @@ class FastLane:
         inputs to write, else KEPT), through the slots: the frame put, then each `(destination, k)` of `copies`
         written, `arrays[k]` into its staging buffer's view, as _write_after does. The steady run's way
         (KeptRepeat.written): on a run's cold caches each Python call the general way makes costs a microsecond
-        or two, and it makes about twenty more. None where the frame does not go into the slot (nothing sent)."""
+        or two, and it makes about twenty more. None where the frame does not go into the slot (nothing sent; a
+        frame KeptRepeat.written sends fits one)."""
         if conn.busy:
             raise LaneUnavailable(f"this thread's fast-lane connection is in a call ({name} came inside it)")
         slots = conn.slots
@@ -546,12 +547,19 @@ class KeptRepeat:
         """__call__ for a steady run's partition whose large inputs' staging buffers this process maps: each
         `(destination, k)` of `copies` is written from `arrays[k]` (`destination`: an array over its buffer, of
         the input's type and shape) after the frame went, as the worker reads it (KEPT_WRITING). Made in fewer
-        Python calls than __call__ (FastLane._exchange_written); None where __call__ would give None, or where
-        the frame does not fit a slot."""
+        Python calls than __call__ (FastLane._exchange_written) where its frame goes through a slot; None where
+        __call__ would give None."""
         lane, conn, kept = self._lane, self._conn, self._kept
-        if getattr(lane._local, "conn", None) is not conn or conn.busy or conn.kept.get(self._key) is not kept \
-                or conn.slots is None:
+        if getattr(lane._local, "conn", None) is not conn or conn.busy or conn.kept.get(self._key) is not kept:
             return None
+        if conn.slots is None or KEPT_ID.size + nbytes > PACKET - HEADER.size:
+            # Its frame goes on the socket (no slots, or longer than a packet): the inputs written before it
+            def write() -> None:
+                for destination, k in copies:
+                    destination[...] = arrays[k]
+            result = lane._repeat(conn, self._key, kept, self._method, parts, nbytes, timeout,
+                                  write if copies else None)
+            return None if result is _UNKEPT else result
         made, header = self._header
         if made != (timeout, nbytes, bool(copies)):
             made = (timeout, nbytes, bool(copies))

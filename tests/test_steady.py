@@ -61,6 +61,8 @@ class Computes:
 def env():
     with ephost.Environment() as environment:
         environment.register_execution_provider_library("ort", "onnxruntime", {"intra_op_num_threads": "1"})
+        environment.register_execution_provider_library("ort_socket", "onnxruntime", {"intra_op_num_threads": "1",
+                                                                                      "fast_lane_slots": "false"})
         yield environment
 
 
@@ -69,17 +71,21 @@ def check(session, f, names=None) -> None:
     np.testing.assert_allclose(out[0], expected(f), rtol=1e-4, atol=1e-4)
 
 
-def test_a_run_made_again_goes_straight_to_its_kept_call_and_gives_what_ort_gives(env):
+@pytest.mark.parametrize("registration", ["ort", "ort_socket"])
+@pytest.mark.parametrize("rows", [256, 32])
+def test_a_run_made_again_goes_straight_to_its_kept_call_and_gives_what_ort_gives(env, registration, rows):
     """The third run of a kind on a thread and the next go straight to the kept call the general path made
     (its inputs written into the buffers kept for it, no Compute through the partition's compute info), with
-    every result as ORT's in process; `runs` counts them all."""
+    every result as ORT's in process; `runs` counts them all. So too where the repeat's frame goes on the socket:
+    without slots (`fast_lane_slots=false`), and with slots where it is longer than a packet (32 rows: x inline,
+    128 KiB)."""
     rng = np.random.default_rng(1)
-    model = staged_model(256)
+    model = staged_model(rows)
     in_process = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    with InferenceSession(model, options_for(env, "ort"), env=env) as s:
+    with InferenceSession(model, options_for(env, registration), env=env) as s:
         computes = Computes(s)
         for _ in range(12):
-            f = feeds(rng)
+            f = feeds(rng, rows)
             (y,) = s.run(None, f)
             np.testing.assert_allclose(y, in_process.run(None, f)[0], rtol=1e-5, atol=1e-5)
             y[:] = 0  # the caller's own array: the next run's is another
