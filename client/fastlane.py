@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import weakref
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import grpc
 
@@ -381,11 +381,16 @@ class FastLane:
         return reply
 
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float,
-                  key: Hashable, write: Callable[[], None] | None = None):
+                  key: Hashable, write: Callable[[], None] | None = None, whole: bytes | None = None,
+                  copies: list = (), arrays: Sequence[Any] = ()):
         """Send a frame and read its reply frame; the typed error where the reply is one. `key` names the call
         (its reader polls for the reply, or sleeps until it comes, as the last reply to that call was quick or
-        slow); `write()`, a
-        kept call's inputs written after its frame went through the slots, or before it is sent."""
+        slow); `write()`, a kept call's inputs written after its frame went through the slots, or before it is
+        sent. `whole`: instead of `parts`, a kept call's repeat made whole beforehand (KEPT_WRITING where it
+        names large inputs to write, else KEPT; KeptRepeat.written, a steady run's way), put into the slot, then
+        each `(destination, k)` of `copies` written from `arrays[k]` as `write()` would be, in fewer Python calls
+        (on a run's cold caches each costs a microsecond or two); None where it does not go into the slot
+        (nothing sent; one KeptRepeat.written sends fits)."""
         if conn.busy:
             # A call made by this thread while its call on the connection waits for a reply: a finalizer that
             # the garbage collector ran here (a dropped session's, which releases its partitions). On the lane
@@ -398,7 +403,12 @@ class FastLane:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
                 conn.timeout = timeout
-            if write is None:
+            if whole is not None:
+                if not conn.slots.put(whole):
+                    return None
+                if copies:
+                    self._write_after(conn, None, copies, arrays)
+            elif write is None:
                 send_parts(sock, method, timeout, parts, nbytes, conn.slots)
             elif conn.slots is not None and put_parts(conn.slots, KEPT_WRITING, timeout, parts, nbytes):
                 self._write_after(conn, write)
@@ -413,46 +423,9 @@ class FastLane:
             frame = None
         finally:
             conn.busy = False
+        if frame is not None and frame.status == STATUS_OK:
+            return frame
         return self._replied(conn, frame, method, name)
-
-    def _exchange_written(self, conn: _Connection, frame: bytes, copies: list, arrays, timeout: float,
-                          key: Hashable, name: str):
-        """_exchange of a kept call's repeat made whole beforehand (`frame`: KEPT_WRITING where it names large
-        inputs to write, else KEPT), through the slots: the frame put, then each `(destination, k)` of `copies`
-        written, `arrays[k]` into its staging buffer's view, as _write_after does. The steady run's way
-        (KeptRepeat.written): on a run's cold caches each Python call the general way makes costs a microsecond
-        or two, and it makes about twenty more. None where the frame does not go into the slot (nothing sent; a
-        frame KeptRepeat.written sends fits one)."""
-        if conn.busy:
-            raise LaneUnavailable(f"this thread's fast-lane connection is in a call ({name} came inside it)")
-        slots = conn.slots
-        conn.busy = True
-        try:
-            if conn.timeout != timeout:
-                conn.sock.settimeout(timeout)
-                conn.timeout = timeout
-            if not slots.put(frame):
-                return None
-            if copies:
-                try:
-                    for destination, k in copies:
-                        destination[...] = arrays[k]  # (np.copyto: a Python call more)
-                except BaseException:
-                    self._drop(conn)  # the worker, waiting for them, sees its end
-                    raise
-                slots.inputs_written()
-                os.sched_yield()  # see _write_after
-            reply = conn.reader.read(key)
-        except TimeoutError:
-            self._drop(conn)
-            raise EpDeadlineExceeded(f"{name} did not finish within its deadline of {timeout:g} s") from None
-        except (OSError, FrameError):
-            reply = None
-        finally:
-            conn.busy = False
-        if reply is not None and reply.status == STATUS_OK:
-            return reply
-        return self._replied(conn, reply, KEPT, name)
 
     def _replied(self, conn: _Connection, frame, method: int, name: str):
         """A call's reply frame (None: end of file), or its typed error."""
@@ -468,11 +441,16 @@ class FastLane:
             raise error
         return frame
 
-    def _write_after(self, conn: _Connection, write: Callable[[], None]) -> None:
-        """The inputs of the KEPT_WRITING frame just put, written; the worker told. Where they cannot be, the
-        connection goes (the worker, waiting for them, sees its end)."""
+    def _write_after(self, conn: _Connection, write: Callable[[], None] | None, copies: list = (),
+                     arrays: Sequence[Any] = ()) -> None:
+        """The inputs of the KEPT_WRITING frame just put, written (by `write()`, or each `(destination, k)` of
+        `copies` from `arrays[k]`); the worker told. Where they cannot be, the connection goes (the worker, waiting
+        for them, sees its end)."""
         try:
-            write()
+            if write is not None:
+                write()
+            for destination, k in copies:
+                destination[...] = arrays[k]  # (np.copyto: a Python call more)
         except BaseException:
             self._drop(conn)
             raise
@@ -547,7 +525,7 @@ class KeptRepeat:
         """__call__ for a steady run's partition whose large inputs' staging buffers this process maps: each
         `(destination, k)` of `copies` is written from `arrays[k]` (`destination`: an array over its buffer, of
         the input's type and shape) after the frame went, as the worker reads it (KEPT_WRITING). Made in fewer
-        Python calls than __call__ (FastLane._exchange_written) where its frame goes through a slot; None where
+        Python calls than __call__ (FastLane._exchange's `whole`) where its frame goes through a slot; None where
         __call__ would give None."""
         lane, conn, kept = self._lane, self._conn, self._kept
         if getattr(lane._local, "conn", None) is not conn or conn.busy or conn.kept.get(self._key) is not kept:
@@ -568,9 +546,9 @@ class KeptRepeat:
             self._header = (made, header)
         kept.used = True
         try:
-            frame = lane._exchange_written(conn, header + parts[0] if len(parts) == 1 else
-                                           b"".join((header, *parts)), copies, arrays, timeout, self._key,
-                                           self._method.name)
+            frame = lane._exchange(conn, KEPT, self._method.name, parts, nbytes, timeout, self._key,
+                                   whole=header + parts[0] if len(parts) == 1 else b"".join((header, *parts)),
+                                   copies=copies, arrays=arrays)
         except EpUnknownKeptCall:
             del conn.kept[self._key]
             return None
