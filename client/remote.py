@@ -228,14 +228,17 @@ class RemoteComputeInfo(RemoteHandle):
         staged = dict(zip(large, buffers))
         handles = [staged[i].handle if i in staged else None for i in named]
         handles += [targets[i].buffer.handle for i in sorted(targets)]
+        # Each large input is written straight into an array over its staging buffer, of its type and shape
+        # (KeptRepeat.written): a lane's worker shares its memory, so this process maps them (else: none is made)
         views = [buffer.host_view() for buffer in buffers]
-        copies = None if any(v is None for v in views) else [
-            (view[:inputs[i].nbytes].view(inputs[i].dtype).reshape(inputs[i].shape), i)
-            for view, i in zip(views, large)]
+        if any(v is None for v in views):
+            return None
+        copies = [(view[:inputs[i].nbytes].view(inputs[i].dtype).reshape(inputs[i].shape), i)
+                  for view, i in zip(views, large)]
         return SteadyCompute(self, conn, repeat, allocator, [i for i in range(len(inputs)) if i not in named],
-                             (self._staging, kinds, buffers), large, self._stager,
+                             (self._staging, kinds, buffers), copies,
                              struct.pack(f"<{len(handles)}Q", *handles) if not held else handles,
-                             8 * len(handles) + nbytes, held, placed, targets, spilled, copies)
+                             8 * len(handles) + nbytes, held, placed, targets, spilled)
 
     def bound_steady(self, inputs: Sequence[Any], allocator: RemoteAllocator | None, outputs: Sequence[Any],
                      targets: Mapping[int, Tensor] = _NO_TARGETS) -> "BoundCompute | None":
@@ -349,28 +352,25 @@ class SteadyCompute:
     _compute_kept does, having looked nothing up again. Valid while the worker, the thread's connection, the kept
     call and the staging buffers are the ones it was made with."""
 
-    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_small", "_staged", "_large", "_stager", "_handles",
-                 "_nbytes", "_held", "_placed", "_into", "_spilled", "_copies", "_recycles")
+    __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_small", "_staged", "_copies", "_handles", "_nbytes",
+                 "_held", "_placed", "_into", "_spilled", "_recycles")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None, small: list[int],
-                 staged: tuple, large: list[int], stager: Stager, handles: bytes | list, nbytes: int,
+                 staged: tuple, copies: list[tuple[np.ndarray, int]], handles: bytes | list, nbytes: int,
                  held: tuple[int, ...] = (), placed: tuple[int, ...] = (),
-                 into: Mapping[int, Tensor] = _NO_TARGETS, spilled: tuple[int, ...] = (),
-                 copies: list[tuple[np.ndarray, int]] | None = None):
+                 into: Mapping[int, Tensor] = _NO_TARGETS, spilled: tuple[int, ...] = ()):
         """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
-        for each of the `large` inputs' positions, in order; `handles`: the handles a repeat names, packed, or
+        for each large input, in order; `copies`: each large input's array over its buffer (of the input's type
+        and shape) and position, which a repeat writes it into (KeptRepeat.written); `handles`: the handles a repeat names, packed, or
         where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle or
         None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's (`keep`);
         `into`: the tensors of the worker's outputs are written into, by position; `spilled`: the outputs too
         large to come back in the reply, left in new buffers of the worker's and handed on as arrays over them
-        (each keeps its buffer until it goes); `copies`: where this process maps the staging buffers, each large
-        input's (array over its buffer, of the input's type and shape; the input's position), written straight
-        into it (KeptRepeat.written), else None (written through the stager)."""
+        (each keeps its buffer until it goes)."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
-        self._small, self._staged, self._large, self._stager = small, staged, large, stager
+        self._small, self._staged, self._copies = small, staged, copies
         self._handles, self._nbytes, self._held, self._placed, self._into = handles, nbytes, held, placed, into
         self._spilled = spilled
-        self._copies = copies
         self._recycles = info.link.policy.memory_limit_mb > 0  # between_calls may have a worker to replace
 
     def __call__(self, arrays: Sequence[Any], timeout: float | None) -> tuple[list[Any], bool] | None:
@@ -393,17 +393,7 @@ class SteadyCompute:
         parts = [handles]
         for i in self._small:  # (a loop, not a comprehension: one Python call fewer on a run's cold caches)
             parts.append(arrays[i])
-        if self._copies is not None:
-            result = link.run(self._written, parts, arrays, timeout, conn=self._conn)
-        else:
-            write = None
-            if buffers:
-                def write_large() -> None:
-                    for i, buffer in zip(self._large, buffers):
-                        self._stager.write(buffer, arrays[i].reshape(-1).view(np.uint8))
-                write = write_large
-            result = link.run(lambda c: self._repeat(parts, self._nbytes, timeout or c.timeout_s, write),
-                              conn=self._conn)
+        result = link.run(self._written, parts, arrays, timeout, conn=self._conn)
         if result is None:
             return None
         kept = isinstance(result, list)
