@@ -2,12 +2,14 @@
 application process with its own workers, the two taking turns block by block on one workload.
 
     python bench/ab.py REV [tiny|chain|split|squeezenet|shufflenet|decoding|loop|pair|large] [--blocks N]
-                       [--per N] [--option KEY=VALUE ...] [--binding]
+                       [--per N] [--option KEY=VALUE ...] [--binding[=worker]]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
 Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
 ±65 µs wide). `--binding` runs the workload through an IOBinding (its feeds bound from the application every run,
-its outputs bound to the application; not the decoding loop, which binds its state in the worker anyway). `loop`
+its outputs bound to the application; not the decoding loop, which binds its state in the worker anyway);
+`--binding=worker` binds its feeds once as tensors of the worker's memory (`bench dataplane`'s "input in the worker"
+column: no input copied a run). `loop`
 is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each step, fed back),
 `pair` the same step with two tensors of the worker's bound as its input and output, swapped each step. `split`
 is `bench dataplane`'s split chain (30 blocks, 61 partitions, one worker keeping a value for its next partition
@@ -64,14 +66,15 @@ def checkout(rev: str, into: str) -> str:
     return package
 
 
-def child(workload: str, per: int, options: dict[str, str], binding: bool = False) -> None:
+def child(workload: str, per: int, options: dict[str, str], binding: str | None = None) -> None:
     """One stack: set up (its EPs registered with `options` too), then a block of `per` timed runs for every line
-    read, its median printed (`binding`: runs through an IOBinding)."""
+    read, its median printed (`binding`: runs through an IOBinding, its feeds bound every run ("cpu") or once in
+    the worker ("worker"))."""
     import numpy as np
     import ephost
     from ephost import InferenceSession
     sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
-    from bench.data_plane import chain_model, decode, decoding_model, large_model, split_model
+    from bench.data_plane import bound_input, chain_model, decode, decoding_model, large_model, split_model
     from bench.iobinding import NO_SPIN, alternating, bound_to_device, recurrent
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
     from ephost.run_command import bundled_input, bundled_model
@@ -107,6 +110,8 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
         (device,) = [d for d in env.get_ep_devices() if d.registration_name == "ort"]
         x0 = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
         run = bound_to_device(session, device, x0) if workload == "loop" else alternating(session, env, device, x0)
+    elif binding == "worker":
+        run = bound_input(env, session, "ort", feeds)
     elif binding:
         bound = session.io_binding()
         for output in session.get_outputs():
@@ -135,7 +140,8 @@ def child(workload: str, per: int, options: dict[str, str], binding: bool = Fals
     env.close()
 
 
-def compare(rev: str, workload: str, blocks: int, per: int, options: list[str] = (), binding: bool = False) -> dict:
+def compare(rev: str, workload: str, blocks: int, per: int, options: list[str] = (),
+            binding: str | None = None) -> dict:
     """Both stacks' medians per block, and where each imported ephost from. Half the blocks are run by stacks
     started base first, half by two new stacks started the other way round: on the chain the stack started
     second ran up to 11 µs per partition call faster than the same code started first (A/A, both pinned alike)."""
@@ -148,7 +154,7 @@ def compare(rev: str, workload: str, blocks: int, per: int, options: list[str] =
 
 
 def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, order: tuple[str, str],
-             options: list[str], binding: bool = False) -> dict:
+             options: list[str], binding: str | None = None) -> dict:
     """Two stacks started in `order` (the revision's from `package`), taking turns for `blocks` blocks."""
     stacks = {}
     for side in order:
@@ -158,7 +164,7 @@ def _compare(package: str, scratch: str, workload: str, blocks: int, per: int, o
             env["PYTHONPATH"] = package
         stacks[side] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--child", workload, "--per", str(per),
-             *(f"--option={o}" for o in options), *(["--binding"] if binding else [])],
+             *(f"--option={o}" for o in options), *([f"--binding={binding}"] if binding else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=scratch, env=env)
     try:
         where = {side: p.stdout.readline().strip() for side, p in stacks.items()}
@@ -202,7 +208,9 @@ def main(argv=None) -> None:
     parser.add_argument("--per", type=int, default=0, help="timed runs per block (default: by workload)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", type=_option,
                         help="a registration option for the workload's EPs, in both stacks (repeatable)")
-    parser.add_argument("--binding", action="store_true", help="run through an IOBinding (not the loops)")
+    parser.add_argument("--binding", nargs="?", const="cpu", choices=("cpu", "worker"),
+                        help="run through an IOBinding, its feeds bound from here every run (cpu, the default) or "
+                             "once in the worker (not the loops)")
     parser.add_argument("--child", metavar="WORKLOAD", choices=WORKLOADS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     per = args.per or (300 if (args.child or args.workload) in ("tiny", *BOUND) else 20)
@@ -223,7 +231,8 @@ def main(argv=None) -> None:
     wins = sum(d < 0 for d in diffs)
     quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
     print(f"{args.rev}: ephost from {result['where']['base']}; working tree: {result['where']['new']}")
-    with_options = f" ({', '.join(args.option + (['through an IOBinding'] if args.binding else []))})" \
+    how = {"cpu": ["through an IOBinding"], "worker": ["through an IOBinding, its input in the worker"]}
+    with_options = f" ({', '.join(args.option + how.get(args.binding, []))})" \
         if args.option or args.binding else ""
     print(f"{args.workload}{with_options}, {args.blocks} blocks of {per}: {args.rev} "
           f"{statistics.median(base) * 1e6 * scale:.1f}, "

@@ -547,7 +547,7 @@ class KeptRepeat:
         kept.used = True
         try:
             frame = lane._exchange(conn, KEPT, self._method.name, parts, nbytes, timeout, self._key,
-                                   whole=header + parts[0] if len(parts) == 1 else b"".join((header, *parts)),
+                                   whole=b"".join((header, *parts)),  # (parts: bytes or arrays)
                                    copies=copies, arrays=arrays)
         except EpUnknownKeptCall:
             del conn.kept[self._key]

@@ -216,7 +216,7 @@ class IOBinding:
             if value is not out.tensor:
                 self._copy(value, out.tensor)
             return out.tensor
-        if value.memory_info == out.memory:
+        if value.memory_info is out.memory or value.memory_info == out.memory:  # (most often the same object)
             return value
         if out.memory == HOST_MEMORY:
             if value.local_bytes() is not None:

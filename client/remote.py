@@ -441,7 +441,7 @@ class BoundCompute:
     there."""
 
     __slots__ = ("_info", "_conn", "_repeat", "_allocator", "_kinds", "_shapes", "placed", "into", "_staged",
-                 "_dims", "_handles")
+                 "_dims", "_handles", "_recycles")
 
     def __init__(self, info: RemoteComputeInfo, conn, repeat, allocator: RemoteAllocator | None,
                  kinds: list[tuple[int, np.dtype, int]], shapes: list[tuple[int, ...]] | None,
@@ -454,6 +454,7 @@ class BoundCompute:
         self._kinds, self._shapes, self.placed, self.into, self._staged = kinds, shapes, placed, into, staged
         self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in kinds)}Q") if shapes is None else None
         self._handles = struct.Struct(f"<{sum(1 for *_, way in kinds if way != _INLINE) + len(into)}Q")
+        self._recycles = info.link.policy.memory_limit_mb > 0  # as SteadyCompute's
 
     def __call__(self, inputs: Sequence[Any], timeout: float | None,
                  targets: Sequence[Tensor] = ()) -> list[Any] | None:
@@ -466,6 +467,7 @@ class BoundCompute:
         if link.conn is not self._conn or (staged is not None and not staged[0].holds(staged[1], staged[2])) \
                 or len(targets) != len(self.into):
             return None
+        conn = self._conn
         dims, handles, parts, nbytes, writes = [], [], [], 0, []
         buffers = iter(staged[2]) if staged is not None else None
         for i, (value, (rank, dtype, way)) in enumerate(zip(inputs, self._kinds)):
@@ -477,10 +479,11 @@ class BoundCompute:
                 dims += value.shape
             elif value.shape != shapes[i]:
                 return None
-            if owned(value.buffer, link):
+            buffer = value.buffer
+            if buffer is not None and buffer.owner is conn:  # (owned: the link's connection is this one)
                 if way != _NAMED:
                     return None
-                handles.append(value.buffer.handle)
+                handles.append(buffer.handle)
                 continue
             array = value.local_array() if way != _NAMED else None
             if array is None:
@@ -499,19 +502,26 @@ class BoundCompute:
                     or not owned(target.buffer, link):
                 return None
             handles.append(target.buffer.handle)
-        write = _write_once(staged[3], writes) if writes else None
         head = self._handles.pack(*handles) if shapes is not None else \
             self._dims.pack(*dims) + self._handles.pack(*handles)
         if head:
             parts.insert(0, head)
             nbytes += len(head)
-        result = link.run(lambda c: self._repeat(parts, nbytes, timeout or c.timeout_s, write), conn=self._conn)
+        if writes:
+            write = _write_once(staged[3], writes)
+            result = link.run(lambda c: self._repeat(parts, nbytes, timeout or c.timeout_s, write), conn=conn)
+        else:  # nothing to write: its frame made whole at once (KeptRepeat.written), as a steady run's
+            result = link.run(self._written, parts, nbytes, timeout, conn=conn)
         if result is None:
             return None
         written = {i: t for (i, _, _), t in zip(self.into, targets)} if targets else _NO_TARGETS
-        outputs = info.kept_outputs(result, self._allocator, self._conn, written, self.placed, self.placed)
-        link.between_calls()
+        outputs = info.kept_outputs(result, self._allocator, conn, written, self.placed, self.placed)
+        if self._recycles:
+            link.between_calls()
         return outputs
+
+    def _written(self, conn, parts: list, nbytes: int, timeout: float | None):
+        return self._repeat.written(parts, nbytes, (), (), timeout or conn.timeout_s)
 
 
 class RemoteEp(RemoteHandle):

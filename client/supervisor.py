@@ -236,7 +236,8 @@ class WorkerLink:
     @property
     def conn(self) -> WorkerConnection:
         """The live connection; waits while a worker that died is being replaced."""
-        if self._failed is None and not self._restarting and not self._dead():
+        supervisor = self.supervisor  # (_dead inline: every call reads this, a steady run's too)
+        if self._failed is None and not self._restarting and (supervisor is None or not supervisor.dead):
             return self._conn  # the common case, read without the condition's lock (each read is atomic)
         if not self.wait_healthy(self.policy.connect_timeout_s + self.policy.max_backoff_s):
             if self._failed is None:
@@ -254,7 +255,8 @@ class WorkerLink:
     def run(self, fn: Callable[..., object], *args, conn: WorkerConnection | None = None):
         """`fn(conn, *args)` on the current connection (or the one given), with what `call` does around a call."""
         conn = conn or self.conn
-        if not self.serving:
+        health = self._health  # (serving inline, as conn reads _dead)
+        if health is not None and not health.serving:
             raise EpWorkerUnavailable(f"worker for {self.name!r} at {self.address} is not serving ({self.health}, "
                                       "says grpc.health.v1); calls resume when it answers again")
         try:

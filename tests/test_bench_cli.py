@@ -188,3 +188,15 @@ def test_the_cnn_table_runs_the_input_bound_in_the_worker_and_the_floor_as_ort_r
     assert floor.process.returncode == 0
     with pytest.raises(RuntimeError, match="did not start"):
         OneByteRuns("no_such_model")
+
+
+@pytest.mark.parametrize("binding,label", [("--binding", "through an IOBinding"),
+                                           ("--binding=worker", "through an IOBinding, its input in the worker")])
+def test_the_ab_bench_runs_a_workload_through_an_iobinding(binding, label):
+    """`--binding` binds the feeds from the application every run; `--binding=worker` binds them once as tensors
+    of the worker's memory (bench dataplane's "input in the worker" column); the result names which."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "bench/ab.py", "HEAD", "tiny", "--blocks", "2", "--per", "10", binding],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith(f"tiny ({label}), 2 blocks of 10: HEAD ")
