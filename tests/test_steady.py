@@ -765,6 +765,26 @@ def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_c
         assert computes.count == before, "the pair's steady run was not made again"
 
 
+def test_a_binding_of_small_inputs_from_the_application_goes_straight_to_the_kept_call(env):
+    """A binding whose only input is small, bound from the application every run (its bytes go in the frame, and
+    nothing names a buffer), its output bound to the application: from the second run on, straight to the kept
+    call, each run's output ORT's for that run's input."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
+    model = models.model([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [models.tensor("x", [4, 8])],
+                         [models.tensor("y", [4, 8])], [one])
+    with InferenceSession(model, options_for(env, "ort"), env=env) as s:
+        computes = Computes(s)
+        binding = s.io_binding()
+        binding.bind_output("y", "cpu")
+        for n in range(6):
+            x = np.full((4, 8), n, np.float32) + np.arange(8, dtype=np.float32)
+            binding.bind_cpu_input("x", x)
+            s.run_with_iobinding(binding)
+            (y,) = binding.copy_outputs_to_cpu()
+            np.testing.assert_array_equal(y, x + 1)
+        assert computes.count == 1, "runs after the first did not go straight to the kept call"
+
+
 def test_a_steady_binding_run_checks_its_inputs_as_the_general_path_does(env):
     """A row of another width (the model fixes it) in a steady run: the general path's EpInvalidArgument,
     nothing sent; the loop goes on steady."""
