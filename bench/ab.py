@@ -237,7 +237,8 @@ def main(argv=None) -> None:
     print(f"{args.workload}{with_options}, {args.blocks} blocks of {per}: {args.rev} "
           f"{statistics.median(base) * 1e6 * scale:.1f}, "
           f"working tree {statistics.median(new) * 1e6 * scale:.1f} {unit}; paired difference (working tree - "
-          f"{args.rev}) median {statistics.median(diffs):+.1f} (middle half {quartiles[0]:+.1f} to {quartiles[2]:+.1f}), "
+          f"{args.rev}) median {statistics.median(diffs):+.1f} "
+          f"(middle half {quartiles[0]:+.1f} to {quartiles[2]:+.1f}), "
           f"the working tree faster in {wins} of {len(diffs)} blocks (sign test p = {sign_test(wins, len(diffs)):.2g})")
 
 

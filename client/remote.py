@@ -345,6 +345,12 @@ def _all_arrays(result: list) -> bool:
     return True
 
 
+def _repeated(conn, repeat, parts: list, nbytes: int, copies: list, arrays: Sequence[Any], timeout: float | None):
+    """A steady call's kept call repeated with its frame made whole (KeptRepeat.written), under the link's guard
+    (WorkerLink.run): the call's deadline, or the connection's."""
+    return repeat.written(parts, nbytes, copies, arrays, timeout or conn.timeout_s)
+
+
 class SteadyCompute:
     """A partition's kept Compute as one thread made it (RemoteComputeInfo.steady): called with arrays of the
     types and shapes it was made with (and tensors of the worker's at the positions `held`), it sends the small
@@ -361,9 +367,9 @@ class SteadyCompute:
                  into: Mapping[int, Tensor] = _NO_TARGETS, spilled: tuple[int, ...] = ()):
         """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
         for each large input, in order; `copies`: each large input's array over its buffer (of the input's type
-        and shape) and position, which a repeat writes it into (KeptRepeat.written); `handles`: the handles a repeat names, packed, or
-        where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle or
-        None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's (`keep`);
+        and shape) and position, which a repeat writes it into (KeptRepeat.written); `handles`: the handles a
+        repeat names, packed, or where some inputs are tensors of the worker's (`held`), each named input's staging
+        buffer's handle or None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's (`keep`);
         `into`: the tensors of the worker's outputs are written into, by position; `spilled`: the outputs too
         large to come back in the reply, left in new buffers of the worker's and handed on as arrays over them
         (each keeps its buffer until it goes)."""
@@ -371,7 +377,7 @@ class SteadyCompute:
         self._small, self._staged, self._copies = small, staged, copies
         self._handles, self._nbytes, self._held, self._placed, self._into = handles, nbytes, held, placed, into
         self._spilled = spilled
-        self._recycles = info.link.policy.memory_limit_mb > 0  # between_calls may have a worker to replace
+        self._recycles = info.link.recycles  # (read once: a link's policy does not change)
 
     def __call__(self, arrays: Sequence[Any], timeout: float | None) -> tuple[list[Any], bool] | None:
         """The outputs, and whether they are as the call was kept: arrays over the reply where it is a kept
@@ -393,7 +399,8 @@ class SteadyCompute:
         parts = [handles]
         for i in self._small:  # (a loop, not a comprehension: one Python call fewer on a run's cold caches)
             parts.append(arrays[i])
-        result = link.run(self._written, parts, arrays, timeout, conn=self._conn)
+        result = link.run(_repeated, self._repeat, parts, self._nbytes, self._copies, arrays, timeout,
+                          conn=self._conn)
         if result is None:
             return None
         kept = isinstance(result, list)
@@ -408,9 +415,6 @@ class SteadyCompute:
         if self._recycles:
             link.between_calls()
         return outputs, kept
-
-    def _written(self, conn, parts: list, arrays: Sequence[Any], timeout: float | None):
-        return self._repeat.written(parts, self._nbytes, self._copies, arrays, timeout or conn.timeout_s)
 
     @property
     def inline(self) -> bool:
@@ -454,7 +458,7 @@ class BoundCompute:
         self._kinds, self._shapes, self.placed, self.into, self._staged = kinds, shapes, placed, into, staged
         self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in kinds)}Q") if shapes is None else None
         self._handles = struct.Struct(f"<{sum(1 for *_, way in kinds if way != _INLINE) + len(into)}Q")
-        self._recycles = info.link.policy.memory_limit_mb > 0  # as SteadyCompute's
+        self._recycles = info.link.recycles  # (as SteadyCompute's)
 
     def __call__(self, inputs: Sequence[Any], timeout: float | None,
                  targets: Sequence[Tensor] = ()) -> list[Any] | None:
@@ -511,7 +515,7 @@ class BoundCompute:
             write = _write_once(staged[3], writes)
             result = link.run(lambda c: self._repeat(parts, nbytes, timeout or c.timeout_s, write), conn=conn)
         else:  # nothing to write: its frame made whole at once (KeptRepeat.written), as a steady run's
-            result = link.run(self._written, parts, nbytes, timeout, conn=conn)
+            result = link.run(_repeated, self._repeat, parts, nbytes, (), (), timeout, conn=conn)
         if result is None:
             return None
         written = {i: t for (i, _, _), t in zip(self.into, targets)} if targets else _NO_TARGETS
@@ -519,9 +523,6 @@ class BoundCompute:
         if self._recycles:
             link.between_calls()
         return outputs
-
-    def _written(self, conn, parts: list, nbytes: int, timeout: float | None):
-        return self._repeat.written(parts, nbytes, (), (), timeout or conn.timeout_s)
 
 
 class RemoteEp(RemoteHandle):

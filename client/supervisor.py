@@ -219,6 +219,11 @@ class WorkerLink:
         return self.supervisor.process if self.supervisor is not None else None
 
     @property
+    def recycles(self) -> bool:
+        """Whether between_calls may replace the worker (its policy sets a memory limit)."""
+        return self.policy.memory_limit_mb > 0
+
+    @property
     def serving(self) -> bool:
         """For a worker connected to by address: what its grpc.health.v1 stream last said."""
         return self._health.serving if self._health is not None else True
