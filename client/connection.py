@@ -15,7 +15,7 @@ import numpy as np
 from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpWorkerUnavailable, error_for_status,
                            reason_of)
 from ephost.client.fastlane import FastLane, LaneUnavailable
-from ephost.fastlane import METHODS as LANE_METHODS
+from ephost.fastlane import MAX_KEPT, METHODS as LANE_METHODS
 from ephost.wire import SPIN_S
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
@@ -63,7 +63,7 @@ class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
                  fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S, kept_calls: bool = True,
-                 fast_lane_slots: bool = True):
+                 fast_lane_slots: bool = True, kept_calls_max: int = MAX_KEPT):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -128,7 +128,7 @@ class WorkerConnection:
         # The data plane: Compute, CopyTensors, Alloc and Free over the fast lane where it opens, else gRPC.
         if fast_lane and self.fd_socket:
             lane = FastLane(self._lane_ticket, self._lane_lost, self.adopt_region, fast_lane_spin_s,
-                            fast_lane_slots)
+                            fast_lane_slots, kept_calls_max)
             if lane.open():
                 self.lane = lane
                 stubs = {"Ep": self.ep, "EpFactory": self.factory, "DataTransfer": self.data_transfer,

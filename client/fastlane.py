@@ -59,16 +59,18 @@ class Placed(NamedTuple):
 
 class _Kept:
     """A call the worker kept for this connection: its id, and the types and shapes of the outputs that come
-    back, in order: inline (False) or left in the worker (True); `used`: it was repeated."""
+    back, in order: inline (False) or left in the worker (True); `used`: when it was last repeated, on its
+    connection's clock (0: never), `born`: when it was kept (_room)."""
 
-    __slots__ = ("id_bytes", "outputs", "nbytes", "placed", "used")
+    __slots__ = ("id", "id_bytes", "outputs", "nbytes", "placed", "used", "born")
 
     def __init__(self, kid: int, outputs: list[tuple[tuple[int, ...], np.dtype, int, bool]]):
+        self.id = kid
         self.id_bytes = KEPT_ID.pack(kid)
         self.outputs = outputs
         self.placed = sum(1 for *_, left in outputs if left)
         self.nbytes = sum(n for _, _, n, left in outputs if not left) + PLACED.size * self.placed
-        self.used = False
+        self.used = self.born = 0
 
     @classmethod
     def of(cls, method: Method, request, reply) -> "_Kept":
@@ -110,11 +112,12 @@ class _ShapedKept(_Kept):
     __slots__ = ("_dims",)
 
     def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
+        self.id = kid
         self.id_bytes = KEPT_ID.pack(kid)
         self.outputs = outputs
         self.placed = sum(1 for *_, left in outputs if left)
         self.nbytes = None  # each reply's own
-        self.used = False
+        self.used = self.born = 0
         self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in outputs)}Q")
 
     def arrays(self, payload) -> list:
@@ -147,6 +150,29 @@ class _ShapedKept(_Kept):
 
 
 _UNKEPT = object()
+_FULL = object()
+LOOKS = 8  # kept calls a new call looks at for one unused long enough to take the place of (_room)
+
+
+def _room(kept: dict, clock: int, capacity: int):
+    """Where a new call may be kept on a connection that keeps `kept` (key -> _Kept) with room for `capacity`,
+    at `clock`: None where there is room; else the key of a kept call it takes the place of, one not used for
+    the last 2 x `capacity` calls; else _FULL (it goes whole). The kept calls looked at and used since go to the
+    back, to be looked at after the others. A plan that cycles through more calls than a connection keeps thus
+    repeats those it keeps, run after run, and sends the rest whole; one that moved on lets the old ones go.
+    (Where the oldest went for each new call, each went before it came round again, and every run kept every
+    call anew: a chain of 65 partitions a worker, 64 a connection, 142 µs a partition call; 66 now, 46 all kept.)"""
+    if len(kept) < capacity:
+        return None
+    horizon = clock - 2 * capacity
+    for _ in range(min(LOOKS, len(kept))):
+        key = next(iter(kept))
+        call = kept[key]
+        if (call.used or call.born) < horizon:
+            return key
+        del kept[key]
+        kept[key] = call
+    return _FULL
 
 MISSES = 4                # kept calls of a kind let go unrepeated in a row, after which its new calls are kept
                           # only once seen again
@@ -199,14 +225,19 @@ class _Keeping:
 
 
 class _Connection:
-    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "keeping", "busy", "_closing", "__weakref__")
+    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "refused", "clock", "keeping", "busy", "_closing",
+                 "__weakref__")
 
     def __init__(self, sock: socket.socket, adopt, spin_s: float, slots: Slots | None):
         self.sock = sock
         self.slots = slots
         self.reader = FrameReader(sock, adopt, spin_s, expect=True, slots=slots)
         self.timeout = sock.gettimeout()
-        self.kept: dict = {}  # key -> _Kept, or None where the worker would not keep the call
+        # key -> _Kept: the calls its worker keeps for it, the same, call for call, as the worker's own (one goes
+        # in where the worker kept it, one goes out where this end said so: _room)
+        self.kept: dict = {}
+        self.refused: dict = {}  # key -> True: the calls the worker would not keep (the last MAX_KEPT)
+        self.clock = 0  # calls made to keep or repeat a kept call (a kept call's `used`)
         self.keeping = _Keeping()
         self.busy = False  # a call on it waits for its reply
         self._closing = threading.Lock()  # taken by the first close, never given back
@@ -227,8 +258,10 @@ class _Connection:
 
 class FastLane:
     def __init__(self, ticket: Callable[[], tuple[bytes, str]], lost: Callable[[str], EpError],
-                 adopt: Callable[[int, int, int], None], spin_s: float = SPIN_S, slots: bool = True):
+                 adopt: Callable[[int, int, int], None], spin_s: float = SPIN_S, slots: bool = True,
+                 capacity: int = MAX_KEPT):
         self._ticket = ticket  # (ticket, socket path), from Worker.OpenDataPlane
+        self._capacity = capacity  # kept calls a connection keeps (the worker keeps no more than MAX_KEPT)
         # ask the worker for shared slots (ephost/lane_slots.py) on each connection, where this CPU's order allows
         self._slots = slots and lane_slots.SUPPORTED
         self._spin_s = spin_s  # how long a thread polls for its reply before it sleeps (FrameReader)
@@ -317,25 +350,27 @@ class FastLane:
         for each left in the worker) where the reply is a kept call's, else the reply."""
         conn = self._connection()
         key = (method.id, key)
-        kept = conn.kept.get(key, _UNKEPT)
-        if kept is None:  # the worker would not keep it
-            return self.call(method, request_of(), timeout)
-        if kept is not _UNKEPT:
+        kept = conn.kept.get(key)
+        if kept is not None:
             result = self._repeat(conn, key, kept, method, parts, nbytes, timeout, write)
             if result is not _UNKEPT:
                 return result
+        elif key in conn.refused:  # the worker would not keep it
+            conn.clock += 1
+            return self.call(method, request_of(), timeout)
+        conn.clock += 1
         general = None
         if shaped is not None:
             general, dims = shaped(key[1])
             general = (method.id, general)
-            kept = conn.kept.get(general, _UNKEPT)
-            if kept is None:  # the worker would not keep it so
-                general = None
-            elif kept is not _UNKEPT:
+            kept = conn.kept.get(general)
+            if kept is not None:
                 result = self._repeat(conn, general, kept, method, [dims, *parts], len(dims) + nbytes, timeout,
                                       write)
                 if result is not _UNKEPT:
                     return result
+            elif general in conn.refused:  # the worker would not keep it so
+                general = None
         kind = (method.id, key[1][0])  # the method and the caller's key's first element; a repeat needs none
         if conn.keeping.ask(kind, key):
             return self._keep(conn, key, method, request_of(), timeout, kind)
@@ -357,7 +392,7 @@ class FastLane:
                 timeout: float, write: Callable[[], None] | None):
         """A kept call repeated: what came back (see call_kept), or _UNKEPT where the worker let it go (then it
         is forgotten here too, and the caller sends the whole request again, asking to keep it)."""
-        kept.used = True
+        kept.used = conn.clock = conn.clock + 1
         try:
             frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
                                    timeout, key, write)
@@ -370,14 +405,34 @@ class FastLane:
 
     def _keep(self, conn: _Connection, key: Hashable, method: Method, request, timeout: float,
               kind: Hashable = None):
-        """A new call, the worker asked to keep it: its reply."""
+        """A new call, the worker asked to keep it where the connection has room for it (_room): its reply."""
+        kept = conn.kept
+        room = _room(kept, conn.clock, self._capacity)
+        if room is _FULL:
+            return self.call(method, request, timeout)
         request.keep_call = True
-        reply = self.call(method, request, timeout)
-        if len(conn.kept) >= MAX_KEPT:
-            del conn.kept[next(iter(conn.kept))]  # the oldest (the worker lets its oldest go too)
-        kept = conn.kept[key] = _Kept.of(method, request, reply) if reply.kept_call else None
-        if kept is not None and kind is not None:
-            conn.keeping.kept(kind, kept)
+        if room is not None:
+            request.replace_kept = kept[room].id
+        try:
+            reply = self.call(method, request, timeout)
+        except LaneUnavailable:  # nothing was sent
+            raise
+        except BaseException:  # the worker read the request, and let the call it replaces go
+            if room is not None:
+                del kept[room]
+            raise
+        if room is not None:
+            del kept[room]
+        if not reply.kept_call:
+            refused = conn.refused
+            if len(refused) >= MAX_KEPT:
+                del refused[next(iter(refused))]
+            refused[key] = True
+            return reply
+        new = kept[key] = _Kept.of(method, request, reply)
+        new.born = conn.clock
+        if kind is not None:
+            conn.keeping.kept(kind, new)
         return reply
 
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float,
@@ -544,7 +599,7 @@ class KeptRepeat:
             header = HEADER.pack(MAGIC, KEPT_WRITING if copies else KEPT, STATUS_OK, timeout,
                                  KEPT_ID.size + nbytes) + kept.id_bytes
             self._header = (made, header)
-        kept.used = True
+        kept.used = conn.clock = conn.clock + 1
         try:
             frame = lane._exchange(conn, KEPT, self._method.name, parts, nbytes, timeout, self._key,
                                    whole=b"".join((header, *parts)),  # (parts: bytes or arrays)

@@ -19,6 +19,7 @@ from ephost.client.connection import Credentials, WorkerConnection
 from ephost.client.crash_budget import CrashBudget
 from ephost.client.health import HealthWatcher
 from ephost.client.launcher import WorkerProcess, describe_exit
+from ephost.fastlane import MAX_KEPT
 from ephost.wire import MAX_SPIN_S, SPIN_S
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class SupervisionPolicy:
     fast_lane_spin_us: float = SPIN_S * 1e6  # each end polls this long for the next frame before it sleeps
     kept_calls: bool = True       # Computes and copies repeated on the fast lane as kept calls (what changes only)
     fast_lane_slots: bool = True  # the lane's frames through shared slots, the socket waking a sleeping end
+    kept_calls_max: int = MAX_KEPT  # kept calls one thread's connection keeps (client/fastlane.py, _room)
 
     OPTIONS = {
         "restart": "restart a launched worker that dies (default true)",
@@ -55,6 +57,9 @@ class SupervisionPolicy:
         "kept_calls": "repeat a Compute, or a CopyTensors between buffers of the worker's, as a kept call on the "
                       "fast lane: only the inputs' bytes and the buffers' handles go, only the outputs' bytes "
                       "come back (default true)",
+        "kept_calls_max": f"kept calls each thread's fast-lane connection keeps, 1 to {MAX_KEPT} (the default; "
+                          "past it a new call takes the place of one unused for twice as many calls, else goes "
+                          "whole)",
         "fast_lane_slots": "pass the fast lane's frames (those that fit one packet) through shared memory between "
                            "its two ends, the socket only waking an end asleep in the kernel (default true)",
     }
@@ -63,17 +68,23 @@ class SupervisionPolicy:
     def take(cls, options: dict[str, str]) -> "SupervisionPolicy":
         """The policy from (and without) its keys in a registration's options."""
         mine = {k: options.pop(k) for k in list(options) if k in cls.OPTIONS}
-        try:
-            return cls(**{k: (v.lower() not in ("0", "false", "no") if isinstance(getattr(cls, k), bool)
-                              else type(getattr(cls, k))(v))
-                          for k, v in mine.items()})
-        except ValueError as e:
-            raise EpInvalidArgument(f"bad supervision option: {e}") from None
+        values = {}
+        for k, v in mine.items():
+            kind = type(getattr(cls, k))
+            try:
+                values[k] = v.lower() not in ("0", "false", "no") if kind is bool else kind(v)
+            except ValueError:
+                what = "an integer" if kind is int else "a number"
+                raise EpInvalidArgument(f"bad supervision option: {k} takes {what}, got {v!r}") from None
+        return cls(**values)
 
     def __post_init__(self):
         if not 0 <= self.fast_lane_spin_us <= MAX_SPIN_S * 1e6:  # nan fails too
             raise EpInvalidArgument(f"bad supervision option: fast_lane_spin_us must be between 0 and "
                                     f"{MAX_SPIN_S * 1e6:g}, got {self.fast_lane_spin_us:g}")
+        if not 1 <= self.kept_calls_max <= MAX_KEPT:
+            raise EpInvalidArgument(f"bad supervision option: kept_calls_max must be between 1 and {MAX_KEPT} (a "
+                                    f"worker keeps no more for a connection), got {self.kept_calls_max}")
 
     def crash_budget(self) -> CrashBudget:
         return CrashBudget(self.crash_limit, self.crash_window_s, self.backoff_s, self.max_backoff_s)
@@ -192,7 +203,7 @@ class WorkerLink:
                                     credentials=self.credentials, shared_memory=self.policy.shared_memory,
                                     fast_lane=self.policy.fast_lane,
                                     fast_lane_spin_s=self.policy.fast_lane_spin_us * 1e-6,
-                                    kept_calls=self.policy.kept_calls,
+                                    kept_calls=self.policy.kept_calls, kept_calls_max=self.policy.kept_calls_max,
                                     fast_lane_slots=self.policy.fast_lane_slots)
         except BaseException:
             if self.supervisor is not None:

@@ -77,11 +77,10 @@ KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
 # In a KEPT reply, after the inline outputs' bytes, each output left in the worker: its buffer's handle, and
 # where it lies in shared memory (region, offset, nbytes; region 0: not mapped)
 PLACED = struct.Struct("<QQqq")
-# Kept calls one connection keeps, at either end (past it the oldest goes): a thread's every partition on one
-# worker, each at the input shapes it runs at. Past the bound, a plan that cycles through more calls than it
-# lets every one go before it repeats (each run then keeps each call anew: a chain of 65 partitions a worker
-# at 64, 48 -> 143 µs a partition call, slower than not keeping). A kept call costs the worker about 1 KB, and
-# a tensor for each buffer it names.
+# Kept calls a worker keeps for one connection: a thread's every partition on it, each at the input shapes it
+# runs at. Past the bound the worker keeps a new call only in the place of one its caller names (replace_kept):
+# the caller knows which it repeats (client/fastlane.py, _room). A kept call costs the worker about 1 KB, and a
+# tensor for each buffer it names.
 MAX_KEPT = 1024
 MAX_FDS = 16
 _TRUNC = int(socket.MSG_TRUNC)  # a plain int: an IntFlag's & costs more than the rest of a frame's reading

@@ -173,8 +173,12 @@ class LaneServer:
                             f"a {method.name} frame whose message cannot be parsed")
                 continue
 
+            keeps = method.name in self._kept and request.keep_call
+            if keeps and request.replace_kept:  # as it is read, whatever comes of the call (the caller forgot it)
+                kept.let_go(request.replace_kept)
+
             def respond(reply):
-                if method.name in self._kept and request.keep_call:
+                if keeps:
                     reply.kept_call = kept.keep(method.name, request, reply)
                     if reply.kept_call:
                         self._stats.add(calls_kept=1)

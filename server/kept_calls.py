@@ -461,16 +461,21 @@ class KeptCalls:
         self._ids = itertools.count(1)
 
     def keep(self, method: str, request, reply) -> int:
-        """Keep a call that asked to be kept: its id, or 0 where it does not qualify. Past MAX_KEPT the
-        oldest is let go (a KEPT frame naming it is told so, and its caller sends the whole call again)."""
+        """Keep a call that asked to be kept: its id, or 0 where it does not qualify or MAX_KEPT are kept
+        already. Which kept call goes to make room is the caller's to say (`replace_kept`, let_go): it knows
+        which it will repeat; letting the oldest go had a plan that cycles through more calls than the bound
+        keep each anew every run."""
         kept = KEEPERS[method](request, reply)
-        if kept is None:
+        if kept is None or len(self._calls) >= MAX_KEPT:
             return 0
-        if len(self._calls) >= MAX_KEPT:
-            del self._calls[next(iter(self._calls))]
         kid = next(self._ids)
         self._calls[kid] = kept
         return kid
+
+    def let_go(self, kid: int) -> None:
+        """Let a kept call go (a request's `replace_kept`, as it is read); an id this connection does not keep
+        is no error."""
+        self._calls.pop(kid, None)
 
     def get(self, payload) -> KeptCall | KeptCopy:
         """The kept call a KEPT frame's payload names."""

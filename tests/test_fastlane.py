@@ -1008,21 +1008,67 @@ def test_a_kept_call_whose_outputs_change_shape_gets_the_whole_reply(ort_env):
         assert worker_stats(ort_env, registration).kept_calls - before.kept_calls == kept
 
 
-def test_kept_calls_the_worker_let_go_are_sent_whole_again(ort_env, monkeypatch):
-    """A connection keeps at most MAX_KEPT calls; past that the worker lets the oldest go. A client remembering
-    more is told so when it names one (EpUnknownKeptCall) and sends the whole call again: every run is right."""
-    import ephost.client.fastlane as client_lane
-    monkeypatch.setattr(client_lane, "MAX_KEPT", 4 * MAX_KEPT)
-    model = models.chain(["Relu", "Neg"], shape=("n",))
-    shapes = MAX_KEPT + 6  # one kept call a shape (both nodes are one partition), each repeated once
-    before = worker_stats(ort_env, "ort")
-    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as s:
-        for n in [*(n for n in range(1, shapes + 1) for _ in range(2)), 1, 2, shapes]:
-            x = np.arange(n, dtype=np.float32) - n / 2
-            np.testing.assert_array_equal(s.run(None, {"x": x})[0], -np.maximum(x, 0))
-    after = worker_stats(ort_env, "ort")
-    # The first shapes' calls were let go and kept again; the last shape's was repeated as kept
-    assert (after.calls_kept - before.calls_kept, after.kept_calls - before.kept_calls) == (shapes + 2, shapes + 1)
+def _relu_neg_env(kept_calls_max: int):
+    """An Environment whose reference workers run Relu ("Relu") and Neg ("Neg"), each thread's connection to
+    either keeping `kept_calls_max` calls."""
+    env = ephost.Environment()
+    for op in ("Relu", "Neg"):
+        env.register_execution_provider_library(op, "reference", {"ops": op, "kept_calls_max": str(kept_calls_max)})
+    return env
+
+
+def _relu_neg(x: np.ndarray, pairs: int) -> np.ndarray:
+    for _ in range(pairs):
+        x = -np.maximum(x, 0)
+    return x
+
+
+def test_a_plan_cycling_through_more_calls_than_a_connection_keeps_repeats_those_it_keeps():
+    """Three partitions in each worker, two kept calls a connection: run after run, the two it keeps are
+    repeated and the third goes whole; none is let go to make room for the next and kept anew (as each was where
+    the oldest went for every new call: each went before it came round again)."""
+    model = models.chain(["Relu", "Neg"] * 3)
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+    with _relu_neg_env(2) as env:
+        with InferenceSession(model, options_for(env, "Relu", "Neg"), env=env) as s:
+            assert len(s.get_provider_graph_assignment_info()) == 6
+            for _ in range(3):
+                s.run(None, {"x": x})
+            before = worker_stats(env, "Relu")
+            for _ in range(4):
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], _relu_neg(x, 3))
+            after = worker_stats(env, "Relu")
+    assert (after.calls_kept - before.calls_kept, after.kept_calls - before.kept_calls) == (0, 4 * 2)
+    assert after.calls_kept == 2
+
+
+def test_a_connection_full_of_calls_no_longer_made_keeps_new_ones_in_their_place():
+    """A connection keeping two calls of a session that was closed keeps the next session's in their place once
+    they went unused for twice as many calls as it keeps (4): that session's runs are repeats from then on."""
+    model = models.chain(["Relu", "Neg", "Relu"])
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+    with _relu_neg_env(2) as env:
+        with InferenceSession(model, options_for(env, "Relu", "Neg"), env=env) as s:
+            for _ in range(3):
+                s.run(None, {"x": x})
+        assert worker_stats(env, "Relu").calls_kept == 2
+        with InferenceSession(model, options_for(env, "Relu", "Neg"), env=env) as s:
+            for _ in range(4):
+                s.run(None, {"x": x})
+            before = worker_stats(env, "Relu")
+            for _ in range(4):
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], np.maximum(-np.maximum(x, 0), 0))
+            after = worker_stats(env, "Relu")
+    assert before.calls_kept == 4
+    assert (after.calls_kept - before.calls_kept, after.kept_calls - before.kept_calls) == (0, 4 * 2)
+
+
+def test_a_connection_keeps_as_many_calls_as_a_registration_option_says_and_no_more_than_a_worker_does():
+    env = ephost.Environment()
+    for bad in ("0", str(MAX_KEPT + 1), "many"):
+        with pytest.raises(ephost.EpInvalidArgument, match="^bad supervision option: kept_calls_max (must|takes)"):
+            env.register_execution_provider_library("Relu", "reference", {"ops": "Relu", "kept_calls_max": bad})
+    env.close()
 
 
 def test_a_plan_of_more_partitions_in_a_worker_than_64_stays_kept_run_after_run():
@@ -1103,14 +1149,30 @@ def test_kept_calls_on_the_wire(lane_worker):
         request.keep_call = True
         assert raw(raw.ep.Compute, request).kept_call == 0
 
-        # Past MAX_KEPT, the oldest go.
+        # A connection keeps MAX_KEPT; past that a new call only in the place of one its caller names
+        # (replace_kept), which the worker lets go as it reads the request, whatever comes of the call.
         ids = [lane_call(sock, "Ep/Compute", request)[1].kept_call for _ in range(MAX_KEPT)]
+        assert all(ids[:-1]) and ids[-1] == 0
+        request.replace_kept = 1 << 31  # no kept call of this connection's: no error, and no room made
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status == 0 and reply.kept_call == 0
+        request.replace_kept = KEPT_ID.unpack(kid)[0]
+        frame, reply = lane_call(sock, "Ep/Compute", request)
+        assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
         assert kept_frame(sock, kid + x.tobytes()).status == 5
-        assert kept_frame(sock, KEPT_ID.pack(ids[-1]) + x.tobytes()).status == 0
+        newest = KEPT_ID.pack(reply.kept_call)
+        assert kept_frame(sock, newest + x.tobytes()).status == 0
+        bad = ep_pb2.ComputeRequest()
+        bad.CopyFrom(request)
+        bad.replace_kept = ids[0]
+        bad.inputs[0].tensor.inline = b"\0" * 4  # 4 bytes for 4 floats
+        assert lane_call(sock, "Ep/Compute", bad)[0].status == 3
+        assert kept_frame(sock, KEPT_ID.pack(ids[0]) + x.tobytes()).status == 5
+        request.replace_kept = 0
         # The partition is looked up on every call: released, it is NOT_FOUND like any Compute of it.
         raw(raw.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(ep=ep,
                                                                                   node_compute_infos=[partition]))
-        frame = kept_frame(sock, KEPT_ID.pack(ids[-1]) + x.tobytes())
+        frame = kept_frame(sock, newest + x.tobytes())
         assert frame.status == 5 and b"unknown compute info handle" in bytes(frame.payload)
         # The connection, and the worker, serve on.
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=host_allocator(raw), nbytes=64), lane_worker)

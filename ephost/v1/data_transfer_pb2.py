@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ephost.v1 import common_pb2 as ephost_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65phost/v1/data_transfer.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"o\n\x0e\x43\x61nCopyRequest\x12\x15\n\rdata_transfer\x18\x01 \x01(\x04\x12\"\n\x03src\x18\x02 \x01(\x0b\x32\x15.ephost.v1.MemoryInfo\x12\"\n\x03\x64st\x18\x03 \x01(\x0b\x32\x15.ephost.v1.MemoryInfo\"#\n\x0f\x43\x61nCopyResponse\x12\x10\n\x08\x63\x61n_copy\x18\x01 \x01(\x08\"\x94\x01\n\x12\x43opyTensorsRequest\x12\x15\n\rdata_transfer\x18\x01 \x01(\x04\x12!\n\x03src\x18\x02 \x03(\x0b\x32\x14.ephost.v1.TensorRef\x12!\n\x03\x64st\x18\x03 \x03(\x0b\x32\x14.ephost.v1.TensorRef\x12\x0e\n\x06stream\x18\x04 \x01(\x04\x12\x11\n\tkeep_call\x18\x05 \x01(\x08\"9\n\x13\x43opyTensorsResponse\x12\x0f\n\x07replies\x18\x01 \x03(\x0c\x12\x11\n\tkept_call\x18\x02 \x01(\r2\x9e\x01\n\x0c\x44\x61taTransfer\x12@\n\x07\x43\x61nCopy\x12\x19.ephost.v1.CanCopyRequest\x1a\x1a.ephost.v1.CanCopyResponse\x12L\n\x0b\x43opyTensors\x12\x1d.ephost.v1.CopyTensorsRequest\x1a\x1e.ephost.v1.CopyTensorsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65phost/v1/data_transfer.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"o\n\x0e\x43\x61nCopyRequest\x12\x15\n\rdata_transfer\x18\x01 \x01(\x04\x12\"\n\x03src\x18\x02 \x01(\x0b\x32\x15.ephost.v1.MemoryInfo\x12\"\n\x03\x64st\x18\x03 \x01(\x0b\x32\x15.ephost.v1.MemoryInfo\"#\n\x0f\x43\x61nCopyResponse\x12\x10\n\x08\x63\x61n_copy\x18\x01 \x01(\x08\"\xaa\x01\n\x12\x43opyTensorsRequest\x12\x15\n\rdata_transfer\x18\x01 \x01(\x04\x12!\n\x03src\x18\x02 \x03(\x0b\x32\x14.ephost.v1.TensorRef\x12!\n\x03\x64st\x18\x03 \x03(\x0b\x32\x14.ephost.v1.TensorRef\x12\x0e\n\x06stream\x18\x04 \x01(\x04\x12\x11\n\tkeep_call\x18\x05 \x01(\x08\x12\x14\n\x0creplace_kept\x18\x06 \x01(\r\"9\n\x13\x43opyTensorsResponse\x12\x0f\n\x07replies\x18\x01 \x03(\x0c\x12\x11\n\tkept_call\x18\x02 \x01(\r2\x9e\x01\n\x0c\x44\x61taTransfer\x12@\n\x07\x43\x61nCopy\x12\x19.ephost.v1.CanCopyRequest\x1a\x1a.ephost.v1.CanCopyResponse\x12L\n\x0b\x43opyTensors\x12\x1d.ephost.v1.CopyTensorsRequest\x1a\x1e.ephost.v1.CopyTensorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCOPYRESPONSE']._serialized_start=181
   _globals['_CANCOPYRESPONSE']._serialized_end=216
   _globals['_COPYTENSORSREQUEST']._serialized_start=219
-  _globals['_COPYTENSORSREQUEST']._serialized_end=367
-  _globals['_COPYTENSORSRESPONSE']._serialized_start=369
-  _globals['_COPYTENSORSRESPONSE']._serialized_end=426
-  _globals['_DATATRANSFER']._serialized_start=429
-  _globals['_DATATRANSFER']._serialized_end=587
+  _globals['_COPYTENSORSREQUEST']._serialized_end=389
+  _globals['_COPYTENSORSRESPONSE']._serialized_start=391
+  _globals['_COPYTENSORSRESPONSE']._serialized_end=448
+  _globals['_DATATRANSFER']._serialized_start=451
+  _globals['_DATATRANSFER']._serialized_end=609
 # @@protoc_insertion_point(module_scope)

@@ -24,18 +24,20 @@ class CanCopyResponse(_message.Message):
     def __init__(self, can_copy: _Optional[bool] = ...) -> None: ...
 
 class CopyTensorsRequest(_message.Message):
-    __slots__ = ("data_transfer", "src", "dst", "stream", "keep_call")
+    __slots__ = ("data_transfer", "src", "dst", "stream", "keep_call", "replace_kept")
     DATA_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     KEEP_CALL_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_KEPT_FIELD_NUMBER: _ClassVar[int]
     data_transfer: int
     src: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
     dst: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
     stream: int
     keep_call: bool
-    def __init__(self, data_transfer: _Optional[int] = ..., src: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., dst: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., stream: _Optional[int] = ..., keep_call: _Optional[bool] = ...) -> None: ...
+    replace_kept: int
+    def __init__(self, data_transfer: _Optional[int] = ..., src: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., dst: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., stream: _Optional[int] = ..., keep_call: _Optional[bool] = ..., replace_kept: _Optional[int] = ...) -> None: ...
 
 class CopyTensorsResponse(_message.Message):
     __slots__ = ("replies", "kept_call")
