@@ -156,8 +156,8 @@ LOOKS = 8  # kept calls a new call looks at for one unused long enough to take t
 
 def _room(kept: dict, clock: int, capacity: int):
     """Where a new call may be kept on a connection that keeps `kept` (key -> _Kept) with room for `capacity`,
-    at `clock`: None where there is room; else the key of a kept call it takes the place of, one not used for
-    the last 2 x `capacity` calls; else _FULL (it goes whole). The kept calls looked at and used since go to the
+    at `clock` (its new calls so far): None where there is room; else the key of a kept call it takes the place
+    of, one not used during the last 2 x `capacity` new calls; else _FULL (it goes whole). The kept calls looked at and used since go to the
     back, to be looked at after the others. A plan that cycles through more calls than a connection keeps thus
     repeats those it keeps, run after run, and sends the rest whole; one that moved on lets the old ones go.
     (Where the oldest went for each new call, each went before it came round again, and every run kept every
@@ -237,7 +237,7 @@ class _Connection:
         # in where the worker kept it, one goes out where this end said so: _room)
         self.kept: dict = {}
         self.refused: dict = {}  # key -> True: the calls the worker would not keep (the last MAX_KEPT)
-        self.clock = 0  # calls made to keep or repeat a kept call (a kept call's `used`)
+        self.clock = 0  # new calls made that may be kept (repeats do not count: a kept call's `used` is this)
         self.keeping = _Keeping()
         self.busy = False  # a call on it waits for its reply
         self._closing = threading.Lock()  # taken by the first close, never given back
@@ -392,7 +392,7 @@ class FastLane:
                 timeout: float, write: Callable[[], None] | None):
         """A kept call repeated: what came back (see call_kept), or _UNKEPT where the worker let it go (then it
         is forgotten here too, and the caller sends the whole request again, asking to keep it)."""
-        kept.used = conn.clock = conn.clock + 1
+        kept.used = conn.clock
         try:
             frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
                                    timeout, key, write)
@@ -599,7 +599,7 @@ class KeptRepeat:
             header = HEADER.pack(MAGIC, KEPT_WRITING if copies else KEPT, STATUS_OK, timeout,
                                  KEPT_ID.size + nbytes) + kept.id_bytes
             self._header = (made, header)
-        kept.used = conn.clock = conn.clock + 1
+        kept.used = conn.clock
         try:
             frame = lane._exchange(conn, KEPT, self._method.name, parts, nbytes, timeout, self._key,
                                    whole=b"".join((header, *parts)),  # (parts: bytes or arrays)
