@@ -10,7 +10,9 @@ over ORT in process, the bare kept call 130-152); on a plan of many small partit
 partition call. A SteadyRun keeps what a general run found, for one thread (a lane connection is its thread's):
 one step per partition, in the plan's order, each reading its inputs from the run's feeds and the steps before
 it by position, and repeats them while the session's plan, each partition's compute and the calls' connections,
-kept calls and staging buffers stay those it was made with.
+kept calls and staging buffers stay those it was made with. A partition in a worker whose call is not kept (its
+connection keeps no more, or the call does not qualify: outputs of another shape than kept) is called as the
+general path calls it, as one in this process is (ComputeStep), where some other step repeats a kept call.
 
 A partition that leaves a value in its worker for a later partition there (`keep`: a vendor EP's partitions on
 either side of one it does not take, a value of the first read by the second) makes it again as a tensor among
@@ -59,9 +61,11 @@ def steady_plan(partitions: list[Partition]) -> bool:
     return any(hasattr(p.compute_info, "steady") for p in partitions)
 
 
-class InProcessStep:
-    """A partition in this process made again: its Compute with the arrays as tensors, its outputs as arrays
-    where they are of the types and shapes the general run saw (what a later step's kept call was made for)."""
+class ComputeStep:
+    """A partition made again through its Compute as the general path calls it (one in this process, or one in a
+    worker whose call its connection does not keep: it keeps as many as it has room for, client/fastlane.py):
+    the arrays as tensors, its outputs as arrays where they are of the types and shapes the general run saw (what
+    a later step's kept call was made for)."""
 
     __slots__ = ("_partition", "_outputs")
 
@@ -69,7 +73,7 @@ class InProcessStep:
         self._partition, self._outputs = partition, outputs
 
     @classmethod
-    def of(cls, partition: Partition, outputs: Sequence[Any]) -> "InProcessStep | None":
+    def of(cls, partition: Partition, outputs: Sequence[Any]) -> "ComputeStep | None":
         arrays = [_array(v) for v in outputs]
         if any(a is None for a in arrays):
             return None
@@ -215,6 +219,7 @@ class SteadyRun:
         position = {name: i for i, (name, _, _) in enumerate(feeds)}
         value_names, asked = [name for name, _, _ in feeds], set(names)
         steps, left = [], set()  # left: the positions of the values steps leave in their workers (tensors)
+        kept = False  # a step repeats a kept call
         for p, inputs, outputs in record:
             try:
                 sources = tuple(position[v] for v in p.graph.inputs)
@@ -223,11 +228,16 @@ class SteadyRun:
             steady, views = getattr(p.compute_info, "steady", None), ()
             scratch = [i for i in p.keep if p.graph.outputs[i] not in asked] if steady is not None else ()
             if steady is None:
-                compute = InProcessStep.of(p, outputs)
+                compute = ComputeStep.of(p, outputs)
             elif scratch:
                 compute = ScratchStep.of(p, outputs, scratch)
+                kept = True
             else:
                 compute = _made(steady, inputs, p.allocator, outputs, p.keep)
+                if compute is not None:
+                    kept = True
+                elif not p.keep:  # its call is not kept (its connection keeps no more, or it does not qualify)
+                    compute = ComputeStep.of(p, outputs)
             if compute is None:
                 return None
             if steady is not None:  # what another worker left, read here through this process's mapping
@@ -239,7 +249,7 @@ class SteadyRun:
             for v in p.graph.outputs:
                 position[v] = len(value_names)
                 value_names.append(v)
-        if any(n not in position for n in names):  # a constant output
+        if not kept or any(n not in position for n in names):  # nothing to repeat; a constant output
             return None
         picks = [position[n] for n in names]
         return cls(partitions, steps, value_names, list(feeds), None if output_names is None else list(output_names),

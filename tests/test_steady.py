@@ -252,6 +252,24 @@ def test_a_plan_of_partitions_in_two_workers_is_made_again_step_by_step(workers)
         assert s.failure_counters["runs"] == 6
 
 
+def test_a_partition_whose_call_its_connection_does_not_keep_is_called_as_it_ran_in_a_steady_run():
+    """Four partitions in each of two workers whose connections keep three calls each: the steady run goes
+    straight to the three kept calls of each and calls the fourth's Compute as the general path does (not
+    every partition the general path's way, as where a plan's every call had to be kept), every result right."""
+    rng = np.random.default_rng(7)
+    with ephost.Environment() as env:
+        for name, op in (("relu", "Relu"), ("neg", "Neg")):
+            env.register_execution_provider_library(name, "reference", {"ops": op, "kept_calls_max": "3"})
+        with InferenceSession(models.chain(CHAIN), options_for(env, "relu", "neg"), env=env) as s:
+            computes = Computes(s)
+            for _ in range(6):
+                x = rng.standard_normal(4).astype(np.float32)
+                (y,) = s.run(None, {"x": x})
+                np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
+            assert computes.counts == [2] * 6 + [6] * 2, "the last partition in each worker is the one not kept"
+            assert env.get_worker_stats("relu").kept_calls == 3 * 5  # every run after the first
+
+
 def test_a_steady_run_makes_partitions_in_process_again_between_those_in_a_worker(workers):
     """A worker taking Relu, the CPU fallback (in this process) the Neg nodes between: the steady run goes
     straight to the worker's kept calls and to the fallback's compute, and every result is right."""
@@ -478,7 +496,8 @@ def test_a_step_whose_outputs_change_shape_hands_the_rest_of_the_run_to_the_gene
     """The middle partition's output takes another shape (as many positions as x has positive elements): the
     steady run stops there and the general path runs the rest with what it made; every result is right. The
     worker answers that call whole while its outputs are not of the shape it was kept with, so runs of the new
-    shape make no steady run; runs of the first shape make one again."""
+    shape make a steady run that calls that partition's Compute as the general path does, the others' kept calls
+    straight; runs of the first shape make one of three kept calls again."""
     with InferenceSession(nonzero_model(), options_for(workers, "relu", "nz", "neg"), env=workers) as s:
         assert [a.registration for a in s.get_provider_graph_assignment_info()] == ["relu", "nz", "neg"]
         computes = Computes(s)
@@ -494,12 +513,12 @@ def test_a_step_whose_outputs_change_shape_hands_the_rest_of_the_run_to_the_gene
         assert computes.counts == [2, 2, 2]
         run(three)  # the steady run's: its middle step came back whole, the last partition went the general way
         assert computes.counts == [2, 2, 3]
-        for _ in range(4):
+        for _ in range(4):  # the first of them makes a steady run of the new shape
             run(three)
-        assert computes.counts == [6, 6, 7]
-        for _ in range(4):  # the first of them (feeds as the run before) makes a steady run again
+        assert computes.counts == [3, 6, 4]
+        for _ in range(4):  # the first stops in the middle step (its steady run's), the second makes one again
             run(two)
-        assert computes.counts == [7, 7, 8], "runs of the first shape made no steady run again"
+        assert computes.counts == [4, 8, 6], "runs of the first shape made no steady run again"
 
 
 @pytest.mark.timeout(120)
