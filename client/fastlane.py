@@ -415,14 +415,12 @@ class FastLane:
             request.replace_kept = kept[room].id
         try:
             reply = self.call(method, request, timeout)
-        except LaneUnavailable:  # nothing was sent
+        except LaneUnavailable:  # nothing was sent: nothing was let go
+            room = None
             raise
-        except BaseException:  # the worker read the request, and let the call it replaces go
-            if room is not None:
+        finally:
+            if room is not None:  # the worker let it go as it read the request, whatever came of the call
                 del kept[room]
-            raise
-        if room is not None:
-            del kept[room]
         if not reply.kept_call:
             refused = conn.refused
             if len(refused) >= MAX_KEPT:

@@ -58,8 +58,8 @@ class SupervisionPolicy:
                       "fast lane: only the inputs' bytes and the buffers' handles go, only the outputs' bytes "
                       "come back (default true)",
         "kept_calls_max": f"kept calls each thread's fast-lane connection keeps, 1 to {MAX_KEPT} (the default; "
-                          "past it a new call takes the place of one unused for twice as many calls, else goes "
-                          "whole)",
+                          "past it a new call takes the place of one unused during the last twice as many new "
+                          "calls, else goes whole)",
         "fast_lane_slots": "pass the fast lane's frames (those that fit one packet) through shared memory between "
                            "its two ends, the socket only waking an end asleep in the kernel (default true)",
     }
