@@ -69,8 +69,12 @@ class _Kept:
         self.id_bytes = KEPT_ID.pack(kid)
         self.outputs = outputs
         self.placed = sum(1 for *_, left in outputs if left)
-        self.nbytes = sum(n for _, _, n, left in outputs if not left) + PLACED.size * self.placed
+        self.nbytes = self._nbytes()
         self.used = self.born = 0
+
+    def _nbytes(self) -> int | None:
+        """A KEPT reply's payload: the inline outputs' bytes and a PLACED record for each left in the worker."""
+        return sum(n for _, _, n, left in self.outputs if not left) + PLACED.size * self.placed
 
     @classmethod
     def of(cls, method: Method, request, reply) -> "_Kept":
@@ -112,13 +116,11 @@ class _ShapedKept(_Kept):
     __slots__ = ("_dims",)
 
     def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
-        self.id = kid
-        self.id_bytes = KEPT_ID.pack(kid)
-        self.outputs = outputs
-        self.placed = sum(1 for *_, left in outputs if left)
-        self.nbytes = None  # each reply's own
-        self.used = self.born = 0
+        super().__init__(kid, outputs)
         self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in outputs)}Q")
+
+    def _nbytes(self) -> None:
+        return None  # each reply's own
 
     def arrays(self, payload) -> list:
         dims = self._dims
