@@ -6,15 +6,14 @@ application process with its own workers, the two taking turns block by block on
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
 Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
-±65 µs wide). `--binding` runs the workload through an IOBinding (its feeds bound from the application every run,
-its outputs bound to the application; not the decoding loop, which binds its state in the worker anyway);
-`--binding=worker` binds its feeds once as tensors of the worker's memory (`bench dataplane`'s "input in the worker"
-column: no input copied a run). `loop`
-is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each step, fed back),
-`pair` the same step with two tensors of the worker's bound as its input and output, swapped each step. `split`
-is `bench dataplane`'s split chain (30 blocks, 61 partitions, one worker keeping a value for its next partition
-each time: the plan's `keep`), reported per partition call as the chain is. `large` is `bench dataplane`'s
-Neg(Relu(x)) on 1 MiB (its input staged in a buffer of the worker's, its output left in one).
+±65 µs wide). `--binding` runs the workload through an IOBinding (its feeds bound from the application every run, its
+outputs bound to the application; not the decoding loop, which binds its state in the worker anyway); `--binding=worker`
+binds its feeds once as tensors of the worker's memory (`bench dataplane`'s "input in the worker" column: no input
+copied a run). `loop` is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each
+step, fed back), `pair` the same step with two tensors of the worker's bound as its input and output, swapped each step.
+`split` is `bench dataplane`'s split chain (30 blocks, 61 partitions, one worker keeping a value for its next partition
+each time: the plan's `keep`), reported per partition call as the chain is. `large` is `bench dataplane`'s Neg(Relu(x))
+on 1 MiB (its input staged in a buffer of the worker's, its output left in one).
 Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes what the
 lane does (README, "Background load").
 

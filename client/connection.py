@@ -188,7 +188,8 @@ class WorkerConnection:
 
     def _lane_lost(self, call: str) -> EpError:
         """The error for a fast-lane call whose connection ended: the worker died, or closed it."""
-        return self._crashed(call) or EpWorkerUnavailable(f"worker at {self.address} closed the fast lane during {call}")
+        return self._crashed(call) or EpWorkerUnavailable(f"worker at {self.address} closed the fast lane during "
+                                                          f"{call}")
 
     # --- shared memory ----------------------------------------------------------------------------
 

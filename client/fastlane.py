@@ -157,13 +157,13 @@ LOOKS = 8  # kept calls a new call looks at for one unused long enough to take t
 
 
 def _room(kept: dict, clock: int, capacity: int):
-    """Where a new call may be kept on a connection that keeps `kept` (key -> _Kept) with room for `capacity`,
-    at `clock` (its new calls so far): None where there is room; else the key of a kept call it takes the place
-    of, one not used during the last 2 x `capacity` new calls; else _FULL (it goes whole). The kept calls looked at and used since go to the
-    back, to be looked at after the others. A plan that cycles through more calls than a connection keeps thus
-    repeats those it keeps, run after run, and sends the rest whole; one that moved on lets the old ones go.
-    (Where the oldest went for each new call, each went before it came round again, and every run kept every
-    call anew: a chain of 65 partitions a worker, 64 a connection, 142 µs a partition call; 66 now, 46 all kept.)"""
+    """Where a new call may be kept on a connection that keeps `kept` (key -> _Kept) with room for `capacity`, at
+    `clock` (its new calls so far): None where there is room; else the key of a kept call it takes the place of, one not
+    used during the last 2 x `capacity` new calls; else _FULL (it goes whole). The kept calls looked at and used since
+    go to the back, to be looked at after the others. A plan that cycles through more calls than a connection keeps thus
+    repeats those it keeps, run after run, and sends the rest whole; one that moved on lets the old ones go. (Where the
+    oldest went for each new call, each went before it came round again, and every run kept every call anew: a chain of
+    65 partitions a worker, 64 a connection, 142 µs a partition call; 66 now, 46 all kept.)"""
     if len(kept) < capacity:
         return None
     horizon = clock - 2 * capacity
@@ -357,10 +357,9 @@ class FastLane:
             result = self._repeat(conn, key, kept, method, parts, nbytes, timeout, write)
             if result is not _UNKEPT:
                 return result
-        elif key in conn.refused:  # the worker would not keep it
-            conn.clock += 1
+        conn.clock += 1  # a new call (a repeat only reads the clock)
+        if kept is None and key in conn.refused:  # the worker would not keep it
             return self.call(method, request_of(), timeout)
-        conn.clock += 1
         general = None
         if shaped is not None:
             general, dims = shaped(key[1])

@@ -365,14 +365,14 @@ class SteadyCompute:
                  staged: tuple, copies: list[tuple[np.ndarray, int]], handles: bytes | list, nbytes: int,
                  held: tuple[int, ...] = (), placed: tuple[int, ...] = (),
                  into: Mapping[int, Tensor] = _NO_TARGETS, spilled: tuple[int, ...] = ()):
-        """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one
-        for each large input, in order; `copies`: each large input's array over its buffer (of the input's type
-        and shape) and position, which a repeat writes it into (KeptRepeat.written); `handles`: the handles a
-        repeat names, packed, or where some inputs are tensors of the worker's (`held`), each named input's staging
-        buffer's handle or None for those, then the targets'; `placed`: the outputs left in new buffers of the worker's (`keep`);
-        `into`: the tensors of the worker's outputs are written into, by position; `spilled`: the outputs too
-        large to come back in the reply, left in new buffers of the worker's and handed on as arrays over them
-        (each keeps its buffer until it goes)."""
+        """`staged`: the partition's ThreadStaging, and the kinds and buffers it gave (ThreadStaging.holds), one for
+        each large input, in order; `copies`: each large input's array over its buffer (of the input's type and shape)
+        and position, which a repeat writes it into (KeptRepeat.written); `handles`: the handles a repeat names, packed,
+        or where some inputs are tensors of the worker's (`held`), each named input's staging buffer's handle or None
+        for those, then the targets'; `placed`: the outputs left in new buffers of the worker's (`keep`); `into`: the
+        tensors of the worker's outputs are written into, by position; `spilled`: the outputs too large to come back in
+        the reply, left in new buffers of the worker's and handed on as arrays over them (each keeps its buffer until it
+        goes)."""
         self._info, self._conn, self._repeat, self._allocator = info, conn, repeat, allocator
         self._small, self._staged, self._copies = small, staged, copies
         self._handles, self._nbytes, self._held, self._placed, self._into = handles, nbytes, held, placed, into
