@@ -422,6 +422,51 @@ def test_an_ort_session_outliving_its_registration_is_released_quietly(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+def test_outputs_held_past_unregister_stay_readable_and_the_process_exits_cleanly(tmp_path):
+    """ORT hands a large output out as a numpy array over the bridged device's memory (the worker's, mapped here),
+    and frees it through the factory's allocator when the application lets it go: after the registration went,
+    and at exit. The arrays stay readable, each Free and ORT's late ReleaseAllocator find a live allocator and
+    factory (they crashed the application before), and the registration itself is not kept alive by them. A
+    child process: a crash must fail this test, not end the run."""
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent("""
+        import gc, weakref
+        import numpy as np, onnxruntime as ort
+        from onnx import TensorProto, helper
+        import ephost.ort
+        W = 262144  # 1 MiB of floats: over the inline limit, each output is handed over in the worker's memory
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, W])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, W])
+        c = helper.make_tensor("c", TensorProto.FLOAT, [1], [1.5])
+        graph = helper.make_graph([helper.make_node("Add", ["x", "c"], ["y"])], "g", [x], [y], [c])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+        ephost.ort.register("held", "onnxruntime")
+        options = ort.SessionOptions()
+        options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == "held"], {})
+        session = ort.InferenceSession(model.SerializeToString(), options)
+        session.disable_fallback()
+        feed = np.arange(W, dtype=np.float32).reshape(1, W)
+        outs = [session.run(None, {"x": feed + i})[0] for i in range(3)]
+        print(ephost.ort.stats("held").outputs_in_place)
+        registration = weakref.ref(ephost.ort.environment("held").registration("held"))
+        del session, options
+        ephost.ort.unregister("held")
+        gc.collect()
+        print(registration() is None)
+        print(*[np.array_equal(out, feed + i + 1.5) for i, out in enumerate(outs)])
+        del outs[0]
+        gc.collect()
+        print(np.array_equal(outs[0], feed + 2.5))  # the other two are still held as the process exits
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    handed_over, released, readable, still = done.stdout.splitlines()
+    assert int(handed_over) == 3, "each output was handed to ORT in the worker's memory"
+    assert released == "True", "nothing the allocator or factory keeps holds the registration"
+    assert readable == "True True True"
+    assert still == "True"
+
+
 def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct():
     """The chaos EP segfaults (a real SIGSEGV) in its second Compute: ORT raises naming the EP, the call and the
     signal; supervision restarts the worker and the bridge compiles again from what it recorded."""

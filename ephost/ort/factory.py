@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ephost.errors import EpNotFound
 from ephost.ort import abi as A
-from ephost.ort.callbacks import Guard, Strings, fill, forget, keep, owner_of
+from ephost.ort.callbacks import Guard, Strings, fill, keep, owner_of
 from ephost.ort.ep import BridgeEp
 from ephost.ort.memory import BridgeMemory
 
@@ -43,14 +43,15 @@ class BridgeFactory:
         # the EP's device memory: the worker's shared memory, where it shares this process's host
         self.memory = BridgeMemory(abi, self.name, self.registration, pools) \
             if BridgeMemory.available(self.registration) else None
-        remote = self.registration.factory
+        # (the worker's factory read through the registration every call: none is kept past release)
         text = lambda what, fn: lambda this: self.guard.quiet(what, lambda: self._strings(fn()))  # noqa: E731
         self.struct = A.OrtEpFactory()
         fill(self.struct, A.FACTORY_FUNCTIONS, {
             "GetName": text("GetName", lambda: self.name),
-            "GetVendor": text("GetVendor", remote.get_vendor),
-            "GetVersion": text("GetVersion", remote.get_version),
-            "GetVendorId": lambda this: self.guard.quiet("GetVendorId", remote.get_vendor_id, 0),
+            "GetVendor": text("GetVendor", lambda: self.registration.factory.get_vendor()),
+            "GetVersion": text("GetVersion", lambda: self.registration.factory.get_version()),
+            "GetVendorId": lambda this: self.guard.quiet("GetVendorId",
+                                                         lambda: self.registration.factory.get_vendor_id(), 0),
             "GetSupportedDevices": lambda this, hw, n_hw, out, max_out, n_out: self.guard.status(
                 "GetSupportedDevices", lambda: self.get_supported_devices(hw, n_hw, out, max_out, n_out)),
             "CreateEp": lambda this, hw, metadata, n, session_options, logger, ep_out: self.guard.status(
@@ -163,6 +164,10 @@ class BridgeFactory:
             ep.release()
 
     def release(self) -> None:
-        forget(self.address)
+        """ORT's ReleaseEpFactory. The factory stays, under its struct's address, as its device memory does
+        (BridgeMemory.release): ORT calls it after this where the application still holds tensors of its allocator
+        (ReleaseAllocator, as the last of them goes) or a session its EP (ReleaseEp); had its callbacks gone with
+        it, that call crashed the application. What goes is the registration (its closed worker's objects)."""
         if self.memory is not None:
             self.memory.release()
+        self.registration = None

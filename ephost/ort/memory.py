@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ephost.errors import EpError
+from ephost.errors import EpError, EpFailedPrecondition
 from ephost.memory import Buffer
 from ephost.ort import abi as A
-from ephost.ort.callbacks import Guard, fill, forget, keep
+from ephost.ort.callbacks import Guard, fill, keep
 from ephost.ort.pool import PoolFunctions
 from ephost.client.handles import owned
 
@@ -129,16 +129,21 @@ class BridgeMemory:
             self._give_back(self._pools.drain(self.pool))
 
     def _current_worker(self):
-        link = self.registration.link
+        link = self._link()
         return link.current if link is not None else None
+
+    def _link(self):
+        """The registration's link to its worker; None once released (see release)."""
+        return self.registration.link if self.registration is not None else None
 
     def _give_back(self, addresses: list[int], now: bool = False) -> None:
         """Blocks ORT or the pool let go of: the worker's back to it (batched with its other frees, or `now`), a
         dead worker's and private memory dropped (their mapping goes with the last view)."""
         with self._lock:
             blocks = [self._blocks.pop(a, None) for a in addresses]
-        mine = [b.buffer for b in blocks if b is not None and b.buffer is not None
-                and owned(b.buffer, self.registration.link)]
+        link = self._link()
+        mine = [b.buffer for b in blocks if b is not None and b.buffer is not None and link is not None
+                and owned(b.buffer, link)]
         if not mine:
             return
         try:
@@ -163,6 +168,8 @@ class BridgeMemory:
 
     def _new_block(self, nbytes: int) -> Block:
         try:
+            if self.registration is None:  # released (see release)
+                raise EpFailedPrecondition("the registration was released")
             buffer = self.registration.session_allocator().alloc(max(nbytes, 1))
             view = buffer.host_view()
             if view is not None:
@@ -178,8 +185,8 @@ class BridgeMemory:
 
     def buffer_at(self, address: int) -> Buffer | None:
         """The worker buffer ORT's tensor at `address` lies in, where the running worker can name it."""
-        block = self._blocks.get(address)
-        if block is not None and block.buffer is not None and owned(block.buffer, self.registration.link):
+        block, link = self._blocks.get(address), self._link()
+        if block is not None and block.buffer is not None and link is not None and owned(block.buffer, link):
             return block.buffer
         return None
 
@@ -207,7 +214,13 @@ class BridgeMemory:
         return False
 
     def release(self) -> None:
-        """With the factory. The OrtMemoryInfo and the pool stay: ORT's EpDevices hold the pointer itself, and may
-        outlive this by a moment (small objects per registration); an Alloc after this goes to Python."""
+        """With the factory. The OrtMemoryInfo, the pool and this allocator stay, under the struct's address as
+        long as the process (a few small objects per registration): ORT's EpDevices hold the memory info, and
+        tensors ORT made in this memory outlive the registration where the application holds them (ORT's outputs,
+        handed out as numpy arrays over them). Their blocks keep the worker's mapping they lie in readable until
+        ORT frees them, and that Free comes here: had this gone, the pool would call into freed callbacks and the
+        mapping would go with the blocks' views (both crashed the application). What goes is the registration
+        (its closed worker's objects, the models it sent): a Free from now on drops its block, an Alloc gets
+        private memory; at exit the struct is neutered with every live one (callbacks.neuter_all)."""
         self._give_back(self._pools.drain(self.pool), now=True)
-        forget(self.address)
+        self.registration = None
