@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ephost.errors import EpError, EpFailedPrecondition
+from ephost.errors import EpError
 from ephost.memory import Buffer
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, fill, keep
@@ -167,16 +167,16 @@ class BridgeMemory:
         out[0] = kvps.value
 
     def _new_block(self, nbytes: int) -> Block:
-        try:
-            if self.registration is None:  # released (see release)
-                raise EpFailedPrecondition("the registration was released")
-            buffer = self.registration.session_allocator().alloc(max(nbytes, 1))
-            view = buffer.host_view()
-            if view is not None:
-                return Block(view, buffer)
-            log.debug("a buffer of the worker's is not mapped here: private memory instead")
-        except EpError as e:  # the worker is restarting, or out of memory: ORT still gets memory
-            log.debug("no worker buffer for %d bytes (%s): private memory instead", nbytes, e)
+        registration = self.registration
+        if registration is not None:  # (None: released, see release: private memory)
+            try:
+                buffer = registration.session_allocator().alloc(max(nbytes, 1))
+                view = buffer.host_view()
+                if view is not None:
+                    return Block(view, buffer)
+                log.debug("a buffer of the worker's is not mapped here: private memory instead")
+            except EpError as e:  # the worker is restarting, or out of memory: ORT still gets memory
+                log.debug("no worker buffer for %d bytes (%s): private memory instead", nbytes, e)
         raw = np.empty(nbytes + ALIGNMENT, np.uint8)
         start = -raw.ctypes.data % ALIGNMENT
         return Block(raw[start:start + nbytes])
