@@ -1286,6 +1286,8 @@ def test_frames_pass_through_shared_slots_and_the_socket_keeps_the_rest(lane_wor
             other, other_slots, other_map = open_slots(raw)
             view = memoryview(other_map).cast("Q")
             view[1], view[0] = length, count  # the request slot's length, then its frame count
+            if view[lane_slots.ASLEEP]:  # the worker sleeps already (this thread was slow to write): ring, as a
+                other.send(DOORBELL)     # writer does; else it sleeps on and the read below times out
             view.release()
             frame = FrameReader(other).read()  # on the socket: the slot cannot be trusted
             assert frame.status == 3 and says in bytes(frame.payload), fastlane_error(frame)
