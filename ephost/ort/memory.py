@@ -134,7 +134,8 @@ class BridgeMemory:
 
     def _link(self):
         """The registration's link to its worker; None once released (see release)."""
-        return self.registration.link if self.registration is not None else None
+        registration = self.registration  # (read once: release may set it to None on another thread)
+        return registration.link if registration is not None else None
 
     def _give_back(self, addresses: list[int], now: bool = False) -> None:
         """Blocks ORT or the pool let go of: the worker's back to it (batched with its other frees, or `now`), a
