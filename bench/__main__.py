@@ -1,9 +1,9 @@
 import argparse
 
-from bench import (copy_bandwidth, data_plane, ep_context, external_data, fallback, iobinding, ort_bridge, recovery,
-                   session_overhead)
+from bench import (cnn_runs, copy_bandwidth, data_plane, ep_context, external_data, fallback, iobinding, ort_bridge,
+                   recovery, session_overhead)
 
-BENCHES = (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane", data_plane),
+BENCHES = (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane", data_plane), ("cnnruns", cnn_runs),
            ("recovery", recovery), ("fallback", fallback), ("iobinding", iobinding), ("ortbridge", ort_bridge),
            ("epcontext", ep_context), ("extdata", external_data))
 

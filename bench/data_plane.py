@@ -54,6 +54,7 @@ CONFIG = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
 # with every frame on its socket, the fast lane sending every Compute whole, and gRPC alone.
 TRANSPORTS = {"lane": {}, "socket": {"fast_lane_slots": "false"}, "unkept": {"kept_calls": "false"},
               "grpc": {"fast_lane": "false"}}
+CNNS = ("squeezenet", "shufflenet")
 LABELS = {"in": "in process", "lane": "fast lane", "socket": "fast lane, socket only",
           "unkept": "fast lane, calls not kept", "grpc": "gRPC",
           "bound": "fast lane, input in the worker (IOBinding)", "floor": "ORT in a child process, a byte a run"}
@@ -300,7 +301,17 @@ def _cnn_table(env, blocks: int, per_block: int, ways: dict[str, str], config: d
     print("| model | in process | " + " | ".join(LABELS[k] for k in columns) + " | " +
           " | ".join(f"{LABELS[k]} / in" for k in columns) + " |")
     print("|---|---|" + "---|---|" * len(columns))
-    for name in ("squeezenet", "shufflenet"):
+    for name, (t, ratios) in cnn_rows(env, blocks, per_block, ways, config, settle, beside).items():
+        print(f"| {name} | {t['in'] * 1e3:.2f} ms | " + " | ".join(f"{t[k] * 1e3:.2f} ms" for k in columns) +
+              " | " + " | ".join(f"{ratios[k]:.3f}" for k in columns) + " |")
+
+
+def cnn_rows(env, blocks: int, per_block: int, ways: dict[str, str], config: dict[str, str], settle: float = 0.0,
+             beside: bool = False) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+    """Each CNN's median seconds per run of each way (and "in") and each way's ratio over in process
+    (paired_ratio), as _cnn_table prints them."""
+    rows = {}
+    for name in CNNS:
         path, _ = bundled_model(name)
         model = onnx.load(path)
         inproc = in_process_session(model, "ORT CPU", config)
@@ -315,9 +326,8 @@ def _cnn_table(env, blocks: int, per_block: int, ways: dict[str, str], config: d
                 fns["bound"] = bound_input(env, sessions["lane"], ways["lane"], feeds)
                 fns["floor"] = stack.enter_context(OneByteRuns(name)).run
             rounds = interleaved_blocks(fns, blocks, per_block, settle)
-        t = medians(rounds)
-        print(f"| {name} | {t['in'] * 1e3:.2f} ms | " + " | ".join(f"{t[k] * 1e3:.2f} ms" for k in columns) +
-              " | " + " | ".join(f"{paired_ratio(rounds, k, 'in'):.3f}" for k in columns) + " |")
+        rows[name] = (medians(rounds), {k: paired_ratio(rounds, k, "in") for k in fns if k != "in"})
+    return rows
 
 
 def bound_input(env, session, registration: str, feeds: dict[str, np.ndarray]) -> Callable[[], list]:

@@ -200,3 +200,23 @@ def test_the_ab_bench_runs_a_workload_through_an_iobinding(binding, label):
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1].startswith(f"tiny ({label}), 2 blocks of 10: HEAD ")
+
+
+def test_the_cnn_runs_bench_gives_each_run_then_the_median_and_the_runs_over_the_target():
+    """bench cnnruns: the CNN rows made again in new Environments, a row a run, then the median of each column and
+    how many runs read over 1.05 (what one run of bench dataplane cannot say: bench/RESULTS.md)."""
+    from bench.cnn_runs import summary
+    runs = [{"squeezenet": {"lane": r, "floor": 1.0}} for r in (1.02, 1.07, 1.04, 1.06, 1.03)]
+    assert summary(runs) == {("squeezenet", "lane"): (1.04, 2), ("squeezenet", "floor"): (1.0, 0)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "bench", "--quick", "cnnruns"], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert [r[0].strip() for r in rows] == ["run", "1", "2", "median", "over 1.05"]
+    assert len(rows[0]) == 7 and "squeezenet: fast lane / in" in rows[0][1]
+    for run in rows[1:3]:
+        assert all(0.5 < float(cell) < 3 for cell in run[1:])
+    medians = [float(cell.strip(" *")) for cell in rows[3][1:]]
+    assert all(abs(m - (float(a) + float(b)) / 2) < 0.0011 for m, a, b in zip(medians, rows[1][1:], rows[2][1:]))
+    assert all(cell.strip().endswith("of 2") for cell in rows[4][1:])
