@@ -83,16 +83,19 @@ class RemoteComputeInfo(RemoteHandle):
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]:
+        # First: it waits for a worker being replaced. What the worker that then runs has decides how each value
+        # goes (by handle, staged or inline), as the call is kept and as it is sent alike (a kept call made while
+        # the old worker was still the current one named its tensors, which went inline to the new one: its
+        # repeats then named a buffer where the worker kept inline bytes).
+        conn = self.link.conn
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
         targets = self._owned(into) if into else _NO_TARGETS
         if not keep or allocator is not None:
             kept = self._kept_inputs(inputs)
             if kept is not None:
-                return self._compute_kept(inputs, allocator, timeout, targets, keep, leave, *kept)
+                return self._compute_kept(conn, inputs, allocator, timeout, targets, keep, leave, *kept)
         staged: list[Buffer] = []
         try:
-            conn = self.link.conn
-            targets = self._owned(targets)  # the worker may be new
             request = self._request(inputs, allocator, keep, targets, staged)
             reply = self.link.call(_compute_of, request, conn=conn, timeout=timeout)
         finally:
@@ -135,16 +138,13 @@ class RemoteComputeInfo(RemoteHandle):
                 return None
         return tuple(layout), parts, nbytes, large, named
 
-    def _compute_kept(self, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, timeout: float | None,
+    def _compute_kept(self, conn, inputs: Sequence[Tensor], allocator: RemoteAllocator | None, timeout: float | None,
                       targets: Mapping[int, Tensor], keep: Sequence[int], leave: Sequence[int], layout: tuple,
                       parts: list, nbytes: int, large: list[int], named: list[int]) -> list[Any]:
         """A run a fast lane keeps (FastLane.call_kept), so that a steady stream of them sends the small inputs'
         bytes and the handles of the buffers the call names (the large inputs', which this thread keeps, the
         inputs the worker has, and those the `targets` outputs are written into), and gets the other outputs'
         bytes back (those in `keep` as handles to new buffers of the worker's), nothing else."""
-        conn = self.link.conn  # first: it waits for a worker being replaced, whose buffers the staging needs
-        if targets:
-            targets = self._owned(targets)  # the worker may be new
         placed = tuple(i for i in keep if i not in targets) if keep else ()
         staged, write = {}, None
         if large:

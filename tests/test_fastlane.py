@@ -1857,3 +1857,32 @@ def test_kept_calls_longer_than_a_packet_both_ways(ort_env):
     after = worker_stats(ort_env, "ort")
     assert after.kept_calls - before.kept_calls == 4
     assert after.bytes_inline_out - before.bytes_inline_out == 5 * 256 * 256 * 4  # the output came inline
+
+
+def test_an_input_of_a_worker_being_replaced_is_kept_as_it_is_sent():
+    """A run fed a tensor of a worker that died, while its successor is being started: the call waits for the
+    successor, and the tensor (still mapped here) goes to it inline. The call is kept as it was sent, so that a
+    later run feeding a tensor of the successor's (by handle) is kept anew, not repeated as the other (a kept call
+    said to name a buffer the worker kept as inline bytes: INVALID_ARGUMENT, found by killing workers under load)."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "onnxruntime", {"intra_op_num_threads": "1"})
+        device = next(d for d in env.get_ep_devices() if d.registration_name == "w")
+        shared = env.create_shared_allocator(device, ephost.DeviceMemoryType.HOST_ACCESSIBLE)
+        x = np.arange(16, dtype=np.float32) - 8
+        with InferenceSession(models.chain(["Neg"], shape=(16,)), options_for(env, "w"), env=env) as s:
+            for k in range(3):
+                (y,) = s.run(None, {"x": ephost.Tensor.from_numpy(x * k, shared)})
+                np.testing.assert_array_equal(y, -x * k)
+            before = ephost.Tensor.from_numpy(x * 3, shared)
+            process = env.registration("w").process
+            os.kill(process.pid, signal.SIGKILL)
+            assert process.exited.wait(10)
+            link = env.registration("w").link
+            link.wait_noticed(10)
+            assert link.current.process is process  # its successor is starting (a new process: most of a second)
+            (y,) = s.run(None, {"x": before})
+            np.testing.assert_array_equal(y, -x * 3)
+            for k in range(4, 7):  # tensors of the successor's, named by handle
+                (y,) = s.run(None, {"x": ephost.Tensor.from_numpy(x * k, shared)})
+                np.testing.assert_array_equal(y, -x * k)
+            assert worker_stats(env, "w").kept_calls == 2  # the successor's 5th and 6th runs, repeated
