@@ -390,16 +390,21 @@ class RemoteDataTransfer(RemoteHandle):
                 remote.append(i)
         if not remote:
             return
+        # First: it waits for a worker being replaced. Which tensors the call names by handle is the worker's that
+        # then runs to say (decided before, a tensor of the dead worker went by its handle to the successor, where
+        # that number may name another buffer).
+        conn = self.link.conn
         if all(owned(src[i].buffer, self.link) and owned(dst[i].buffer, self.link) for i in remote):
-            self._copy_kept([src[i] for i in remote], [dst[i] for i in remote], stream)
+            self._copy_kept(conn, [src[i] for i in remote], [dst[i] for i in remote], stream)
             return
         staged: list[Buffer] = []
         copy_back: list[tuple[Buffer, Tensor]] = []
         try:
             src_refs = [tensor_ref(src[i], "source", self.link, self._stager, staged) for i in remote]
             dst_refs = [tensor_ref(dst[i], "destination", self.link, self._stager, staged, copy_back) for i in remote]
-            reply = self.call(lambda c: c.data_transfer.CopyTensors, lambda h: data_transfer_pb2.CopyTensorsRequest(
-                data_transfer=h, stream=stream.handle if stream is not None else 0, src=src_refs, dst=dst_refs))
+            request = data_transfer_pb2.CopyTensorsRequest(data_transfer=self.handle, src=src_refs, dst=dst_refs,
+                                                           stream=stream.handle if stream is not None else 0)
+            reply = self.link.call(lambda c: c.data_transfer.CopyTensors, request, conn=conn)
             if staged and stream is not None:
                 # Like a copy from pageable memory on a device stream: host memory the worker cannot map
                 # goes through a staging buffer, which must outlive the queued copy.
@@ -413,13 +418,10 @@ class RemoteDataTransfer(RemoteHandle):
             if ref.WhichOneof("location") == "reply":
                 np.copyto(dst[i].local_bytes(), np.frombuffer(next(replies), np.uint8))
 
-    def _copy_kept(self, src: Sequence[Tensor], dst: Sequence[Tensor], stream) -> None:
-        """Copies between buffers of the worker's, repeated as a kept call where the fast lane keeps it: a
-        repeat (same stream, same types and shapes) sends the buffers' handles, and nothing comes back."""
-        conn = self.link.conn  # first: it waits out a restart (the buffers were the old worker's then)
-        if not all(owned(t.buffer, self.link) for t in (*src, *dst)):
-            self.copy_tensors(src, dst, stream)  # they are host memory now: copied here
-            return
+    def _copy_kept(self, conn, src: Sequence[Tensor], dst: Sequence[Tensor], stream) -> None:
+        """Copies between buffers of the worker's (that of `conn`), repeated as a kept call where the fast lane
+        keeps it: a repeat (same stream, same types and shapes) sends the buffers' handles, and nothing comes
+        back."""
         transfer, on = self.handle, stream.handle if stream is not None else 0
         handles = [t.buffer.handle for t in (*src, *dst)]
         key = (transfer, on, tuple((t.shape, t.dtype) for t in (*src, *dst)))

@@ -217,6 +217,32 @@ def test_a_buffer_of_a_killed_worker_is_freed_without_a_word_to_its_successor():
         env.close()
 
 
+def test_a_copy_out_of_a_worker_being_replaced_never_names_its_buffers_to_the_successor():
+    """A copy out of a worker's private memory, asked after the worker was killed while it is being replaced: the
+    data went with the worker, and the copy says so (EpNotFound) without a call; the dead worker's handle is never
+    sent to the successor, which numbers its client's handles from 1 again (the copy decided how to name its
+    tensors before it waited out the restart: "unknown buffer handle", or a buffer of the successor's own)."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ort", "onnxruntime", {})
+        device = env.get_ep_devices()[0]
+        private = env.create_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
+        x = np.arange(64, dtype=np.float32)
+        inside = Tensor.empty(x.shape, x.dtype, private)
+        env.copy_tensors([Tensor.from_numpy(x)], [inside])
+        back = Tensor.from_numpy(np.zeros_like(x))
+        env.copy_tensors([inside], [back])  # (both ways asked once: nothing left to ask the successor first)
+        np.testing.assert_array_equal(back.numpy(), x)
+        process = env.registration("ort").process
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.exited.wait(10)
+        link = env.registration("ort").link
+        link.wait_noticed(10)
+        assert link.current.process is process  # its successor is starting (a new process: most of a second)
+        with pytest.raises(ephost.EpNotFound, match="neither this process nor the worker can read"):
+            env.copy_tensors([inside], [Tensor.from_numpy(np.zeros_like(x))])
+        assert "DataTransfer/CopyTensors" not in env.get_worker_stats("ort").methods
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_replaced_just_after_it_answered_compile_compiles_again(monkeypatch):
     """The worker is killed right after it answered Compile, and replaced before the session holds the
