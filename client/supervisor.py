@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ephost.errors import (EpDeadlineExceeded, EpError, EpInvalidArgument, EpUnknownClient, EpWorkerFailed,
-                           EpWorkerUnavailable)
+from ephost.errors import (EpDeadlineExceeded, EpError, EpInvalidArgument, EpUnknownClient, EpWorkerCrashed,
+                           EpWorkerFailed, EpWorkerUnavailable)
 from ephost.client.connection import Credentials, WorkerConnection
 from ephost.client.crash_budget import CrashBudget
 from ephost.client.health import HealthWatcher
@@ -114,15 +114,8 @@ class ProcessSupervisor:
             if self._link.closing or process is not self.process or process.stopping:
                 return
             code = process.proc.returncode
-            delay = self._budget.record(time.monotonic())
-            if delay is None or not self._policy.restart:
-                why = ("restarting is off" if not self._policy.restart else
-                       f"it crashed {self._budget.recent} times within {self._policy.crash_window_s:g} s")
-                log.error("worker for %r (EP %s) died with %s; %s: the EP is marked failed", self._link.name,
-                          self.ep, describe_exit(code), why)
-                self._link.mark_failed(EpWorkerFailed(
-                    f"EP {self._link.name!r} ({self.ep}) has failed: its worker died with {describe_exit(code)} "
-                    f"and {why}", ep=self.ep, returncode=code))
+            delay = self._delay(f"its worker died with {describe_exit(code)}", code)
+            if delay is None:
                 return
             log.warning("worker for %r (EP %s) died with %s; restarting in %.2f s", self._link.name, self.ep,
                         describe_exit(code), delay)
@@ -132,12 +125,38 @@ class ProcessSupervisor:
         finally:
             self._link.notify()
 
+    def _delay(self, what: str, code: int | None = None) -> float | None:
+        """A crash counted against the budget: the delay before the next start, or None where the EP is marked
+        failed (the budget is spent, or restarting is off)."""
+        delay = self._budget.record(time.monotonic())
+        if delay is not None and self._policy.restart:
+            return delay
+        why = ("restarting is off" if not self._policy.restart else
+               f"it crashed {self._budget.recent} times within {self._policy.crash_window_s:g} s")
+        log.error("EP %r (%s): %s; %s: the EP is marked failed", self._link.name, self.ep, what, why)
+        self._link.mark_failed(EpWorkerFailed(f"EP {self._link.name!r} ({self.ep}) has failed: {what} and {why}",
+                                              ep=self.ep, returncode=code))
+        return None
+
     def _restart(self, delay: float) -> None:
-        time.sleep(delay)
+        """Start the next worker after `delay`. One that dies as it starts is a crash like any other (a vendor
+        library crashing now and then as it loads): counted against the budget and started again; one that
+        refuses to start (options, a library it cannot load) or does not answer marks the EP failed."""
         try:
-            if not self._link.closing:
-                self._link.reopen()
-                log.info("worker for %r is back (generation %d)", self._link.name, self._link.generation)
+            while True:
+                time.sleep(delay)
+                if self._link.closing:
+                    return
+                try:
+                    self._link.reopen()
+                    log.info("worker for %r is back (generation %d)", self._link.name, self._link.generation)
+                    return
+                except EpWorkerCrashed as e:
+                    delay = self._delay(f"its new worker died as it started ({e})", e.returncode)
+                    if delay is None:
+                        return
+                    log.warning("the new worker for %r died as it started (%s); starting another in %.2f s",
+                                self._link.name, e, delay)
         except EpError as e:
             log.error("restarting the worker for %r failed: %s", self._link.name, e)
             self._link.mark_failed(EpWorkerFailed(f"EP {self._link.name!r} could not be restarted: {e}", ep=self.ep))

@@ -217,6 +217,54 @@ def test_a_buffer_of_a_killed_worker_is_freed_without_a_word_to_its_successor():
         env.close()
 
 
+def _workers_of(parent: int) -> set[int]:
+    """The pids of the ephost workers `parent` started that run now (read from /proc)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                worker = b"ephost\0worker" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and worker:
+            pids.add(int(entry))
+    return pids
+
+
+def test_a_new_worker_that_dies_as_it_starts_is_a_crash_under_the_budget_and_another_starts():
+    """The worker is killed, then its successor too as it starts: a second crash of the three the budget allows,
+    after which a third worker starts and runs (before, the EP was marked failed for good, "could not be
+    restarted": a vendor library crashing now and then as it loads ended its EP at once). With a budget of two,
+    the EP is marked failed, saying so."""
+    for limit in (3, 2):
+        with ephost.Environment() as env:
+            env.register_execution_provider_library("ort", "onnxruntime", {"crash_limit": str(limit)})
+            options = SessionOptions()
+            options.add_provider_for_devices(env.get_ep_devices(), {})
+            with InferenceSession(models.chain(["Neg"], shape=(4,)), options, env=env) as s:
+                x = np.arange(4, dtype=np.float32)
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], -x)
+                first = env.registration("ort").process
+                os.kill(first.pid, signal.SIGKILL)
+                assert first.exited.wait(10)
+                deadline, successor = time.monotonic() + 20, set()
+                while not successor and time.monotonic() < deadline:
+                    successor = _workers_of(os.getpid()) - {first.pid}
+                assert successor, "no successor started"
+                second = successor.pop()
+                os.kill(second, signal.SIGKILL)  # (a worker takes most of a second to start)
+                link = env.registration("ort").link
+                if limit == 3:
+                    assert link.wait_recovered()
+                    np.testing.assert_array_equal(s.run(None, {"x": x})[0], -x)
+                    assert env.registration("ort").process.pid not in (first.pid, second)
+                else:
+                    with pytest.raises(ephost.EpWorkerFailed, match="died as it started.*crashed 2 times"):
+                        s.run(None, {"x": x})
+
+
 def test_a_copy_out_of_a_worker_being_replaced_never_names_its_buffers_to_the_successor():
     """A copy out of a worker's private memory, asked after the worker was killed while it is being replaced: the
     data went with the worker, and the copy says so (EpNotFound) without a call; the dead worker's handle is never
