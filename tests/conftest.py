@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ephost import DeviceMemoryType
-from helpers import RawClient, Worker, device_of, make_env
+from helpers import RawClient, Worker, device_of, make_env, worker_pids
 
 
 # Every process this test run starts inherits this mark, so that workers of other runs on the same machine
@@ -21,23 +21,6 @@ os.environ["EPHOST_TEST_RUN"] = RUN_MARK.split(b"=", 1)[1].decode()
 RUN_TMP = tempfile.mkdtemp(prefix="ephost-run-")
 os.environ["TMPDIR"] = RUN_TMP
 tempfile.tempdir = None
-
-
-def worker_pids() -> set[int]:
-    pids = set()
-    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(cmdline, "rb") as f:
-                args = f.read().split(b"\0")
-            if not (b"ephost" in args and b"worker" in args):
-                continue
-            with open(cmdline[:-len("cmdline")] + "environ", "rb") as f:
-                if RUN_MARK not in f.read().split(b"\0"):
-                    continue
-        except OSError:
-            continue
-        pids.add(int(cmdline.split("/")[2]))
-    return pids
 
 
 def private_dirs() -> set[str]:

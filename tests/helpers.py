@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -176,3 +177,23 @@ def _drawn_at_random(graph) -> bool:
         if any(_drawn_at_random(g) for a in node.attribute for g in (a.g, *a.graphs) if g.node):
             return True
     return False
+
+
+def worker_pids() -> set[int]:
+    """The worker processes this test run started that run now: those with the mark every process it starts
+    inherits (conftest.py), so that other runs' workers on the same machine are not counted."""
+    mark = f"EPHOST_TEST_RUN={os.environ.get('EPHOST_TEST_RUN', '')}".encode()
+    pids = set()
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                args = f.read().split(b"\0")
+            if not (b"ephost" in args and b"worker" in args):
+                continue
+            with open(cmdline[:-len("cmdline")] + "environ", "rb") as f:
+                if mark not in f.read().split(b"\0"):
+                    continue
+        except OSError:
+            continue
+        pids.add(int(cmdline.split("/")[2]))
+    return pids

@@ -12,6 +12,7 @@ import ephost
 from ephost import InferenceSession, RunOptions, SessionOptions, Tensor
 from ephost.eps.chaos import FAULTS
 import models
+from helpers import worker_pids
 
 SHAPE = (512, 512)  # 1 MiB of float32: outputs are left in the worker's shared memory (so "alloc" is reached)
 X = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
@@ -217,22 +218,6 @@ def test_a_buffer_of_a_killed_worker_is_freed_without_a_word_to_its_successor():
         env.close()
 
 
-def _workers_of(parent: int) -> set[int]:
-    """The pids of the ephost workers `parent` started that run now (read from /proc)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                worker = b"ephost\0worker" in f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == parent and worker:
-            pids.add(int(entry))
-    return pids
-
-
 def test_a_new_worker_that_dies_as_it_starts_is_a_crash_under_the_budget_and_another_starts():
     """The worker is killed, then its successor too as it starts: a second crash of the three the budget allows,
     after which a third worker starts and runs (before, the EP was marked failed for good, "could not be
@@ -247,11 +232,12 @@ def test_a_new_worker_that_dies_as_it_starts_is_a_crash_under_the_budget_and_ano
                 x = np.arange(4, dtype=np.float32)
                 np.testing.assert_array_equal(s.run(None, {"x": x})[0], -x)
                 first = env.registration("ort").process
+                others = worker_pids()  # (those of other tests' environments too)
                 os.kill(first.pid, signal.SIGKILL)
                 assert first.exited.wait(10)
                 deadline, successor = time.monotonic() + 20, set()
                 while not successor and time.monotonic() < deadline:
-                    successor = _workers_of(os.getpid()) - {first.pid}
+                    successor = worker_pids() - others
                 assert successor, "no successor started"
                 second = successor.pop()
                 os.kill(second, signal.SIGKILL)  # (a worker takes most of a second to start)
