@@ -197,3 +197,15 @@ def worker_pids() -> set[int]:
             continue
         pids.add(int(cmdline.split("/")[2]))
     return pids
+
+
+def killed_while_replaced(env, name: str) -> None:
+    """SIGKILL the worker of registration `name` and return once its death is noticed, while its successor
+    starts (most of a second): the dead worker's connection is still the current one."""
+    import signal
+    process = env.registration(name).process
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.exited.wait(10)
+    link = env.registration(name).link
+    link.wait_noticed(10)
+    assert link.current.process is process, "the successor was up already"

@@ -24,7 +24,7 @@ from ephost.fastlane import (DOORBELL, HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGI
                              METHODS, FrameReader, decode_error, put_parts, send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 import models
-from helpers import RawClient, in_threads, options_for, worker_stats
+from helpers import RawClient, in_threads, killed_while_replaced, options_for, worker_stats
 
 SHAPE = (4, 4)
 X = np.arange(16, dtype=np.float32).reshape(SHAPE)
@@ -1874,12 +1874,7 @@ def test_an_input_of_a_worker_being_replaced_is_kept_as_it_is_sent():
                 (y,) = s.run(None, {"x": ephost.Tensor.from_numpy(x * k, shared)})
                 np.testing.assert_array_equal(y, -x * k)
             before = ephost.Tensor.from_numpy(x * 3, shared)
-            process = env.registration("w").process
-            os.kill(process.pid, signal.SIGKILL)
-            assert process.exited.wait(10)
-            link = env.registration("w").link
-            link.wait_noticed(10)
-            assert link.current.process is process  # its successor is starting (a new process: most of a second)
+            killed_while_replaced(env, "w")
             (y,) = s.run(None, {"x": before})
             np.testing.assert_array_equal(y, -x * 3)
             for k in range(4, 7):  # tensors of the successor's, named by handle

@@ -12,7 +12,7 @@ import ephost
 from ephost import InferenceSession, RunOptions, SessionOptions, Tensor
 from ephost.eps.chaos import FAULTS
 import models
-from helpers import worker_pids
+from helpers import killed_while_replaced, worker_pids
 
 SHAPE = (512, 512)  # 1 MiB of float32: outputs are left in the worker's shared memory (so "alloc" is reached)
 X = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
@@ -266,12 +266,7 @@ def test_a_copy_out_of_a_worker_being_replaced_never_names_its_buffers_to_the_su
         back = Tensor.from_numpy(np.zeros_like(x))
         env.copy_tensors([inside], [back])  # (both ways asked once: nothing left to ask the successor first)
         np.testing.assert_array_equal(back.numpy(), x)
-        process = env.registration("ort").process
-        os.kill(process.pid, signal.SIGKILL)
-        assert process.exited.wait(10)
-        link = env.registration("ort").link
-        link.wait_noticed(10)
-        assert link.current.process is process  # its successor is starting (a new process: most of a second)
+        killed_while_replaced(env, "ort")
         with pytest.raises(ephost.EpNotFound, match="neither this process nor the worker can read"):
             env.copy_tensors([inside], [Tensor.from_numpy(np.zeros_like(x))])
         assert "DataTransfer/CopyTensors" not in env.get_worker_stats("ort").methods
