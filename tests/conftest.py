@@ -15,8 +15,7 @@ from helpers import RawClient, Worker, device_of, make_env, worker_pids
 
 # Every process this test run starts inherits this mark, so that workers of other runs on the same machine
 # (other checkouts' test suites) are not counted as this run's leaks.
-RUN_MARK = f"EPHOST_TEST_RUN={os.getpid()}-{time.time_ns()}".encode()
-os.environ["EPHOST_TEST_RUN"] = RUN_MARK.split(b"=", 1)[1].decode()
+os.environ["EPHOST_TEST_RUN"] = f"{os.getpid()}-{time.time_ns()}"  # (helpers.worker_pids reads it)
 # Workers this run launches make their private socket directories in a temporary directory of this run's own.
 RUN_TMP = tempfile.mkdtemp(prefix="ephost-run-")
 os.environ["TMPDIR"] = RUN_TMP

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -202,7 +203,6 @@ def worker_pids() -> set[int]:
 def killed_while_replaced(env, name: str) -> None:
     """SIGKILL the worker of registration `name` and return once its death is noticed, while its successor
     starts (most of a second): the dead worker's connection is still the current one."""
-    import signal
     process = env.registration(name).process
     os.kill(process.pid, signal.SIGKILL)
     assert process.exited.wait(10)
