@@ -227,8 +227,8 @@ class _Keeping:
 
 
 class _Connection:
-    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "refused", "clock", "keeping", "busy", "_closing",
-                 "__weakref__")
+    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "refused", "clock", "keeping", "busy", "closed",
+                 "_closing", "__weakref__")
 
     def __init__(self, sock: socket.socket, adopt, spin_s: float, slots: Slots | None):
         self.sock = sock
@@ -242,12 +242,23 @@ class _Connection:
         self.clock = 0  # new calls made that may be kept (repeats do not count: a kept call's `used` is this)
         self.keeping = _Keeping()
         self.busy = False  # a call on it waits for its reply
-        self._closing = threading.Lock()  # taken by the first close, never given back
+        self.closed = False  # close() was called (the descriptors may stay until a call under way ends)
+        self._closing = threading.Lock()  # taken by the first close of the descriptors, never given back
 
     def close(self) -> None:
-        """Close once. Its thread's end (the finalizer) and FastLane.close can meet here, on two threads (the
-        lane's set names a connection while its finalizer runs): a second close of its descriptors would close
-        whatever took their numbers meanwhile."""
+        """Close: at once where no call is under way on it; else (FastLane.close, from another thread) end that
+        call's wait and leave the descriptors to its thread, which closes them as the call ends (_exchange):
+        closed under it, the call would read released slots, or an early-wake descriptor whose number something
+        else opened meanwhile. Once: its thread's end (the finalizer) and FastLane.close can meet here, on two
+        threads (the lane's set names a connection while its finalizer runs): a second close of its descriptors
+        would close whatever took their numbers meanwhile."""
+        self.closed = True
+        if self.busy:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # the call's wait ends at end of file
+            except OSError:  # closed by its thread meanwhile
+                pass
+            return
         if not self._closing.acquire(blocking=False):
             return
         self.sock.close()
@@ -453,6 +464,10 @@ class FastLane:
             raise LaneUnavailable(f"this thread's fast-lane connection is in a call ({name} came inside it)")
         sock = conn.sock
         conn.busy = True
+        if conn.closed:  # closed by another thread as this call began (it saw the connection idle): nothing sent
+            conn.busy = False
+            self._drop(conn)
+            raise self._lost(name)
         try:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
@@ -477,6 +492,8 @@ class FastLane:
             frame = None
         finally:
             conn.busy = False
+            if conn.closed:  # closed by another thread during the call: its descriptors are this thread's to close
+                conn.close()
         if frame is not None and frame.status == STATUS_OK:
             return frame
         return self._replied(conn, frame, method, name)

@@ -296,12 +296,15 @@ class WorkerLink:
                                       "says grpc.health.v1); calls resume when it answers again")
         try:
             return fn(conn, *args)
-        except EpDeadlineExceeded:
-            # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
-            self.kill("a call ran past its deadline")
-            raise
-        except EpUnknownClient:
-            if self.supervisor is not None:
+        except EpError as error:
+            if self.closing:
+                # Unregistered while the call was under way: whatever it met on the way (the worker forgetting
+                # this client at Goodbye, its connection closed under it), that is what happened.
+                raise self._unregistered() from error
+            if isinstance(error, EpDeadlineExceeded):
+                # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
+                self.kill("a call ran past its deadline")
+            if not isinstance(error, EpUnknownClient) or self.supervisor is not None:
                 raise
             self.reopen(stale=conn)
             raise EpWorkerUnavailable(f"worker for {self.name!r} restarted and forgot this client; its "
@@ -374,12 +377,15 @@ class WorkerLink:
     def failed(self) -> bool:
         return self._failed is not None
 
+    def _unregistered(self) -> EpWorkerUnavailable:
+        return EpWorkerUnavailable(f"EP {self.name!r} was unregistered; its worker is closed")
+
     def close(self) -> None:
         self.closing = True
         with self._cond:  # let a restart under way finish, so that its worker is stopped too
             self._cond.wait_for(lambda: not self._restarting, timeout=self.policy.connect_timeout_s + 5)
             if self._failed is None:
-                self._failed = EpWorkerUnavailable(f"EP {self.name!r} was unregistered; its worker is closed")
+                self._failed = self._unregistered()
             self._cond.notify_all()
         if self._health is not None:
             self._health.close()

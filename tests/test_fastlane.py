@@ -263,6 +263,42 @@ def test_worker_killed_while_a_thread_is_blocked_in_a_lane_call(policy):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["raise", "fallback"])
+def test_an_ep_unregistered_while_a_thread_waits_in_a_lane_call_ends_that_call_as_unregistered(policy):
+    """The call's connection is closed under it by another thread: the call ends at once with the EP's
+    EpWorkerUnavailable saying it was unregistered (not what the worker said as it forgot this client, nor the
+    released slots or descriptors the closing thread would have freed under the waiting one), or, under
+    `fallback`, runs on the CPU fallback."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("chaos", "chaos", {"fault": "hang", "at": "compute", "after": "2"})
+        with diamond_session(env, "chaos", policy) as s:
+            np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+            outcome = {}
+
+            def run():
+                try:
+                    outcome["y"] = s.run(None, {"x": X})[0]
+                except Exception as e:
+                    outcome["error"] = e
+                outcome["ended"] = time.monotonic()
+
+            t = threading.Thread(target=run)
+            t.start()
+            time.sleep(0.5)  # blocked in the hanging compute, on the lane
+            assert lane_of(env, "chaos").connections == 2, "the waiting thread's connection is open"
+            unregistering = time.monotonic()
+            env.unregister_execution_provider_library("chaos")
+            t.join(30)
+            assert not t.is_alive()
+            assert outcome["ended"] - unregistering < 10
+            if policy == "raise":
+                error = outcome["error"]
+                assert type(error) is ephost.EpWorkerUnavailable, repr(error)
+                assert "'chaos' was unregistered" in str(error)
+            else:
+                np.testing.assert_array_equal(outcome["y"], models.diamond_expected(X))
+
+@pytest.mark.timeout(60)
 def test_a_compute_past_its_deadline_is_ended_and_the_worker_replaced():
     with ephost.Environment() as env:
         env.register_execution_provider_library("chaos", "chaos", {"fault": "hang", "at": "compute", "after": "1"})
