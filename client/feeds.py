@@ -73,6 +73,17 @@ class FeedCheck:
         fixed = tuple((axis, d.dim_value) for axis, d in enumerate(dims) if d.HasField("dim_value"))
         return cls(name, type_proto, True, dtype, string, len(dims), fixed)
 
+    def from_list(self, value: list) -> Any:
+        """A list fed for a tensor, made into an array of the declared element type as ONNX Runtime makes one
+        (lists only, not tuples, as it takes); a list fed for another type, as it is."""
+        if not self.tensor or (self.dtype is None and not self.string):
+            return value
+        try:
+            return np.asarray(value, dtype=np.str_ if self.string else self.dtype)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise EpInvalidArgument(f"input {self.name!r} expects {type_string(self.type_proto)}, and the list "
+                                    f"fed cannot be made into one: {e}") from None
+
     def __call__(self, value: Any) -> None:
         if not self.tensor:
             return

@@ -428,8 +428,9 @@ class InferenceSession:
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: Any = None) -> list[Any]:
-        """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays or
-        ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker)."""
+        """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays,
+        ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker), or
+        lists (made into arrays of the input's element type, as ONNX Runtime makes them)."""
         record = None
         if run_options is None:
             outputs = self._run_steady(output_names, input_feed)
@@ -558,6 +559,8 @@ class InferenceSession:
         for name, value in zip(steady.names, inputs):  # as the general path checks them: its errors, not an EP's
             check = checks.get(name)
             if check is not None:
+                if type(value) is list:
+                    value = check.from_list(value)
                 check(value)
         timeout = _deadline(self._timeout)
         run = next(self._runs)
@@ -615,6 +618,8 @@ class InferenceSession:
         for name, value in input_feed.items():
             check = checks.get(name)
             if check is not None:
+                if type(value) is list:
+                    value = check.from_list(value)
                 check(value)
             value = as_value(value)
             if isinstance(value, Tensor) and not value.addressable and value.buffer.owner is None:

@@ -232,6 +232,27 @@ def test_inputs_outputs_and_bad_feeds(env):
         session.run(None, {"x": good})
 
 
+def test_a_list_fed_for_a_tensor_is_made_into_one_of_the_declared_type_as_onnx_runtime_makes_it(env):
+    """ORT's run takes a (nested) list for a tensor input, as an array of the input's element type; not a tuple,
+    and not a list that cannot be made into one of that type or shape."""
+    import onnxruntime as ort
+    model = models.diamond((2, 3))
+    in_process = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with InferenceSession(model, options_for(env, "ref"), env=env) as session:
+        feed = [[1, -2, 3], [-4.5, 5, 6]]  # ints among floats: float32, as ORT makes them
+        expected = in_process.run(None, {"x": feed})[0]
+        np.testing.assert_array_equal(session.run(None, {"x": feed})[0], expected)
+        np.testing.assert_array_equal(expected, models.diamond_expected(np.array(feed, np.float32)))
+        for bad, message in [(((1, 2, 3), (4, 5, 6)), "must be a tensor"),
+                             ([1, 2, 3, 4, 5, 6], "expects rank 2"),
+                             ([["a", "b", "c"], ["d", "e", "f"]], "the list fed cannot be made into one"),
+                             ([[1, 2, 3], [4, 5]], "the list fed cannot be made into one")]:
+            with pytest.raises(Exception):
+                in_process.run(None, {"x": bad})
+            with pytest.raises(ephost.EpInvalidArgument, match=re.escape(message)):
+                session.run(None, {"x": bad})
+
+
 def test_feeds_can_be_tensors_in_worker_memory(env, ref_device):
     allocator = env.create_shared_allocator(ref_device, ephost.DeviceMemoryType.DEFAULT)
     try:
