@@ -259,6 +259,12 @@ class _Connection:
             except OSError:  # closed by its thread meanwhile
                 pass
             return
+        self.release()
+
+    def release(self) -> None:
+        """Close this process's descriptors and mapping of it (once), whatever `busy` says: by the thread whose
+        call ends, or in a forked child (where `busy` is the parent's, and a shutdown would end the parent's
+        connection: the socket is the parent's too)."""
         if not self._closing.acquire(blocking=False):
             return
         self.sock.close()
@@ -493,7 +499,7 @@ class FastLane:
         finally:
             conn.busy = False
             if conn.closed:  # closed by another thread during the call: its descriptors are this thread's to close
-                conn.close()
+                conn.release()
         if frame is not None and frame.status == STATUS_OK:
             return frame
         return self._replied(conn, frame, method, name)
@@ -542,7 +548,7 @@ class FastLane:
         """In a forked child: the parent's connections are the parent's. Close our copies, use none."""
         self._local = threading.local()
         for conn in list(self._connections):
-            conn.close()
+            conn.release()
         self._connections = weakref.WeakSet()
         self._lock = threading.Lock()
 

@@ -498,6 +498,40 @@ def test_a_forked_child_does_not_use_the_parents_connections(ort_env):
     assert after.fast_lane_connections == before.fast_lane_connections
 
 
+@pytest.mark.timeout(60)
+def test_a_fork_while_another_thread_waits_in_a_lane_call_leaves_that_call_to_finish():
+    """The child lets go of its copies of the parent's connections without touching the parent's: the socket
+    is shared, and a call under way on another thread of the parent (its copy says so) must not be ended."""
+    with ephost.Environment() as env:
+        # The 2nd compute touches 512 MiB first: a call that is surely under way when the process forks.
+        env.register_execution_provider_library("chaos", "chaos", {"fault": "leak", "leak_mb": "512", "after": "2"})
+        with diamond_session(env, "chaos") as s:
+            np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+            outcome = {}
+
+            def run():
+                try:
+                    outcome["y"] = s.run(None, {"x": X})[0]
+                except ephost.EpError as e:
+                    outcome["error"] = e
+                outcome["ended"] = time.monotonic()
+
+            t = threading.Thread(target=run)
+            t.start()
+            time.sleep(0.05)
+            forked = time.monotonic()
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            t.join(30)
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert outcome["ended"] > forked, "the call was under way as the process forked"
+            assert "error" not in outcome, outcome.get("error")
+            np.testing.assert_array_equal(outcome["y"], models.diamond_expected(X))
+            np.testing.assert_array_equal(s.run(None, {"x": X})[0], models.diamond_expected(X))
+
+
 @pytest.mark.parametrize("transport", ["fast_lane", "grpc"])
 def test_a_new_regions_descriptor_rides_along_with_the_first_reply_naming_it(transport):
     """Over the lane, the worker hands a region's descriptor over with the first reply that names it (no
