@@ -139,7 +139,7 @@ class WorkerConnection:
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
         """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""
         if self._closed:
-            raise EpWorkerUnavailable(f"connection to the worker at {self.address} is closed")
+            raise self._closed_error()
         lane_method = self._lane_methods.get(method)
         if lane_method is not None:
             try:
@@ -149,8 +149,8 @@ class WorkerConnection:
         try:
             return method(request, timeout=timeout or self.timeout_s, metadata=self._metadata,
                           wait_for_ready=wait_for_ready)
-        except grpc.RpcError as e:
-            raise self._error(e, method) from None
+        except (grpc.RpcError, ValueError) as e:
+            raise self._failed(e, method) from None
 
     def call_kept(self, method, key, parts: list, nbytes: int, request_of, timeout: float | None = None,
                   write=None, shaped=None):
@@ -166,6 +166,16 @@ class WorkerConnection:
                 pass  # nothing was sent
         return self.call(method, request_of(), timeout=timeout)
 
+    def _failed(self, e: grpc.RpcError | ValueError, method) -> EpError:
+        """The EpError for a gRPC call that raised `e`: a status, or gRPC's ValueError for a channel that another
+        thread closed (its worker replaced, its EP unregistered) as the call began; any other ValueError is
+        raised as it is."""
+        if isinstance(e, grpc.RpcError):
+            return self._error(e, method)
+        if not self._closed:
+            raise e
+        return self._closed_error()
+
     def _error(self, e: grpc.RpcError, method) -> EpError:
         code, details = e.code(), e.details() or ""
         call = _method_name(method)
@@ -176,7 +186,13 @@ class WorkerConnection:
                 return crashed
         if code == grpc.StatusCode.UNAVAILABLE:
             return EpWorkerUnavailable(f"worker at {self.address} is unavailable during {call}: {details}")
+        if code == grpc.StatusCode.CANCELLED:  # this end cancels no call: its channel closed under it, or the worker
+            return EpWorkerUnavailable(f"{call} was cancelled: the connection to the worker at {self.address} "
+                                       f"closed, or the worker is shutting down ({details})")
         return error_for_status(code, details, reason_of(e.trailing_metadata()))
+
+    def _closed_error(self) -> EpWorkerUnavailable:
+        return EpWorkerUnavailable(f"connection to the worker at {self.address} is closed")
 
     def _lane_ticket(self) -> tuple[bytes, str]:
         reply = self.call(self.worker.OpenDataPlane, common_pb2.Empty())
@@ -256,8 +272,8 @@ class WorkerConnection:
                     allocator=allocator, buffer=buffer, nbytes=len(out), chunk_bytes=CHUNK_BYTES),
                     timeout=self.timeout_s, metadata=self._metadata):
                 out[chunk.offset:chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
-        except grpc.RpcError as e:
-            raise self._error(e, self.allocator.Read) from None
+        except (grpc.RpcError, ValueError) as e:
+            raise self._failed(e, self.allocator.Read) from None
 
     def close(self) -> None:
         try:

@@ -522,3 +522,15 @@ def test_two_threads_that_find_the_worker_forgot_them_make_one_new_generation(wo
         assert allocator.get_stats()["InUse"] == 0  # handles made again on the new generation
     finally:
         env.close()
+
+
+def test_a_grpc_call_on_a_connection_another_thread_closed_is_a_typed_error():
+    """A connection closed by another thread (its worker's successor started, its EP unregistered) as a call on
+    it began: gRPC raises ValueError for the closed channel; the caller gets EpWorkerUnavailable. (`read` checks
+    nothing first, as a call past the check when the close came.)"""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "reference", {"fast_lane": "false"})
+        conn = env.registration("w").link.current
+        conn.close()
+        with pytest.raises(ephost.EpWorkerUnavailable, match="is closed"):
+            conn.read(1, 1, np.empty(8, np.uint8))

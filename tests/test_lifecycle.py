@@ -92,6 +92,30 @@ def test_a_call_longer_than_the_drain_grace_is_cut_and_the_worker_exits(worker):
         assert w.proc.wait(60) == 0
         thread.join(60)
         assert errors, "the flush outlived a worker that stopped after its 0.2 s grace"
+        assert type(errors[0]) is ephost.EpWorkerUnavailable, repr(errors[0])  # the worker went away
+
+
+def test_a_call_under_way_as_its_connection_is_closed_is_the_workers_going_not_a_cancel(worker):
+    """The connection closed under a call by another thread (as a successor's start or an unregister closes
+    it): gRPC cancels the call; this end cancelled nothing, so it is EpWorkerUnavailable, which the failure
+    policies handle, not EpCancelled."""
+    w = worker("--ep", "reference")
+    with ephost.Environment() as env:
+        _, stream = queue_copies(env, w)
+        errors = []
+
+        def flush():
+            try:
+                stream.flush()
+            except ephost.EpError as e:
+                errors.append(e)
+        thread = threading.Thread(target=flush)
+        thread.start()
+        time.sleep(0.3)  # the Flush call is now waiting inside the worker
+        env.registration("w").link.current.close()
+        thread.join(60)
+        assert len(errors) == 1 and type(errors[0]) is ephost.EpWorkerUnavailable, errors
+        assert "Stream/Flush was cancelled: the connection to the worker" in str(errors[0])
 
 
 def test_a_drain_grace_out_of_range_is_refused():
