@@ -6,7 +6,8 @@ import logging
 from collections import Counter, deque
 from typing import Any, Callable
 
-from ephost.errors import EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpWorkerCrashed, EpWorkerUnavailable
+from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpWorkerCrashed,
+                           EpWorkerDraining, EpWorkerUnavailable)
 from ephost.client.planner import Partition
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,12 @@ class FailurePolicy:
     def guarded(self, registration: str, what: str, call: Callable[[], Any]):
         """A set-up call to an EP under the policy; raises FellBack where its nodes go to the fallback."""
         try:
-            return call()
+            try:
+                return call()
+            except EpWorkerDraining:
+                if not self._replaced(registration):
+                    raise
+                return call()  # on the successor; what it meets there, the policy answers
         except WORKER_FAILURES as error:
             self.note("crashed" if isinstance(error, EpWorkerCrashed) else "failed", registration, what, error)
             if self.policy == "raise" or (self.policy == "fallback" and not self._fallback):
@@ -63,6 +69,11 @@ class FailurePolicy:
     def recover(self, run: int, p: Partition, partitions: list[Partition], inputs: list, error: EpError,
                 timeout: float | None) -> list:
         """The outputs of partition `p` after its Compute failed with `error`, as the policy decides."""
+        if isinstance(error, EpWorkerDraining) and self._replaced(p.registration):
+            try:
+                return p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
+            except EpError as again:  # what it met on the successor, the policy answers
+                error = again
         if not isinstance(error, WORKER_FAILURES) or self._fallback.owns(p.placement):
             raise error
         self.note(_EVENTS.get(type(error), "crashed"), p.registration, p.graph.name, error, run)
@@ -86,6 +97,12 @@ class FailurePolicy:
             return p.compute_info.compute(inputs, None, (), timeout)
         self.note("fell back", p.registration, p.graph.name, run=run)
         return self._fallback_info(p)[1].compute(inputs)
+
+    def _replaced(self, registration: str) -> bool:
+        """Whether a call the worker refused as it drained is made again on its successor, whatever the policy:
+        not a failure, but this process replacing the worker (WorkerLink.wait_replaced)."""
+        link = self._links(registration)
+        return link is not None and link.wait_replaced()
 
     def _fallback_info(self, p: Partition):
         """(placement, compute info) of `p` on the fallback: ORT's CPU EP where it can run it."""

@@ -352,26 +352,39 @@ class WorkerLink:
         """wait_healthy with the time a restart may take under this link's policy."""
         return self.wait_healthy(self.policy.connect_timeout_s + self.policy.max_backoff_s)
 
+    def wait_replaced(self) -> bool:
+        """After a call the worker refused as it drained (EpWorkerDraining): whether it is to be made again on the
+        worker's successor, which this waits for. A worker this link launched drains only as this process
+        replaces it (past its memory limit: recycle), and nothing of the call ran; one connected to by address
+        drains as its operator stops it (the failure policy's to answer), and a closing link has no successor."""
+        return self.supervisor is not None and not self.closing and self.wait_recovered()
+
     def kill(self, why: str) -> None:
         if self.supervisor is not None:
             self.supervisor.kill(why)
 
     def between_calls(self) -> None:
         """Called once a call's results are safely in hand: a worker past its memory limit is replaced now."""
-        if self.supervisor is not None and not self._restarting and self.supervisor.over_memory_limit():
-            self.recycle()
+        if self.supervisor is not None and not self._restarting:
+            measured = self._conn
+            if self.supervisor.over_memory_limit():
+                self.recycle(stale=measured)
 
-    def recycle(self) -> None:
-        """Replace the worker with a fresh one (not a crash: no crash is counted)."""
-        self.begin_restart()
-        try:
-            with self._open_lock:
-                old = self._conn
+    def recycle(self, stale: WorkerConnection | None = None) -> None:
+        """Replace the worker with a fresh one (not a crash: no crash is counted). With `stale` given, only if
+        that is still the current connection: threads that each found the worker over its limit replace it
+        once (a second replacement would stop the new worker under the calls that had gone on to it)."""
+        with self._open_lock:
+            old = self._conn
+            if stale is not None and old is not stale:
+                return
+            self.begin_restart()
+            try:
                 self.supervisor.stop()
                 self._open()
-            old.close()
-        finally:
-            self.end_restart()
+                old.close()
+            finally:
+                self.end_restart()
 
     @property
     def failed(self) -> bool:

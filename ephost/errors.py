@@ -87,6 +87,13 @@ class EpWorkerUnavailable(EpError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class EpWorkerDraining(EpWorkerUnavailable):
+    """The worker refused the call as it drains (it is shutting down): nothing of the call ran there; make it
+    on another worker, or on the worker that replaces it."""
+
+    reason = wire.REASON_DRAINING
+
+
 class EpWorkerCrashed(EpWorkerUnavailable):
     """A worker this process launched has died. Names the EP, the exit code or signal and the call."""
 
@@ -128,7 +135,8 @@ _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
 
 
 # Structured reason -> class, for the errors that say more than their status code.
-_BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient, EpUnknownKeptCall)}
+_BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient, EpUnknownKeptCall,
+                                                                     EpWorkerDraining)}
 
 
 def error_for_status(code: grpc.StatusCode, message: str, reason: str = "") -> EpError:

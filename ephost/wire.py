@@ -33,6 +33,10 @@ REASON_UNKNOWN_CLIENT = "unknown-client"
 # go to keep newer ones; send the whole Compute. Status NOT_FOUND.
 REASON_UNKNOWN_KEPT_CALL = "unknown-kept-call"
 
+# The worker refused the call as it drains (SIGTERM: it is shutting down): nothing of the call ran. Status
+# UNAVAILABLE.
+REASON_DRAINING = "draining"
+
 
 def read_file(path: str) -> bytes:
     """The bytes of a file an operator or user named (a certificate, a key, a token); a clear error if not."""

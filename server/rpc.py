@@ -22,7 +22,7 @@ from google.protobuf import message_factory
 
 from ephost import wire
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpResourceExhausted, EpUnimplemented, \
-    EpWorkerUnavailable
+    EpWorkerDraining
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class Dispatcher:
         """Admit a call: refused while draining, bounded per client and for the whole worker; its client."""
         state = self.state
         if state.draining.is_set():  # calls under way finish; new ones are turned away
-            raise EpWorkerUnavailable("worker is draining (shutting down); try another")
+            raise EpWorkerDraining("worker is draining (shutting down); try another")
         self.admission.enter(client_id or "")
         try:
             return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline,

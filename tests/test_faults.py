@@ -376,6 +376,48 @@ def test_a_leaking_worker_is_restarted_between_calls():
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_replaced_for_memory_under_calls_of_other_threads_fails_none_of_them():
+    """Replacing a worker past its memory limit is this process's doing, not a failure: under `raise`, threads
+    whose calls meet it (refused by the old worker as it drains, or made as it was being replaced) get their
+    answers from its successor, and threads that each found it over its limit replace it once between them
+    (a second replacement stopped the new worker under the calls that had gone on to it)."""
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("chaos", "chaos", {"wrap": "onnxruntime", "fault": "leak", "every": "8", "leak_mb": "24",
+                                                                   "memory_limit_mb": "250"})
+        with session(env, "raise") as s:
+            pids, errors = set(), []
+            deadline = time.monotonic() + 60
+
+            def work(i):
+                while len(pids) < 7 and time.monotonic() < deadline:
+                    try:
+                        np.testing.assert_allclose(s.run(None, {"x": X})[0], EXPECTED, rtol=1e-6)
+                    except ephost.EpError as e:
+                        errors.append(e)
+                    pids.add(env.registration("chaos").process.pid)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+            assert len(pids) >= 7, "the worker was replaced six times"
+            assert errors == []
+            assert s.failure_counters["crashed"] == 0
+
+
+def test_threads_that_each_found_the_worker_over_its_limit_replace_it_once():
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", "reference", {"memory_limit_mb": "4096"})
+        link = env.registration("w").link
+        measured = link.current
+        link.recycle(stale=measured)  # the first thread to act on what it measured
+        replaced = (link.process.pid, link.generation)
+        link.recycle(stale=measured)  # the second: the worker it measured is gone already
+        assert (link.process.pid, link.generation) == replaced
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["retry", "fallback"])
 def test_eight_threads_while_the_worker_is_killed_from_outside(policy):
     env = ephost.Environment()
