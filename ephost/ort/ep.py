@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ephost.eps.base import FusedGraph
-from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.errors import EpInvalidArgument, EpNotFound, EpWorkerDraining
 from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
@@ -204,6 +204,16 @@ class BridgeComputeInfo:
             return self.ep.guard.failed(self._what, e)
 
     def compute(self, context: int) -> None:
+        try:
+            self._run(context)
+        except EpWorkerDraining:
+            # Refused by a worker this process is replacing (past its memory limit), nothing of it run: made again
+            # on the successor (WorkerLink.wait_replaced), as a session's Compute is.
+            if not self.remote.link.wait_replaced():
+                raise
+            self._run(context)
+
+    def _run(self, context: int) -> None:
         factory = self.ep.factory
         arrays, addresses = factory.kernel_io.inputs(context)
         for i, array in enumerate(arrays):
