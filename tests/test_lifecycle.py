@@ -45,6 +45,20 @@ def queue_copies(env, w):
     return device, stream
 
 
+def flushing(stream) -> tuple[threading.Thread, list]:
+    """stream.flush() on a thread of its own, started: the thread, and the EpErrors it met."""
+    errors = []
+
+    def flush():
+        try:
+            stream.flush()
+        except ephost.EpError as e:
+            errors.append(e)
+    thread = threading.Thread(target=flush)
+    thread.start()
+    return thread, errors
+
+
 def test_sigterm_drains_in_flight_calls_then_exits(worker):
     # A grace long enough for the queued copies on a loaded machine (the default 5 s is an operator's choice).
     w = worker("--ep", "reference", "--drain-grace-s", "120")
@@ -78,15 +92,7 @@ def test_a_call_longer_than_the_drain_grace_is_cut_and_the_worker_exits(worker):
     w = worker("--ep", "reference", "--drain-grace-s", "0.2")
     with ephost.Environment() as env:
         _, stream = queue_copies(env, w)
-        errors = []
-
-        def flush():
-            try:
-                stream.flush()
-            except ephost.EpError as e:
-                errors.append(e)
-        thread = threading.Thread(target=flush)
-        thread.start()
+        thread, errors = flushing(stream)
         time.sleep(0.3)
         w.proc.send_signal(signal.SIGTERM)
         assert w.proc.wait(60) == 0
@@ -102,15 +108,7 @@ def test_a_call_under_way_as_its_connection_is_closed_is_the_workers_going_not_a
     w = worker("--ep", "reference")
     with ephost.Environment() as env:
         _, stream = queue_copies(env, w)
-        errors = []
-
-        def flush():
-            try:
-                stream.flush()
-            except ephost.EpError as e:
-                errors.append(e)
-        thread = threading.Thread(target=flush)
-        thread.start()
+        thread, errors = flushing(stream)
         time.sleep(0.3)  # the Flush call is now waiting inside the worker
         env.registration("w").link.current.close()
         thread.join(60)
