@@ -559,8 +559,6 @@ class InferenceSession:
         for name, value in zip(steady.names, inputs):  # as the general path checks them: its errors, not an EP's
             check = checks.get(name)
             if check is not None:
-                if type(value) is list:
-                    value = check.from_list(value)
                 check(value)
         timeout = _deadline(self._timeout)
         run = next(self._runs)
