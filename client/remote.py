@@ -112,8 +112,8 @@ class RemoteComputeInfo(RemoteHandle):
         return {i: t for i, t in targets.items() if owned(t.buffer, self.link)}
 
     def _kept_inputs(self, inputs: Sequence[Any]) -> tuple[tuple, list, int, list[int], list[int]] | None:
-        """(types and shapes, the small inputs' bytes, their total size, the positions of the large ones, the
-        positions of those named by handle) where every input is a tensor the worker has (named by handle) or
+        """(types and shapes, a True after those named by handle; the small inputs' bytes, their total size, the
+        positions of the large ones, the positions of those named by handle) where every input is a tensor the worker has (named by handle) or
         this process can read: small ones travel inline, large ones through buffers this thread keeps for this
         call (named by handle too). Else None."""
         layout, parts, nbytes, large, named = [], [], 0, [], []
@@ -127,11 +127,14 @@ class RemoteComputeInfo(RemoteHandle):
             array = value.local_array()
             if array is None:
                 return None
-            layout.append((value.shape, value.dtype))
             if value.nbytes < INLINE_LIMIT:
+                layout.append((value.shape, value.dtype))
                 parts.append(array)
                 nbytes += value.nbytes
             elif self._staging is not None:
+                # Named by handle as a bound input is: a call kept whatever its shapes (_general: ranks, not
+                # sizes) must tell it from an inline one, or a repeat would send bytes where it kept a handle
+                layout.append((value.shape, value.dtype, True))
                 large.append(i)
                 named.append(i)
             else:

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from onnx import helper
 
 import ephost
 from ephost import InferenceSession, RunOptions, lane_slots
@@ -181,6 +182,24 @@ def test_copy_tensors_and_alloc_over_the_lane(ort_env):
     finally:
         ort_env.release_shared_allocator(device, ephost.DeviceMemoryType.DEFAULT)
     assert worker_stats(ort_env, "ort").fast_lane_calls - before >= 4
+
+
+def test_a_call_kept_whatever_its_shapes_tells_an_input_sent_inline_from_one_staged(ort_env):
+    """Shapes that change every run make a call kept whatever its shapes (keep_shapes: kept by the inputs'
+    ranks). An input too large to go inline (staged in a buffer, named by handle) is another call than the same
+    input small (its bytes in the frame): each repeats its own, and every run gives ORT's answer (a repeat
+    sending bytes where the worker kept a handle was refused: 'a kept call takes 840016 bytes ..., got 24')."""
+    from client.transfer import INLINE_LIMIT
+    large = INLINE_LIMIT // 4 + 1000  # floats in a row of a large input
+    shapes = [(1, 8), (3, 4096), (2, 8), (2, 16), (3, 5), (3, 3), (2, 3), (1, large), (2, large // 3), (3, large),
+              (2, 7), (1, large + 5), (3, 9), (2, large)]
+    model = models.model([helper.make_node("Abs", ["x"], ["y"])], [models.tensor("x", ["b", "n"])],
+                         [models.tensor("y", ["b", "n"])])
+    with InferenceSession(model, options_for(ort_env, "ort"), env=ort_env) as s:
+        rng = np.random.default_rng(3)
+        for shape in shapes * 2:
+            x = rng.standard_normal(shape).astype(np.float32)
+            np.testing.assert_array_equal(s.run(None, {"x": x})[0], np.abs(x))
 
 
 def test_eight_threads_run_one_session_at_once(ort_env):
