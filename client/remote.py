@@ -113,9 +113,9 @@ class RemoteComputeInfo(RemoteHandle):
 
     def _kept_inputs(self, inputs: Sequence[Any]) -> tuple[tuple, list, int, list[int], list[int]] | None:
         """(types and shapes, a True after those named by handle; the small inputs' bytes, their total size, the
-        positions of the large ones, the positions of those named by handle) where every input is a tensor the worker has (named by handle) or
-        this process can read: small ones travel inline, large ones through buffers this thread keeps for this
-        call (named by handle too). Else None."""
+        positions of the large ones, the positions of those named by handle) where every input is a tensor the
+        worker has (named by handle) or this process can read: small ones travel inline, large ones through
+        buffers this thread keeps for this call (named by handle too). Else None."""
         layout, parts, nbytes, large, named = [], [], 0, [], []
         for i, value in enumerate(inputs):
             if type(value) is not Tensor:

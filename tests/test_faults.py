@@ -382,8 +382,8 @@ def test_a_worker_replaced_for_memory_under_calls_of_other_threads_fails_none_of
     answers from its successor, and threads that each found it over its limit replace it once between them
     (a second replacement stopped the new worker under the calls that had gone on to it)."""
     with ephost.Environment() as env:
-        env.register_execution_provider_library("chaos", "chaos", {"wrap": "onnxruntime", "fault": "leak", "every": "8", "leak_mb": "24",
-                                                                   "memory_limit_mb": "250"})
+        env.register_execution_provider_library("chaos", "chaos", {"wrap": "onnxruntime", "fault": "leak", "every": "8",
+                                                                   "leak_mb": "24", "memory_limit_mb": "250"})
         with session(env, "raise") as s:
             pids = set()
             deadline = time.monotonic() + 50
