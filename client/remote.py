@@ -82,7 +82,7 @@ class RemoteComputeInfo(RemoteHandle):
 
     def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
-                leave: Sequence[int] = ()) -> list[Any]:
+                leave: Sequence[int] = (), run_options: ep_pb2.RunOptions | None = None) -> list[Any]:
         # First: it waits for a worker being replaced. What the worker that then runs has decides how each value
         # goes (by handle, staged or inline), as the call is kept and as it is sent alike (a kept call made while
         # the old worker was still the current one named its tensors, which went inline to the new one: its
@@ -90,13 +90,15 @@ class RemoteComputeInfo(RemoteHandle):
         conn = self.link.conn
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
         targets = self._owned(into) if into else _NO_TARGETS
-        if not keep or allocator is not None:
+        if (not keep or allocator is not None) and run_options is None:  # (a kept call's repeats carry none)
             kept = self._kept_inputs(inputs)
             if kept is not None:
                 return self._compute_kept(conn, inputs, allocator, timeout, targets, keep, leave, *kept)
         staged: list[Buffer] = []
         try:
             request = self._request(inputs, allocator, keep, targets, staged)
+            if run_options is not None:
+                request.run_options.CopyFrom(run_options)
             reply = self.link.call(_compute_of, request, conn=conn, timeout=timeout)
         finally:
             self._stager.release(staged)

@@ -9,11 +9,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 from onnx import numpy_helper
 
-from ephost.errors import EpError, EpInvalidArgument
+from ephost.errors import EpCancelled, EpError, EpInvalidArgument
 from ephost.external_data import ExternalData, external_ref
+from ephost.run_options import TERMINATED, RunOptions
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value
+from ephost.eps.base import takes_run_options
 from ephost.client.handles import owned
 from ephost.client.planner import Partition
 
@@ -42,20 +44,21 @@ class PartitionRunner:
 
     def run(self, run: int, values: dict[str, Any], names: Sequence[str], timeout: float | None,
             placed: Mapping[str, MemoryInfo | None], targets: Mapping[str, Tensor], start: int = 0,
-            record: list | None = None) -> list[Any]:
+            record: list | None = None, options: RunOptions | None = None) -> list[Any]:
         """The values of `names` after one run from the feeds in `values`. `placed` names outputs to leave in an
         EP's memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one
         keeps it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
         that makes them can (a worker, into its own memory). `start`: the partitions before it ran already
         (their outputs are in `values`: a steady run that stopped there, client/steady.py); `record` gets each
-        partition run, with its inputs and outputs (to make a steady run of)."""
+        partition run, with its inputs and outputs (to make a steady run of); `options`: the run's RunOptions
+        (its terminate flag is read before each partition; what an EP reads of them goes with each Compute)."""
         keep = set(names)
         owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()} if placed else {}
         if self.profiler.enabled:
             with self.profiler.span("Session", "model_run", run=run):
-                self._run_partitions(run, values, keep, owners, timeout, targets, start, record)
+                self._run_partitions(run, values, keep, owners, timeout, targets, start, record, options)
         else:
-            self._run_partitions(run, values, keep, owners, timeout, targets, start, record)
+            self._run_partitions(run, values, keep, owners, timeout, targets, start, record, options)
         for n in names:
             if n not in values and n in self._constants:
                 t = self._constants[n]
@@ -72,17 +75,21 @@ class PartitionRunner:
         return [labelled[id(values[n])] for n in names]
 
     def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
-                        timeout: float | None, targets: Mapping[str, Tensor], start: int, record: list | None) -> None:
+                        timeout: float | None, targets: Mapping[str, Tensor], start: int, record: list | None,
+                        options: RunOptions | None) -> None:
         profiling = self.profiler.enabled
+        to_eps = options.for_eps() if options is not None else None
         for p in self._partitions[start:] if start else self._partitions:
+            if options is not None and options.terminated:
+                raise EpCancelled(TERMINATED)
             inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
             if profiling:
                 call = "Compute" if self._link_of(p.registration) is not None else "in process"
                 with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes),
                                         ep=p.placement.ep_name, registration=p.registration, call=call):
-                    outputs = self._compute(run, p, inputs, owners, targets, timeout)
+                    outputs = self._compute(run, p, inputs, owners, targets, timeout, to_eps)
             else:
-                outputs = self._compute(run, p, inputs, owners, targets, timeout)
+                outputs = self._compute(run, p, inputs, owners, targets, timeout, to_eps)
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values.update(zip(p.graph.outputs, outputs))
@@ -93,11 +100,11 @@ class PartitionRunner:
                     values.pop(v, None)
 
     def _compute(self, run: int, p: Partition, inputs: list, owners: Mapping[str, Any],
-                 targets: Mapping[str, Tensor], timeout: float | None) -> list[Any]:
+                 targets: Mapping[str, Tensor], timeout: float | None, to_eps=None) -> list[Any]:
         """Partition `p`'s outputs, under the failure policy."""
         kept = self._kept(p, owners)
         # The common case, nothing but the plan's own `keep`, builds no extras.
-        extras = self._extras(p, kept, targets) if targets or kept is not p.keep else None
+        extras = self._extras(p, kept, targets, to_eps) if targets or kept is not p.keep or to_eps else None
         try:
             if extras:
                 return p.compute_info.compute(inputs, p.allocator, kept, timeout, **extras)
@@ -105,10 +112,12 @@ class PartitionRunner:
         except EpError as error:
             return self.recover(run, p, inputs, error, timeout)
 
-    def _extras(self, p: Partition, kept: tuple[int, ...], targets: Mapping[str, Tensor]) -> dict[str, Any]:
-        """The `into` and `leave` arguments of p's Compute, where there are any: only EPs asked to use them get
-        them, so that EPs without them keep working."""
+    def _extras(self, p: Partition, kept: tuple[int, ...], targets: Mapping[str, Tensor], to_eps) -> dict[str, Any]:
+        """The `into`, `leave` and `run_options` arguments of p's Compute, where there are any: only EPs asked to
+        use them get them, so that EPs without them keep working (run options only EPs that take them)."""
         extras = {}
+        if to_eps is not None and takes_run_options(p.compute_info):
+            extras["run_options"] = to_eps
         if targets:
             into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
             if into:

@@ -25,6 +25,7 @@ from ephost.eps.base import capability
 from ephost.external_data import ExternalData, WorkerFile, check_inline_size, has_external_data, load_model
 from ephost.v1 import worker_pb2
 from ephost.graph import GraphIndex, prepare_model
+from ephost.run_options import ForeignOptions
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value, to_python
@@ -99,14 +100,6 @@ class SessionOptions:
     @property
     def providers(self) -> list[tuple[list[EpDevice], dict[str, str]]]:
         return list(self._providers)
-
-
-@dataclass
-class RunOptions:
-    """Per-run settings (ONNX Runtime's RunOptions): `compute_timeout_s` overrides the session's (None: the
-    session's; 0: no deadline)."""
-
-    compute_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +244,7 @@ class InferenceSession:
         self.ep_context_files: list[str] = []  # what ep.context_enable=1 wrote: the context model, its files
         self._launched: list[str] = []  # registrations this session made itself: unregistered when it closes
         self._runs = itertools.count(1)
+        self._foreign_options = ForeignOptions()  # ORT's RunOptions objects runs were given, and their entries
         self._fallback = CpuFallback(options.fallback)
         self._failures = FailurePolicy(options.ep_failure_policy, self._link_of, self._fallback)
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release on close
@@ -595,11 +589,12 @@ class InferenceSession:
             raise EpFailedPrecondition("the session is closed")
         names = self._output_names(output_names)
         values = self._feeds(input_feed)
-        timeout = _deadline(run_options.compute_timeout_s if run_options is not None
-                            and run_options.compute_timeout_s is not None else self._timeout)
+        options = None if run_options is None else self._foreign_options.read(run_options)
+        timeout = _deadline(options.compute_timeout_s if options is not None
+                            and options.compute_timeout_s is not None else self._timeout)
         self._failures.counters["runs"] += 1
         return self._runner.run(next(self._runs), values, names, timeout, placed or {}, targets or {},
-                                record=record)
+                                record=record, options=options)
 
     @property
     def environment(self):

@@ -121,6 +121,9 @@ class NodeComputeInfo(Protocol):
     returns those tensors; an EP in this process may ignore it (the session copies then). `leave` names kept
     outputs nobody in this process reads (outputs bound in the EP's memory): a worker that shares no memory with
     this process does not send their bytes here. `into` and `leave` are only passed when not empty.
+    `run_options` (an `ephost.v1.ep_pb2.RunOptions`: the run's logid, log levels and run config entries, as an ORT
+    plugin EP reads its OrtRunOptions) is passed only where the run has any and compute takes `run_options`
+    (takes_run_options): an EP that does not reads none, as an ORT EP without OnRunStart.
 
     Optional attributes: `ep_context` (an ephost.ep_context.EpContext: the partition's compiled form, made when
     the EP was created with ep.context_enable=1; None where the EP has none) and `restored` (True where the
@@ -131,6 +134,21 @@ class NodeComputeInfo(Protocol):
     def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None, keep: Sequence[int] = (),
                 timeout: float | None = None, into: Mapping[int, "Tensor"] | None = None,
                 leave: Sequence[int] = ()) -> list[Any]: ...
+
+
+def takes_run_options(info: Any) -> bool:
+    """Whether `info.compute` takes `run_options` (by name, or through **kwargs)."""
+    return _takes_run_options(type(info))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_run_options(cls: type) -> bool:
+    import inspect
+    try:
+        parameters = inspect.signature(cls.compute).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(p.name == "run_options" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 # What kernel_ran calls (set by the worker on each fast-lane connection's thread; None: nothing to call)

@@ -201,19 +201,20 @@ class OrtComputeInfo:
             not any(static is not None and static[2] >= PLACE_BYTES for _, static in self._outputs)
 
     def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None, leave=()) -> list[Any]:
-        if self._idle and self._idle[-1].steady is not None:
+                timeout: float | None = None, into=None, leave=(), run_options=None) -> list[Any]:
+        if self._idle and self._idle[-1].steady is not None and run_options is None:
             out = self._steady_run(inputs, allocator, keep, into)
             if out is not None:
                 return out
         arrays = local_inputs(self.name, self._inputs, inputs)
-        if not self._bindable or (self._plain and not into) or \
+        if run_options is not None or not self._bindable or (self._plain and not into) or \
                 not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype) for v in arrays.values()):
             # Sequences, strings...: what IOBinding cannot bind. And an output whose shape ORT learns as it runs,
             # with nothing to write into: ORT allocates it either way, and a binding costs binding it anew, asking
             # for it and copying it out on every run (an Add with a symbolic dimension, this EP in process: its
             # shape changing every run 28.5 -> 15.5 µs; the same every run 19.9 -> 14.8, at 400 KB 83 -> 57).
-            out = self._run(arrays)
+            # And a run with run options: ORT's own run takes them (such runs are not the steady kind).
+            out = self._run(arrays, None if run_options is None else _ort_run_options(run_options))
             if keep and allocator is not None and self._bindable:  # kept ones copied into the allocator once
                 for i in dict.fromkeys(keep):
                     if i < len(out):  # as on the binding's path, a position past the outputs names none
@@ -409,25 +410,36 @@ class OrtComputeInfo:
                 tensor.release()
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
 
-    def _run(self, feeds: dict[str, Any]) -> list[Any]:
+    def _run(self, feeds: dict[str, Any], run_options=None) -> list[Any]:
         ort = _ort()
         # Arrays of types ORT cannot take from numpy go in as OrtValues of their ONNX type.
         feeds = {name: v if (elem := onnx_type_of(v)) is None else to_ort_value(ort, v, elem)
                  for name, v in feeds.items()}
         try:
             if not any(self._exotic):
-                outputs = self._session.run(None, feeds)
+                outputs = self._session.run(None, feeds, run_options)
                 kernel_ran()
                 return [as_value(v) for v in outputs]
             # Outputs numpy cannot hold come back as OrtValues, read as ONNX lays their bytes out.
             names = [name for name, _ in self._outputs]
             feeds = {n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
                      for n, v in feeds.items()}
-            return [as_value(from_ort_value(v)) for v in self._session.run_with_ort_values(names, feeds)]
+            return [as_value(from_ort_value(v)) for v in self._session.run_with_ort_values(names, feeds, run_options)]
         except EpError:
             raise
         except Exception as e:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+
+
+def _ort_run_options(options) -> Any:
+    """ORT's RunOptions for a run's (an ep_pb2.RunOptions, checked by the worker)."""
+    ro = _ort().RunOptions()
+    ro.logid = options.logid
+    ro.log_severity_level = options.log_severity_level
+    ro.log_verbosity_level = options.log_verbosity_level
+    for key, value in options.config.items():
+        ro.add_run_config_entry(key, value)
+    return ro
 
 
 def _read_out(array: np.ndarray, static, how: str, allocator, target: Tensor | None) -> Tensor:

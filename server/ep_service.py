@@ -3,7 +3,8 @@ Compute over graph values that stay in this worker's memory between partitions."
 from __future__ import annotations
 
 from ephost.errors import EpInvalidArgument, EpNotFound
-from ephost.eps.base import FusedGraph, capability
+from ephost.run_options import checked
+from ephost.eps.base import FusedGraph, capability, takes_run_options
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
 from ephost.server.kept_calls import KeptReply, KeptRequest
@@ -56,6 +57,8 @@ class EpService(Servicer):
     def Compute(self, request, call):
         client = call.client
         _, info = client.get("compute_info", request.node_compute_info)
+        # Checked whether the EP reads them or not: a malformed request is refused the same everywhere.
+        options = checked(request.run_options) if request.HasField("run_options") else None
         allocator = client.get("allocator", request.output_allocator) if request.output_allocator else None
         stream = client.get("stream", request.stream) if request.stream else None
         inputs, resident, bytes_here, bytes_moved, inline = [], 0, 0, 0, 0
@@ -75,7 +78,12 @@ class EpService(Servicer):
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
         keep = tuple(request.keep) if request.keep else ()
-        outputs = info.compute(inputs, allocator, keep, into=into) if into else info.compute(inputs, allocator, keep)
+        if options is not None and takes_run_options(info):
+            outputs = info.compute(inputs, allocator, keep, into=into, run_options=options)
+        elif into:
+            outputs = info.compute(inputs, allocator, keep, into=into)
+        else:
+            outputs = info.compute(inputs, allocator, keep)
         counts = call.counts = {"compute_inputs_resident": resident,
                                 "compute_inputs_transferred": len(inputs) - resident,
                                 "compute_input_bytes_resident": bytes_here,

@@ -34,6 +34,7 @@ from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
 from ephost.eps.base import KERNEL_RAN
 from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
+from ephost.v1 import ep_pb2
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,9 @@ class LaneServer:
                             f"a {method.name} frame whose message cannot be parsed")
                 continue
 
-            keeps = method.name in self._kept and request.keep_call
+            # (A Compute with run options is never kept: a kept call's repeats carry none.)
+            keeps = method.name in self._kept and request.keep_call and \
+                not (type(request) is ep_pb2.ComputeRequest and request.HasField("run_options"))
             if keeps and request.replace_kept:  # as it is read, whatever comes of the call (the caller forgot it)
                 kept.let_go(request.replace_kept)
 

@@ -1197,6 +1197,11 @@ def test_kept_calls_on_the_wire(lane_worker):
         assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
         np.testing.assert_array_equal(np.frombuffer(reply.outputs[0].tensor.inline, np.float32), [0, 2, 0, 4])
         kid = KEPT_ID.pack(reply.kept_call)
+        with_options = ep_pb2.ComputeRequest()
+        with_options.CopyFrom(request)
+        with_options.run_options.config["memory.enable_memory_arena_shrinkage"] = "cpu:0"
+        frame, unkept = lane_call(sock, "Ep/Compute", with_options)
+        assert frame.status == 0 and unkept.kept_call == 0  # a call with run options is never kept
         x = np.array([5, -6, 7, -8], np.float32)
         frame = kept_frame(sock, kid + x.tobytes())
         assert (frame.method, frame.status) == (KEPT, 0)
