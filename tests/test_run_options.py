@@ -105,7 +105,8 @@ def test_terminate_set_from_another_thread_stops_the_run_before_its_next_partiti
     model, w = slow_then_relu()
     x = np.random.default_rng(1).standard_normal(w.shape).astype(np.float32)
     with InferenceSession(model, options_for(env, "relu", "ort"), env=env) as session:
-        assert [s.ep_name for s in session.get_provider_graph_assignment_info()] == ["CPUExecutionProvider", "reference"]
+        eps = [s.ep_name for s in session.get_provider_graph_assignment_info()]
+        assert eps == ["CPUExecutionProvider", "reference"]
         options = RunOptions()
         outcome = []
 
