@@ -19,6 +19,7 @@ ORT_RUN_CONFIG_KEYS = ("memory.enable_memory_arena_shrinkage", "disable_synchron
 # A deadline given in ORT's RunOptions (ephost's own RunOptions has `compute_timeout_s`): seconds, 0 for none.
 COMPUTE_TIMEOUT_KEY = "ephost.compute_timeout_s"
 MAX_KEY, MAX_VALUE, MAX_ENTRIES = 128, 1024, 64  # ORT's ConfigOptions limits, and a bound on how many
+_ORT_ATTRIBUTES = ("logid", "log_severity_level", "log_verbosity_level", "terminate", "only_execute_path_to_fetches")
 TERMINATED = "Exiting due to terminate flag being set to true."  # ORT's words for a run it stopped so
 
 
@@ -76,6 +77,9 @@ class RunOptions:
         """ephost's RunOptions as given, or one read from ORT's (onnxruntime.RunOptions), its entries of `keys`."""
         if isinstance(options, cls):
             return options
+        if not all(hasattr(options, a) for a in ("get_run_config_entry", *_ORT_ATTRIBUTES)):
+            raise EpInvalidArgument(f"run_options is an ephost.RunOptions or an onnxruntime.RunOptions, not "
+                                    f"{type(options).__name__}")
         config = {}
         for key in keys:
             try:

@@ -165,6 +165,8 @@ def test_bad_run_options_are_refused_by_the_application(env):
     with InferenceSession(add_model(), options_for(env, "ort"), env=env) as session:
         with pytest.raises(ephost.EpInvalidArgument, match="log_severity_level"):
             session.run(None, {"x": np.ones((2, 3), np.float32)}, RunOptions(log_severity_level=9))
+        with pytest.raises(ephost.EpInvalidArgument, match="not dict"):
+            session.run(None, {"x": np.ones((2, 3), np.float32)}, {"terminate": True})
 
 
 @pytest.mark.parametrize("options, words", [
