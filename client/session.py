@@ -25,7 +25,7 @@ from ephost.eps.base import capability
 from ephost.external_data import ExternalData, WorkerFile, check_inline_size, has_external_data, load_model
 from ephost.v1 import worker_pb2
 from ephost.graph import GraphIndex, prepare_model
-from ephost.run_options import ForeignOptions
+from ephost.run_options import ForeignOptions, RunOptions
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value, to_python
@@ -426,12 +426,13 @@ class InferenceSession:
         ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker), or
         lists (made into arrays of the input's element type, as ONNX Runtime makes them)."""
         record = None
-        if run_options is None:
-            outputs = self._run_steady(output_names, input_feed)
+        options = None if run_options is None else self._foreign_options.read(run_options)
+        if options is None or options.plain:  # (ORT-style code that passes the same RunOptions to every run)
+            outputs = self._run_steady(output_names, input_feed, options)
             if outputs is not None:
                 return outputs
             record = self._steady_record(input_feed)
-        outputs = [to_python(v) for v in self._execute(output_names, input_feed, run_options, record=record)]
+        outputs = [to_python(v) for v in self._execute(output_names, input_feed, options, record=record)]
         if record is not None:  # this run's feeds are those of the last run on this thread (local.last)
             local = self._steady
             local.run = SteadyRun.of(self._partitions, output_names, self._output_names(output_names), local.last,
@@ -440,10 +441,15 @@ class InferenceSession:
                 local.last = None
         return outputs
 
-    def _run_steady(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any] | None:
-        """The run, where the calling thread's steady run makes it (client/steady.py); else None."""
+    def _run_steady(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+                    options: RunOptions | None = None) -> list[Any] | None:
+        """The run, where the calling thread's steady run makes it (client/steady.py); else None. With RunOptions
+        (plain ones) only a steady run of one partition, not terminated: one of several would not read the
+        terminate flag between its partitions."""
         steady = getattr(self._steady, "run", None)
         if steady is None or self._closed or self.profiler.enabled:
+            return None
+        if options is not None and (len(steady.steps) > 1 or options.terminated):
             return None
         arrays = steady.arrays(self._partitions, output_names, input_feed)
         if arrays is None:
@@ -523,7 +529,11 @@ class InferenceSession:
         they were bound. Outputs bound to an EP's memory are left there by the partition that makes them."""
         if iobinding.session is not self:
             raise EpInvalidArgument("the IOBinding belongs to another session; make one with session.io_binding()")
-        if run_options is None and self._run_bound_steady(iobinding):
+        options = None if run_options is None else self._foreign_options.read(run_options)
+        # (a steady IOBinding run is of one partition: it reads the terminate flag as it starts, as the general
+        # path does before each partition)
+        steady = options is None or (options.plain and not options.terminated)
+        if steady and self._run_bound_steady(iobinding):
             return
         outputs = iobinding.bound_outputs()
         if not outputs:
@@ -532,9 +542,9 @@ class InferenceSession:
         targets = {n: b.tensor for n, b in outputs.items() if b.tensor is not None}
         names = list(outputs)
         # A plan of one partition: a steady run may be made of this one
-        record = [] if run_options is None and len(self._partitions) == 1 \
+        record = [] if steady and len(self._partitions) == 1 \
             and not self.profiler.enabled and not self._empty_optionals else None
-        results = self._execute(names, iobinding.bound_inputs(), run_options, placed, targets, record=record)
+        results = self._execute(names, iobinding.bound_inputs(), options, placed, targets, record=record)
         iobinding.set_results(dict(zip(names, results)))
         if record is not None:
             self._steady.binding = SteadyBinding.of(self._partitions, iobinding, names, record)

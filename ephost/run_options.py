@@ -94,9 +94,18 @@ class RunOptions:
         return cls(timeout, str(options.logid), int(options.log_severity_level), int(options.log_verbosity_level),
                    bool(options.terminate), bool(options.only_execute_path_to_fetches), config, source=options)
 
+    @property
+    def plain(self) -> bool:
+        """Nothing for the EPs and no deadline of its own: a run with these runs as one without them, but that
+        it reads the terminate flag."""
+        return self.compute_timeout_s is None and not self._for_eps()
+
+    def _for_eps(self) -> bool:
+        return bool(self.logid or self.log_severity_level != -1 or self.log_verbosity_level or self.config)
+
     def for_eps(self) -> ep_pb2.RunOptions | None:
         """What the run's Compute calls carry to the EPs; None where it is all defaults (nothing to carry)."""
-        if not (self.logid or self.log_severity_level != -1 or self.log_verbosity_level or self.config):
+        if not self._for_eps():
             return None
         check_levels(self.log_severity_level, self.log_verbosity_level)
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.config.items()):

@@ -184,3 +184,31 @@ def test_bad_run_options_on_the_wire_are_an_invalid_argument(raw, options, words
     assert code == grpc.StatusCode.INVALID_ARGUMENT and words in message
     request.ClearField("run_options")
     assert len(raw(raw.ep.Compute, request).outputs) == 1  # and it serves the same call without them
+
+
+@pytest.mark.parametrize("kind", [ort.RunOptions, RunOptions], ids=["onnxruntime.RunOptions", "ephost.RunOptions"])
+def test_a_loop_that_passes_the_same_plain_run_options_to_every_run_runs_steady(env, kind):
+    """ORT-style code passes one RunOptions to every run: with nothing in it for the EPs and no deadline of its
+    own its runs are steady ones, as runs without it are, and still read the terminate flag."""
+    from test_steady import Computes
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    options = kind()
+    with InferenceSession(add_model(), options_for(env, "ort"), env=env) as session:
+        computes = Computes(session)
+        for _ in range(5):
+            np.testing.assert_array_equal(session.run(None, {"x": x}, options)[0], x + x)
+        assert computes.count == 2
+        options.terminate = True
+        with pytest.raises(ephost.EpCancelled):
+            session.run(None, {"x": x}, options)
+        options.terminate = False
+        binding = session.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_output("y")
+        for _ in range(5):
+            session.run_with_iobinding(binding, options)
+            np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], x + x)
+        assert computes.count == 3  # an IOBinding's run: the general path once, then none
+        options.terminate = True
+        with pytest.raises(ephost.EpCancelled):
+            session.run_with_iobinding(binding, options)
