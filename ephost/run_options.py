@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.v1 import ep_pb2
@@ -107,11 +107,9 @@ class RunOptions:
         """What the run's Compute calls carry to the EPs; None where it is all defaults (nothing to carry)."""
         if not self._for_eps():
             return None
-        check_levels(self.log_severity_level, self.log_verbosity_level)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.config.items()):
-            raise EpInvalidArgument("a run config entry's key and value are strings")
-        return checked(ep_pb2.RunOptions(logid=str(self.logid), log_severity_level=self.log_severity_level,
-                                         log_verbosity_level=self.log_verbosity_level, config=self.config))
+        check(self.logid, self.log_severity_level, self.log_verbosity_level, self.config)
+        return ep_pb2.RunOptions(logid=self.logid, log_severity_level=self.log_severity_level,
+                                 log_verbosity_level=self.log_verbosity_level, config=self.config)
 
 
 class ForeignOptions:
@@ -130,10 +128,11 @@ class ForeignOptions:
             return options
         with self._lock:
             seen = self._seen.get(id(options))
-            if seen is not None and seen[0] is options:
+            keys = seen[1] if seen is not None and seen[0] is options else None
+            if keys is not None:
                 self._seen.move_to_end(id(options))
-        if seen is not None and seen[0] is options:
-            return RunOptions.of(options, seen[1])
+        if keys is not None:
+            return RunOptions.of(options, keys)
         read = RunOptions.of(options)
         keys = tuple(read.config) + ((COMPUTE_TIMEOUT_KEY,) if read.compute_timeout_s is not None else ())
         with self._lock:  # (the object is held, so that its id names no other while it is here)
@@ -143,20 +142,22 @@ class ForeignOptions:
         return read
 
 
-def check_levels(severity: int, verbosity: int) -> None:
-    if not -1 <= severity <= 4:
-        raise EpInvalidArgument(f"log_severity_level is -1 (the session's) or 0 to 4, not {severity}")
-    if verbosity < 0:
-        raise EpInvalidArgument(f"log_verbosity_level is 0 or more, not {verbosity}")
+def check(logid: Any, severity: Any, verbosity: Any, config: Mapping[Any, Any]) -> None:
+    """Run options within ORT's limits (what the application sends and what a worker takes), or
+    EpInvalidArgument."""
+    if len(config) > MAX_ENTRIES:
+        raise EpInvalidArgument(f"a run takes at most {MAX_ENTRIES} run config entries, not {len(config)}")
+    for key, value in config.items():
+        check_entry(key, value)
+    if not isinstance(logid, str) or len(logid) > MAX_VALUE:
+        raise EpInvalidArgument(f"a run's logid is a string of at most {MAX_VALUE} characters")
+    if type(severity) is not int or not -1 <= severity <= 4:
+        raise EpInvalidArgument(f"log_severity_level is -1 (the session's) or 0 to 4, not {severity!r}")
+    if type(verbosity) is not int or verbosity < 0:
+        raise EpInvalidArgument(f"log_verbosity_level is 0 or more, not {verbosity!r}")
 
 
 def checked(message: ep_pb2.RunOptions) -> ep_pb2.RunOptions:
-    """A Compute's run options as a worker takes them: within ORT's limits, or EpInvalidArgument."""
-    if len(message.config) > MAX_ENTRIES:
-        raise EpInvalidArgument(f"a run takes at most {MAX_ENTRIES} run config entries, not {len(message.config)}")
-    for key, value in message.config.items():
-        check_entry(key, value)
-    if len(message.logid) > MAX_VALUE:
-        raise EpInvalidArgument(f"a run's logid is at most {MAX_VALUE} characters")
-    check_levels(message.log_severity_level, message.log_verbosity_level)
+    """A Compute's run options as a worker takes them."""
+    check(message.logid, message.log_severity_level, message.log_verbosity_level, message.config)
     return message
