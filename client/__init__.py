@@ -2,7 +2,8 @@
 from ephost.client.devices import EpDevice, SharedAllocator, SyncNotification, SyncStream
 from ephost.client.environment import Environment
 from ephost.client.iobinding import IOBinding
-from ephost.client.session import InferenceSession, ModelOnWorker, NodeArg, SessionOptions
+from ephost.client.session import InferenceSession, ModelOnWorker, NodeArg
+from ephost.client.session_options import SessionOptions
 from ephost.run_options import RunOptions
 
 __all__ = ["Environment", "EpDevice", "SharedAllocator", "SyncNotification", "SyncStream", "InferenceSession",

@@ -1,4 +1,4 @@
-"""ephost.InferenceSession and ephost.SessionOptions, shaped like ONNX Runtime's.
+"""ephost.InferenceSession, shaped like ONNX Runtime's (its SessionOptions: client/session_options.py).
 
 A session asks each EP, in the order they were added, which nodes it takes (GetCapability, with the nodes
 already taken marked), groups what each EP took into partitions that can be fused without a cycle, compiles
@@ -32,74 +32,16 @@ from ephost.values import as_value, to_python
 from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.feeds import FeedCheck, check_feed_names, shape_of, type_string
-from ephost.client.fallback import CpuFallback, default_fallback
+from ephost.client.fallback import CpuFallback
 from ephost.client.context_model import ENABLE, CompiledPartition, ContextSettings, embed_files, write_context_model
 from ephost.client.iobinding import IOBinding
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 from ephost.client.profiler import Profiler
 from ephost.client.runner import PartitionRunner
+from ephost.client.session_options import SessionOptions
 from ephost.client.steady import SteadyBinding, SteadyRun, signature, steady_plan
 
 log = logging.getLogger(__name__)
-
-
-class SessionOptions:
-    """Which EPs a session uses, and what it does when one fails.
-
-    `ep_failure_policy`: "raise" (a failed call raises its typed error), "retry" (wait for the worker's
-    restart, compile again, run the failed partition once more) or "fallback" (run the failed partition on the
-    CPU fallback; once the EP is marked failed, its partitions run there from then on). `compute_timeout_s`:
-    the deadline of every Compute (a worker past it is ended, then the policy applies); None: the EP's call
-    deadline; 0: no deadline. `fallback`: what runs the nodes no EP takes (and failed partitions under "fallback"):
-    "onnxruntime" (ONNX Runtime's CPU EP in process, the reference evaluator for what it cannot run; the
-    default where onnxruntime is installed), "reference" (ONNX's reference evaluator only) or None (a node no
-    EP takes fails the session's creation). `enable_profiling` / `profile_file_prefix`: as ORT's (see
-    InferenceSession.end_profiling)."""
-
-    def __init__(self):
-        self._providers: list[tuple[list[EpDevice], dict[str, str]]] = []
-        self.ep_failure_policy = "raise"
-        self.compute_timeout_s: float | None = None
-        self.fallback: str | None = default_fallback()
-        # Keep each partition's compiled form (where its EP makes one) in this process, so that a restarted
-        # worker restores the partition instead of compiling it. Costs the forms' memory; ep.context_enable=1
-        # implies it.
-        self.keep_compiled = False
-        self._config: dict[str, str] = {}
-        # ORT's profiling options: a Chrome trace of every run, written by session.end_profiling().
-        self.enable_profiling = False
-        self.profile_file_prefix = "onnxruntime_profile_"
-
-    def add_session_config_entry(self, key: str, value: str) -> None:
-        """A session config entry, by ONNX Runtime's names. ephost acts on `ep.context_enable` (1: write the
-        model with each partition an EP compiled as an EPContext node, after compiling),
-        `ep.context_file_path` (where; default MODEL_ctx.onnx beside the model) and `ep.context_embed_mode`
-        (1: the compiled forms inside the model; 0, the default: each in a file beside it)."""
-        self._config[str(key)] = str(value)
-
-    def get_session_config_entry(self, key: str) -> str:
-        if key not in self._config:
-            raise EpInvalidArgument(f"no session config entry {key!r}")
-        return self._config[key]
-
-    @property
-    def session_config(self) -> dict[str, str]:
-        return dict(self._config)
-
-    def add_provider_for_devices(self, ep_devices: Sequence[EpDevice],
-                                 provider_options: Mapping[str, str] | None = None) -> None:
-        """Use the EP of these devices; EPs are tried in the order they were added. As in ONNX Runtime, all
-        the devices must belong to one EP."""
-        devices = list(ep_devices)
-        if not devices:
-            raise EpInvalidArgument("add_provider_for_devices needs at least one device")
-        if len({d.registration_name for d in devices}) != 1:
-            raise EpInvalidArgument("all devices given to add_provider_for_devices must belong to one EP")
-        self._providers.append((devices, {str(k): str(v) for k, v in (provider_options or {}).items()}))
-
-    @property
-    def providers(self) -> list[tuple[list[EpDevice], dict[str, str]]]:
-        return list(self._providers)
 
 
 @dataclass(frozen=True)
