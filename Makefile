@@ -4,18 +4,19 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PROTOS := $(wildcard protos/ephost/v1/*.proto)
 
-.PHONY: run test fuzz conformance bench proto clean
+.PHONY: run test fuzz conformance compat bench proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# One stamp per set of extras, rebuilt when the project's metadata changes.
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+# One stamp per set of extras, rebuilt when the project's metadata or its compiled part (ephost/ort's plugin library,
+# built by setup.py as the package installs) changes.
+$(VENV)/.installed-test: pyproject.toml setup.py ephost/ort/shim.c | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,openvino]'
 	touch $@
 
-$(VENV)/.installed-run: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-run: pyproject.toml setup.py ephost/ort/shim.c | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[openvino]'
 	touch $@
 
@@ -37,6 +38,13 @@ fuzz: $(VENV)/.installed-test
 conformance: $(VENV)/.installed-test
 	EPHOST_NODE_CASES=all $(BIN)/python -m pytest -q -s tests/test_conformance.py tests/test_ort_bridge_conformance.py
 
+# The ORT bridge on every ONNX Runtime release of the matrix (tests/ort_releases.py), each in its own environment
+# under .compat/ (`make test` runs a part of it on one older release). Releases can be named:
+# make compat COMPAT_ORT="1.24.4 1.31.1"
+COMPAT_ORT ?=
+compat: $(VENV)/.installed-test
+	$(BIN)/python tests/ort_releases.py $(COMPAT_ORT)
+
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench
 
@@ -44,4 +52,4 @@ proto: $(VENV)/.installed-test
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .compat build *.egg-info ephost/ort/*.so

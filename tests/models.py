@@ -5,11 +5,12 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = [helper.make_opsetid("", 18)]
+IR_VERSION = 10  # what every ONNX Runtime release ephost serves reads (1.24 reads up to 13)
 
 
 def model(nodes, inputs, outputs, initializers=(), opset=OPSET):
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
-    return helper.make_model(graph, opset_imports=opset)
+    return helper.make_model(graph, opset_imports=opset, ir_version=IR_VERSION)
 
 
 def tensor(name, shape, elem=TensorProto.FLOAT):

@@ -54,28 +54,60 @@ def owners(session: ort.InferenceSession) -> dict[str, str]:
     return {n.name: s.ep_name for s in session.get_provider_graph_assignment_info() for n in s.get_nodes()}
 
 
-def test_library_path_is_a_shim_built_with_the_system_compiler():
+def test_library_path_is_the_library_built_at_install():
     path = ephost.ort.library_path()
-    assert os.path.isfile(path) and f"ort{ort.__version__}" in path
+    assert path == str(build.LIBRARY) and os.path.isfile(path)
     lib = ctypes.CDLL(path)
     assert lib.CreateEpFactories and lib.ReleaseEpFactory and lib.ephost_ort_set_callbacks
+    assert (ctypes.c_char * 17).in_dll(lib, "ephost_shim_digest").value.decode() == build.source_digest()
 
 
-def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
-    monkeypatch.setenv("EPHOST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it
-    monkeypatch.delenv("CC", raising=False)
-    with pytest.raises(EpFailedPrecondition, match="none of cc, gcc, clang is on PATH"):
-        build.built_library(ort.__version__)
-    monkeypatch.setenv("CC", "no-such-cc")
-    with pytest.raises(EpFailedPrecondition, match="no-such-cc"):
-        build.built_library(ort.__version__)
+def test_a_library_older_than_its_source_is_refused(tmp_path, monkeypatch):
+    changed = tmp_path / "shim.c"
+    changed.write_text(build.SOURCE.read_text() + "/* changed */\n")
+    monkeypatch.setattr(build, "SOURCE", changed)
+    with pytest.raises(EpFailedPrecondition, match="built from another shim.c.*pip install -e"):
+        build.built_library()
 
 
-def test_an_unchecked_onnx_runtime_is_refused():
-    with pytest.raises(EpFailedPrecondition, match=r"checked against ONNX Runtime 1\.32\.0, not 1\.31\.1"):
-        abi.check_version("1.31.1")
-    abi.check_version(ort.__version__)
+def test_releases_below_the_floor_are_refused_and_every_later_one_is_served():
+    with pytest.raises(EpFailedPrecondition, match=r"needs ONNX Runtime 1\.24 or newer.*runs 1\.23\.2"):
+        abi.check_version("1.23.2")
+    with pytest.raises(EpFailedPrecondition, match="does not know ONNX Runtime version '2.0.0'"):
+        abi.check_version("2.0.0")
+    assert [abi.check_version(v) for v in ("1.24.1", "1.30.0", "1.40.0-dev")] == [24, 30, 40]
+    assert abi.check_version(ort.__version__) == int(ort.__version__.split(".")[1])
+
+
+def test_an_entry_newer_than_the_running_onnx_runtime_is_never_called(npu):
+    """The tables as an older ORT would have them: an OrtEpApi entry of 1.25 is absent under 1.24, and calling it is
+    a typed error naming both versions, not a jump through a slot that older release does not have."""
+    from ephost.ort.library import loaded_library
+    (copy,) = [c for c in loaded_library().copies() if c.abi.version == ort.__version__]
+    running = copy.abi
+    address = running.api.GetEpApi()
+    older = abi.FunctionTable("OrtEpApi", address, abi.EP_API, abi.EP_API_ENDS, 24, "1.24.4")
+    assert older.has("CreateEpDevice") and not older.has("ProfilingEventsContainer_AddEvents")
+    with pytest.raises(EpFailedPrecondition, match=r"OrtEpApi::CreateProfilingEvent needs ONNX Runtime 1\.25 or "
+                                                   r"newer; this process runs 1\.24\.4"):
+        older.CreateProfilingEvent(0, 0, 0, b"", 0, 0, None, None, 0, None)
+    assert running.ep_api.has("ProfilingEventsContainer_AddEvents")
+
+
+def test_structs_claim_what_both_sides_know_and_leave_newer_members_null():
+    """An OrtEp filled for ORT 1.24 claims 24 and leaves 1.25's members NULL; for a release past ephost's newest
+    layout it claims that layout (ORT then reads no member ephost does not know), with spare zeroed slots after."""
+    from ephost.ort.callbacks import fill
+    for version, claimed in (("1.24.4", 24), ("1.27.0", 27), ("1.40.0", abi.LAYOUT)):
+        table = abi.OrtAbi(version, abi.minor_of(version), None, None)
+        struct = abi.OrtEp()
+        fill(struct, abi.EP, table, {"GetName": lambda this: None, "IsConcurrentRunSupported": lambda this, out: None,
+                                     "Sync": lambda this: None})
+        assert struct.ort_version_supported == claimed
+        assert bool(struct.GetName) and bool(struct.IsConcurrentRunSupported)
+        assert bool(struct.Sync) == (claimed >= 25)
+        assert list(struct._spare) == [None] * abi.SPARE
+    assert ctypes.sizeof(abi.OrtEp) == ctypes.sizeof(ctypes.c_void_p) * (1 + len(abi.EP.members) + abi.SPARE)
 
 
 def test_register_refuses_a_taken_name_and_a_bad_target_leaves_nothing(npu):
@@ -581,8 +613,8 @@ def test_a_get_capability_failure_leaves_the_nodes_to_ort_cpu(caplog):
 
 
 def test_the_library_loaded_without_ephost_fails_with_a_status_not_a_crash(tmp_path):
-    """What a C++ or C# application would see: ORT loads the shim, and with no Python behind it
-    CreateEpFactories returns an error status naming what to do."""
+    """A Python application that registers the library with ORT itself, naming nothing for it: CreateEpFactories
+    returns an error status naming what to do (register the name, or give it a target in EPHOST_CONFIG)."""
     path = ephost.ort.library_path()
     code = f"""
 import onnxruntime as ort
@@ -591,6 +623,8 @@ try:
 except Exception as e:
     print("refused:", e)
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "EPHOST_CONFIG"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "register this library with ephost.ort.register()" in done.stdout
+    assert "'alone' is not registered with ephost.ort: in Python, call ephost.ort.register('alone'" in done.stdout
+    assert "set EPHOST_CONFIG to a TOML file with a [registrations.alone] table" in done.stdout

@@ -7,21 +7,24 @@ session runs the nodes they take in an ephost worker (a vendor EP out of process
     options = ort.SessionOptions(); options.add_provider_for_devices(devices, {})
     session = ort.InferenceSession("model.onnx", options)
 
-The library ORT loads is a C shim (shim.c) built on first use with the system C compiler; every EP function is
-Python (ctypes) behind it, so it serves Python applications only (README: "ONNX Runtime applications").
+The library ORT loads is a C shim (shim.c, compiled when ephost is installed); every EP function is Python (ctypes)
+behind it. A C, C++ or C# application registers `library_path()` with ORT itself and names each registration's
+target in the TOML file EPHOST_CONFIG points to: the shim starts Python in that process (docs/ort-bridge.md).
 """
 from __future__ import annotations
 
 from typing import Mapping
 
 from ephost.client.environment import Environment
-from ephost.errors import EpNotFound
-from ephost.ort.abi import CHECKED_VERSIONS, check_version
+from ephost.errors import EpError, EpFailedPrecondition, EpNotFound
+from ephost.ort.abi import FLOOR, check_version
 from ephost.ort.build import built_library
-from ephost.ort.library import Binding, loaded_library
+from ephost.ort.library import loaded_library
 from ephost.ort.stats import BridgeStats
 
-__all__ = ["library_path", "register", "unregister", "stats", "environment", "BridgeStats", "CHECKED_VERSIONS"]
+__all__ = ["library_path", "register", "unregister", "stats", "environment", "BridgeStats", "MINIMUM_ONNXRUNTIME"]
+
+MINIMUM_ONNXRUNTIME = ".".join(map(str, FLOOR))  # the oldest ONNX Runtime release ephost.ort serves
 
 
 def _ort():
@@ -31,8 +34,9 @@ def _ort():
 
 
 def library_path() -> str:
-    """The path of the plugin EP library ORT loads (the shim, built on first use into a per-version cache)."""
-    return str(built_library(_ort().__version__))
+    """The path of the plugin EP library ORT loads (built when ephost was installed). A C, C++ or C# application
+    registers this path with RegisterExecutionProviderLibrary; its names' targets come from EPHOST_CONFIG."""
+    return str(built_library())
 
 
 def register(ort_name: str, target: str, options: Mapping[str, str] | None = None) -> None:
@@ -41,36 +45,53 @@ def register(ort_name: str, target: str, options: Mapping[str, str] | None = Non
     `target` and `options` are those of `ephost.Environment.register_execution_provider_library`: an EP name to
     launch a worker for ("onnxruntime", "reference", ...), a path to an ORT plugin EP library, or a worker's
     address; options go to the EP, except the supervision options (restart, crash_limit, timeout_s, ...).
-    The devices ORT then lists under `ort_name` are the worker's; the EP's name in ORT is `ort_name`."""
+    The devices ORT then lists under `ort_name` are the worker's; the EP's name in ORT is `ort_name`. Another copy
+    of ORT in the process (onnxruntime-genai's) registers `library_path()` under the same name itself."""
     ort = _ort()
-    lib = loaded_library(ort.__version__)
-    binding = Binding(ort_name, target, {str(k): str(v) for k, v in (options or {}).items()})
-    lib.add(binding)
+    lib = loaded_library()
+    lib.bind(ort_name, target, {str(k): str(v) for k, v in (options or {}).items()})
     try:
-        binding.environment = Environment()
-        binding.environment.register_execution_provider_library(ort_name, target, binding.options)
         ort.register_execution_provider_library(ort_name, str(lib.path))
     except BaseException:
-        lib.remove(ort_name)
-        binding.close()
+        lib.unbind(ort_name)
         raise
 
 
 def unregister(ort_name: str) -> None:
-    """Unregister from ORT (no session using the EP may remain) and end the worker."""
+    """Unregister the name from every copy of ORT in the process that registered it (the onnxruntime module's,
+    onnxruntime-genai's: no session of theirs using the EP may remain), then end the worker. A copy that refuses is
+    named in the EpFailedPrecondition raised; the worker ends all the same."""
     ort = _ort()
-    lib = loaded_library(ort.__version__)
-    binding = _binding(ort_name)
+    lib = loaded_library()
+    _binding(ort_name)
+    failures = []
+    module = _module_origin(ort)
+    for copy in lib.holding(ort_name):
+        if copy.abi.origin and copy.abi.origin != module:
+            try:
+                copy.unregister(ort_name)
+            except EpError as e:
+                failures.append(f"{copy.abi.describe()}: {e}")
     try:
         ort.unregister_execution_provider_library(ort_name)
+    except Exception as e:  # noqa: BLE001 - ORT's own exception type, named with the copy below
+        failures.append(f"ONNX Runtime {ort.__version__} (the onnxruntime module, {module}): {e}")
     finally:
-        lib.remove(ort_name)
-        binding.close()
+        lib.unbind(ort_name)
+    if failures:
+        raise EpFailedPrecondition(f"unregistering {ort_name!r} failed in " + "; in ".join(failures))
 
+
+def _module_origin(ort) -> str:
+    """The shared object of the onnxruntime module's own copy of ORT."""
+    import os
+    from onnxruntime.capi import onnxruntime_pybind11_state
+    return os.path.realpath(onnxruntime_pybind11_state.__file__)
 
 
 def _binding(ort_name: str) -> Binding:
-    binding = loaded_library(_ort().__version__).binding(ort_name)
+    _ort()
+    binding = loaded_library().binding(ort_name)
     if binding is None:
         raise EpNotFound(f"{ort_name!r} is not registered with ephost.ort")
     return binding

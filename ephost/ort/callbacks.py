@@ -41,11 +41,14 @@ def owner_of(address: int) -> object | None:
         return _live.get(address)
 
 
-def fill(struct: Structure, functions: dict[str, type], methods: dict[str, Callable]) -> None:
-    """Set the struct's version and the function pointers `methods` names (others stay NULL)."""
-    struct.ort_version_supported = A.STRUCT_VERSION
+def fill(struct: Structure, layout: A.Layout, abi: A.OrtAbi, methods: dict[str, Callable]) -> None:
+    """Set the struct's version (what both ephost and this ORT know of its layout) and the function pointers
+    `methods` names that this ORT reads; every other member stays NULL."""
+    version = abi.claims(layout)
+    struct.ort_version_supported = version
     for name, fn in methods.items():
-        setattr(struct, name, functions[name](fn))
+        if layout.since(name) <= version:
+            setattr(struct, name, layout.type_of(name)(fn))
 
 
 def set_null_function(address: int) -> None:
@@ -64,6 +67,8 @@ def neuter_all() -> None:
         if struct is None:
             continue
         for name, ftype in struct._fields_[1:]:
+            if name.startswith("_"):  # spare slots: NULL already
+                continue
             ctypes.c_void_p.from_address(address + getattr(type(struct), name).offset).value = _null_function
 
 

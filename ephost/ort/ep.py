@@ -39,10 +39,11 @@ class BridgeEp:
         self.guard = Guard(self.abi, self.name)
         self.reader = GraphReader(self.abi)
         self._strings = Strings()
-        self.fusion_options = A.OrtNodeFusionOptions(A.STRUCT_VERSION, True)  # initializers stay in the worker
+        # initializers stay in the worker
+        self.fusion_options = A.OrtNodeFusionOptions(min(self.abi.minor, A.FUSION_OPTIONS_VERSION), True)
         self._capability = None  # (ReadGraph, GraphIndex, value types) of the last top-level GetCapability
         self.struct = A.OrtEp()
-        fill(self.struct, A.EP_FUNCTIONS, {
+        fill(self.struct, A.EP, self.abi, {
             "GetName": lambda this: self.guard.quiet("GetName", lambda: self._strings(self.name)),
             "GetCapability": lambda this, graph, info: self.guard.status(
                 "GetCapability", lambda: self.get_capability(graph, info)),
@@ -183,7 +184,7 @@ class BridgeComputeInfo:
         guard = ep.guard
         self._what = f"Compute of {graph.name}"
         self.struct = A.OrtNodeComputeInfo()
-        fill(self.struct, A.COMPUTE_INFO_FUNCTIONS, {
+        fill(self.struct, A.COMPUTE_INFO, self.abi, {
             "CreateState": lambda this, context, state: guard.status("CreateState", lambda: self._state(state)),
             "Compute": self._on_compute,
             "ReleaseState": lambda this, state: None,

@@ -46,7 +46,7 @@ class BridgeFactory:
         # (the worker's factory read through the registration every call: none is kept past release)
         text = lambda what, fn: lambda this: self.guard.quiet(what, lambda: self._strings(fn()))  # noqa: E731
         self.struct = A.OrtEpFactory()
-        fill(self.struct, A.FACTORY_FUNCTIONS, {
+        fill(self.struct, A.FACTORY, abi, {
             "GetName": text("GetName", lambda: self.name),
             "GetVendor": text("GetVendor", lambda: self.registration.factory.get_vendor()),
             "GetVersion": text("GetVersion", lambda: self.registration.factory.get_version()),

@@ -1,5 +1,5 @@
-"""The ORT registration names ephost serves, and the two entry points of the shim ORT calls for them
-(CreateEpFactories, ReleaseEpFactory), set from Python when the shim is first loaded."""
+"""The ORT registration names ephost serves, the copies of ONNX Runtime that call it, and the two entry points of
+the shim ORT calls (CreateEpFactories, ReleaseEpFactory), set from Python when the shim is first loaded."""
 from __future__ import annotations
 
 import atexit
@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ephost.client.environment import Environment
-from ephost.errors import EpAlreadyExists, EpNotFound
+from ephost.errors import EpAlreadyExists, EpError, EpFailedPrecondition, EpNotFound
 from ephost.ort import abi as A
-from ephost.ort import callbacks
+from ephost.ort import callbacks, config
 from ephost.ort.build import built_library
 from ephost.ort.factory import BridgeFactory
 from ephost.ort.kernel_io import KernelIO
@@ -34,14 +34,43 @@ class Binding:
     environment: Environment | None = None
     factories: list = field(default_factory=list)
     stats: BridgeStats = field(default_factory=BridgeStats)  # shared by the factories ORT makes for this name
+    # made for ORT from EPHOST_CONFIG: it ends as ORT releases its last factory (ORT's unregister is its end)
+    from_config: bool = False
 
     @property
     def registration(self):
         return self.environment.registration(self.ort_name)
 
+    def start(self) -> None:
+        """Launch or connect to the worker."""
+        self.environment = Environment()
+        self.environment.register_execution_provider_library(self.ort_name, self.target, self.options)
+
     def close(self) -> None:
         if self.environment is not None:
             self.environment.close()
+
+
+@dataclass(eq=False)
+class OrtCopy:
+    """One copy of ONNX Runtime that loaded the shim (a process may hold several: the onnxruntime module's and
+    onnxruntime-genai's, even of different versions): its own function tables, and Compute's reads and writes
+    through them."""
+
+    abi: A.OrtAbi
+    kernel_io: KernelIO
+
+    def unregister(self, ort_name: str) -> None:
+        """ORT's UnregisterExecutionProviderLibrary in this copy, through its OrtEnv (a process-wide singleton in
+        each copy: CreateEnv hands back the one that exists, ReleaseEnv gives it back)."""
+        api = self.abi.api
+        env = c_void_p()
+        self.abi.check(api.CreateEnv(3, b"ephost", ctypes.byref(env)), "CreateEnv")  # 3: ORT_LOGGING_LEVEL_ERROR
+        try:
+            self.abi.check(api.UnregisterExecutionProviderLibrary(env, ort_name.encode()),
+                           "UnregisterExecutionProviderLibrary")
+        finally:
+            api.ReleaseEnv(env)
 
 
 class Library:
@@ -51,10 +80,9 @@ class Library:
         self.path = path
         self._cdll = ctypes.CDLL(str(path))
         self._bindings: dict[str, Binding] = {}
-        self._lock = threading.Lock()
-        self._abi: A.OrtAbi | None = None
-        self._kernel_io: KernelIO | None = None
-        self._pools: PoolFunctions | None = None
+        self._copies: dict[int, OrtCopy] = {}  # OrtApiBase* -> that copy of ORT
+        self._lock = threading.Lock()  # guards _bindings and _copies
+        self._pools = PoolFunctions(self._cdll)
         self._create = A.CreateEpFactoriesFn(self._create_factories)
         self._release = A.ReleaseEpFactoryFn(self._release_factory)
         self._cdll.ephost_ort_set_callbacks.argtypes = [c_void_p, c_void_p]
@@ -64,37 +92,73 @@ class Library:
 
     # --- bindings ---
 
-    def add(self, binding: Binding) -> None:
+    def bind(self, ort_name: str, target: str, options: dict[str, str], from_config: bool = False) -> Binding:
+        """Bind the name to its target, the worker started; EpAlreadyExists where the name is bound."""
+        binding = Binding(ort_name, target, options, from_config=from_config)
         with self._lock:
-            if binding.ort_name in self._bindings:
-                raise EpAlreadyExists(f"{binding.ort_name!r} is already registered with ephost.ort")
-            self._bindings[binding.ort_name] = binding
+            if ort_name in self._bindings:
+                raise EpAlreadyExists(f"{ort_name!r} is already registered with ephost.ort")
+            self._bindings[ort_name] = binding
+        try:
+            binding.start()
+        except BaseException:
+            self.unbind(ort_name)
+            raise
+        return binding
 
-    def remove(self, ort_name: str) -> Binding:
+    def unbind(self, ort_name: str) -> Binding:
+        """Let go of the name and end its worker."""
         with self._lock:
             binding = self._bindings.pop(ort_name, None)
         if binding is None:
             raise EpNotFound(f"{ort_name!r} is not registered with ephost.ort")
+        binding.close()
         return binding
 
     def binding(self, ort_name: str) -> Binding | None:
         with self._lock:
             return self._bindings.get(ort_name)
 
+    def _configured(self, ort_name: str) -> Binding:
+        """The binding EPHOST_CONFIG makes for a name ORT asks for that register did not bind."""
+        wanted = config.registration(ort_name)
+        try:
+            return self.bind(ort_name, wanted.target, wanted.options, from_config=True)
+        except EpAlreadyExists:  # another copy of ORT asked for it first
+            return self.binding(ort_name) or self._configured(ort_name)
+
+    # --- the copies of ORT ---
+
+    def copy_of(self, api_base: int) -> OrtCopy:
+        """The copy of ORT whose OrtApiBase this is, its tables loaded and checked the first time it calls."""
+        with self._lock:
+            copy = self._copies.get(api_base)
+        if copy is None:
+            abi = A.OrtAbi.load(api_base)
+            made = OrtCopy(abi, KernelIO(abi, self._cdll))
+            with self._lock:
+                copy = self._copies.setdefault(api_base, made)
+        return copy
+
+    def copies(self) -> list[OrtCopy]:
+        with self._lock:
+            return list(self._copies.values())
+
+    def holding(self, ort_name: str) -> list[OrtCopy]:
+        """The copies of ORT that hold a factory of this name (it is registered in them)."""
+        binding = self.binding(ort_name)
+        abis = {id(f.abi) for f in binding.factories} if binding is not None else set()
+        return [c for c in self.copies() if id(c.abi) in abis]
+
     # --- what ORT calls ---
 
     def _create_factories(self, name, api_base, logger, factories, max_factories, num_factories):
         num_factories[0] = 0
         try:
-            if self._abi is None:
-                self._abi = A.OrtAbi.load(api_base)
-                self._kernel_io = KernelIO(self._abi, self._cdll)
-                self._pools = PoolFunctions(self._cdll)
-            binding = self.binding((name or b"").decode())
-            if binding is None:
-                raise EpNotFound(f"{name.decode()!r} was registered with ONNX Runtime directly; register it with "
-                                 "ephost.ort.register(name, target) instead")
-            factory = BridgeFactory(binding, self._abi, self._kernel_io, self._pools)
+            copy = self.copy_of(api_base)
+            ort_name = (name or b"").decode()
+            binding = self.binding(ort_name) or self._configured(ort_name)
+            factory = BridgeFactory(binding, copy.abi, copy.kernel_io, self._pools)
             binding.factories.append(factory)
             factories[0] = factory.address
             num_factories[0] = 1
@@ -107,7 +171,13 @@ class Library:
         owner = callbacks.owner_of(address)
         if owner is not None:
             owner.release()
-            owner.binding.factories.remove(owner)
+            binding = owner.binding
+            binding.factories.remove(owner)
+            if binding.from_config and not binding.factories and self.binding(binding.ort_name) is binding:
+                try:  # ORT unregistered the name in every copy: its worker ends
+                    self.unbind(binding.ort_name)
+                except EpError as e:
+                    log.debug("ending %r: %s", binding.ort_name, e)
         return None
 
     def shutdown(self) -> None:
@@ -136,13 +206,17 @@ def _raw_status(api_base: int, message: str) -> int | None:
 
 
 _library: Library | None = None
-_library_lock = threading.Lock()
+_library_lock = threading.Lock()  # guards _library
 
 
-def loaded_library(ort_version: str) -> Library:
-    """The shim, loaded once per process (built first where needed)."""
+def loaded_library(path: Path | None = None) -> Library:
+    """The shim, loaded once per process: the installed library, or the file at `path` (what ORT loaded, in a host
+    that registered it with ORT first)."""
     global _library
     with _library_lock:
         if _library is None:
-            _library = Library(built_library(ort_version))
+            _library = Library(path or built_library())
+        elif path is not None and Path(path).resolve() != Path(_library.path).resolve():
+            raise EpFailedPrecondition(f"ephost.ort's library is loaded from {_library.path}; ONNX Runtime loaded "
+                                       f"another copy of it, from {path}: register one path")
         return _library

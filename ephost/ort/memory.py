@@ -72,12 +72,12 @@ class BridgeMemory:
         self._pools = pools
         self._worker = self._current_worker()  # whose memory the pool's blocks are in
         # Python's Alloc and Free, for what the pool does not hold (kept alive here: the pool calls them)
-        self._python = (A.ALLOCATOR_FUNCTIONS["Alloc"](
+        self._python = (A.ALLOCATOR.type_of("Alloc")(
                             lambda this, nbytes: self.guard.quiet("Alloc", lambda: self.alloc(nbytes), 0)),
-                        A.ALLOCATOR_FUNCTIONS["Free"](lambda this, p: self.guard.quiet("Free", lambda: self.free(p))))
+                        A.ALLOCATOR.type_of("Free")(lambda this, p: self.guard.quiet("Free", lambda: self.free(p))))
         self.pool = pools.new(*self._python, self.IDLE_BYTES)
         self.struct = A.OrtAllocator.from_address(self.pool)  # the pool's first member
-        fill(self.struct, A.ALLOCATOR_FUNCTIONS, {
+        fill(self.struct, A.ALLOCATOR, abi, {
             "Alloc": pools.alloc,
             "Free": pools.free,
             "Info": lambda this: self.info,

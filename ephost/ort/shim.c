@@ -1,15 +1,34 @@
 /* SPDX-License-Identifier: MIT
  * ephost's ONNX Runtime plugin EP library: the two symbols ORT looks up, forwarded to functions that
- * ephost.ort sets from Python (ctypes) before it registers this library. All EP logic is in Python; below them,
- * the two reads and writes of a kernel context that Compute makes every run, done here in one call each, and the
- * common case of the bridged device's allocator.
- * Until they are set (or after they are cleared at interpreter exit) CreateEpFactories fails with a status
- * and ReleaseEpFactory does nothing. */
+ * ephost.ort sets from Python (ctypes). All EP logic is in Python; below them, the two reads and writes of a kernel
+ * context that Compute makes every run, done here in one call each, and the common case of the bridged device's
+ * allocator.
+ * In a Python application ephost.ort.register sets them before it registers this library. In a host without
+ * Python (a C, C++ or C# application), or one that registered the library with ORT directly, the first
+ * CreateEpFactories starts Python here (the libpython this library was built against, embedded) or takes the
+ * host's, and has ephost.ort.host set them: the registration name's target then comes from the TOML file that
+ * $EPHOST_CONFIG names. Where that fails, CreateEpFactories returns an error status saying why. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* types and signatures only: every Python function is looked up at run time (dlsym) */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#ifndef EPHOST_PYTHON_LIBRARY
+#define EPHOST_PYTHON_LIBRARY "" /* set by setup.py: the shared libpython of the Python that built this library */
+#endif
+#ifndef EPHOST_SHIM_DIGEST
+#define EPHOST_SHIM_DIGEST "" /* set by setup.py: this file's SHA-256 (ephost/ort/build.py checks it) */
+#endif
+
+EXPORT const char ephost_shim_digest[] = EPHOST_SHIM_DIGEST;
+EXPORT const char ephost_python_library[] = EPHOST_PYTHON_LIBRARY;
 
 typedef void *(*create_fn)(const char *name, const void *api_base, const void *logger, void **factories,
                            size_t max_factories, size_t *num_factories);
@@ -20,24 +39,188 @@ typedef void *(*create_status_fn)(int code, const char *msg); /* OrtApi index 0 
 static volatile create_fn g_create;
 static volatile release_fn g_release;
 
-void ephost_ort_set_callbacks(create_fn create, release_fn release) { g_create = create; g_release = release; }
+EXPORT void ephost_ort_set_callbacks(create_fn create, release_fn release) { g_create = create; g_release = release; }
 
-void *CreateEpFactories(const char *name, const void *api_base, const void *logger, void **factories,
-                        size_t max_factories, size_t *num_factories) {
-  create_fn create = g_create;
-  if (create) return create(name, api_base, logger, factories, max_factories, num_factories);
-  *num_factories = 0;
+static void *fail(const void *api_base, const char *message) {
   const create_status_fn *api = (const create_status_fn *)((const api_base_t *)api_base)->GetApi(1);
-  return api ? api[0](1 /* ORT_FAIL */, "ephost.ort: register this library with ephost.ort.register()") : 0;
+  return api ? api[0](1 /* ORT_FAIL */, message) : 0;
 }
 
-void *ReleaseEpFactory(void *factory) {
+/* --- Python, where the host has none: embedded, started once ---------------------------------------------- */
+
+static pthread_mutex_t g_python_lock = PTHREAD_MUTEX_INITIALIZER; /* guards starting Python and ephost.ort.host */
+static char g_why[2048];                                          /* why the start failed, for ORT's status */
+static int g_embedded;                                             /* this library started Python */
+static int g_stop_at_exit;                                         /* on_exit_stop is registered */
+
+typedef struct {
+  int (*IsInitialized)(void);
+  void (*InitPythonConfig)(PyConfig *);
+  PyStatus (*SetBytesString)(PyConfig *, wchar_t **, const char *);
+  PyStatus (*InitializeFromConfig)(const PyConfig *);
+  void (*ConfigClear)(PyConfig *);
+  int (*StatusException)(PyStatus);
+  PyThreadState *(*SaveThread)(void);
+  PyGILState_STATE (*GILEnsure)(void);
+  void (*GILRelease)(PyGILState_STATE);
+  PyObject *(*Import)(const char *);
+  PyObject *(*CallMethod)(PyObject *, const char *, const char *, ...);
+  const char *(*AsUTF8)(PyObject *);
+  void (*DecRef)(PyObject *);
+  void (*ErrPrint)(void);
+} python_t;
+
+static python_t py;
+
+static int look_up(void *lib) {
+#define FIND(field, name) if (!(*(void **)&py.field = dlsym(lib, name))) return 0
+  FIND(IsInitialized, "Py_IsInitialized"); FIND(InitPythonConfig, "PyConfig_InitPythonConfig");
+  FIND(SetBytesString, "PyConfig_SetBytesString"); FIND(InitializeFromConfig, "Py_InitializeFromConfig");
+  FIND(ConfigClear, "PyConfig_Clear"); FIND(StatusException, "PyStatus_Exception");
+  FIND(SaveThread, "PyEval_SaveThread"); FIND(GILEnsure, "PyGILState_Ensure");
+  FIND(GILRelease, "PyGILState_Release"); FIND(Import, "PyImport_ImportModule");
+  FIND(CallMethod, "PyObject_CallMethod"); FIND(AsUTF8, "PyUnicode_AsUTF8"); FIND(DecRef, "Py_DecRef");
+  FIND(ErrPrint, "PyErr_Print");
+#undef FIND
+  return 1;
+}
+
+/* The directory of this library's file. */
+static int own_directory(char *out, size_t room) {
+  Dl_info info;
+  if (!dladdr((void *)&ephost_ort_set_callbacks, &info) || !info.dli_fname) return 0;
+  char *real = realpath(info.dli_fname, 0);
+  if (!real) return 0;
+  char *slash = strrchr(real, '/');
+  if (slash) *slash = 0;
+  snprintf(out, room, "%s", real);
+  free(real);
+  return 1;
+}
+
+/* The interpreter whose environment holds this library: $EPHOST_PYTHON, else the bin/python of the virtual
+ * environment above this file (its pyvenv.cfg), else none (the libpython's own prefix). */
+static int interpreter(char *out, size_t room) {
+  const char *explicit = getenv("EPHOST_PYTHON");
+  if (explicit && *explicit) {
+    snprintf(out, room, "%s", explicit);
+    return 1;
+  }
+  char dir[3072], probe[3200];
+  if (!own_directory(dir, sizeof dir)) return 0;
+  for (char *slash; (slash = strrchr(dir, '/')) && slash != dir; *slash = 0) {
+    snprintf(probe, sizeof probe, "%s/pyvenv.cfg", dir);
+    if (access(probe, R_OK) == 0) {
+      snprintf(out, room, "%s/bin/python3", dir);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+static void on_exit_stop(void) {
+  PyGILState_STATE state = py.GILEnsure();
+  PyObject *host = py.Import("ephost.ort.host");
+  if (host) {
+    PyObject *done = py.CallMethod(host, "stop", 0);
+    if (done) py.DecRef(done);
+    py.DecRef(host);
+  }
+  if (!host) py.ErrPrint();
+  py.GILRelease(state);
+}
+
+/* Python running in this process with ephost.ort's callbacks set; else 0, g_why saying why. */
+static int start_python(void) {
+  if (!py.IsInitialized) {
+    void *lib = RTLD_DEFAULT;
+    if (!dlsym(lib, "Py_IsInitialized")) { /* no Python in the host: embed the one this library was built for */
+      const char *path = getenv("EPHOST_PYTHON_LIBRARY");
+      if (!path || !*path) path = ephost_python_library;
+      if (!*path) {
+        snprintf(g_why, sizeof g_why, "ephost.ort: this process has no Python, and ephost was built by a Python "
+                 "without a shared libpython to embed; set EPHOST_PYTHON_LIBRARY to one (libpython3.X.so)");
+        return 0;
+      }
+      lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL); /* global: Python's extension modules link against it */
+      if (!lib) {
+        snprintf(g_why, sizeof g_why, "ephost.ort: loading Python (%s) failed: %s", path, dlerror());
+        return 0;
+      }
+    }
+    if (!look_up(lib)) {
+      snprintf(g_why, sizeof g_why, "ephost.ort: the Python in this process lacks %s", dlerror());
+      return 0;
+    }
+  }
+  if (!py.IsInitialized()) {
+    PyConfig config;
+    char executable[4096];
+    py.InitPythonConfig(&config);
+    config.install_signal_handlers = 0; /* the host's signals stay the host's */
+    config.parse_argv = 0;
+    PyStatus status = {0}; /* _PyStatus_TYPE_OK */
+    if (interpreter(executable, sizeof executable))
+      status = py.SetBytesString(&config, &config.executable, executable); /* its venv, and the workers' Python */
+    if (!py.StatusException(status)) status = py.InitializeFromConfig(&config);
+    py.ConfigClear(&config);
+    if (py.StatusException(status)) {
+      snprintf(g_why, sizeof g_why, "ephost.ort: starting Python failed: %s",
+               status.err_msg ? status.err_msg : "(no message)");
+      return 0;
+    }
+    py.SaveThread(); /* the GIL goes to whichever thread of the host calls into ephost next */
+    g_embedded = 1;
+  }
+  char dir[4096], path[4200];
+  if (!own_directory(dir, sizeof dir)) {
+    snprintf(g_why, sizeof g_why, "ephost.ort: the loader cannot say where this library is");
+    return 0;
+  }
+  snprintf(path, sizeof path, "%s/libephost_ort.so", dir);
+  PyGILState_STATE state = py.GILEnsure();
+  PyObject *host = py.Import("ephost.ort.host");
+  PyObject *result = host ? py.CallMethod(host, "start", "s", path) : 0;
+  if (!result) {
+    py.ErrPrint();
+    snprintf(g_why, sizeof g_why, "ephost.ort: importing ephost.ort.host in Python failed (the traceback is on "
+             "stderr): is ephost installed for %s? Set EPHOST_PYTHON to the python of its environment",
+             g_embedded ? "the embedded Python" : "this process's Python");
+  } else {
+    const char *message = py.AsUTF8(result); /* '' where it started, else why not */
+    if (message && *message) snprintf(g_why, sizeof g_why, "%s", message);
+    py.DecRef(result);
+  }
+  if (host) py.DecRef(host);
+  py.GILRelease(state);
+  if (g_create && g_embedded && !g_stop_at_exit) {
+    g_stop_at_exit = 1;
+    atexit(on_exit_stop); /* ends the workers; Python itself is left running (the host's threads may be in it) */
+  }
+  return g_create != 0;
+}
+
+EXPORT void *CreateEpFactories(const char *name, const void *api_base, const void *logger, void **factories,
+                               size_t max_factories, size_t *num_factories) {
+  create_fn create = g_create;
+  if (!create) {
+    pthread_mutex_lock(&g_python_lock);
+    if (!g_create) start_python();
+    create = g_create;
+    pthread_mutex_unlock(&g_python_lock);
+  }
+  if (create) return create(name, api_base, logger, factories, max_factories, num_factories);
+  *num_factories = 0;
+  return fail(api_base, g_why[0] ? g_why : "ephost.ort: Python did not set the library's callbacks");
+}
+
+EXPORT void *ReleaseEpFactory(void *factory) {
   release_fn release = g_release;
   return release ? release(factory) : 0;
 }
 
 /* Put in place of every callback at interpreter exit: returns NULL (success, no object) for any signature. */
-void *ephost_ort_null(void) { return 0; }
+EXPORT void *ephost_ort_null(void) { return 0; }
 
 /* A kernel context's tensors, read and made in one call each way: through ctypes an OrtApi call costs about a
  * microsecond of Python, and one tensor's type, shape and data are six of them. ephost.ort passes the OrtApi
@@ -66,7 +249,7 @@ typedef struct {
 /* The context's inputs into out[0 .. capacity); *count says how many it has. An input ORT gave none for reads as
  * rank -2, one of more than EPHOST_DIMS dimensions as rank -1 (its value set: the caller reads it itself). ORT's
  * status where a call failed, else NULL. */
-void *ephost_ort_inputs(const ephost_kernel_api_t *api, const void *context, ephost_tensor_t *out,
+EXPORT void *ephost_ort_inputs(const ephost_kernel_api_t *api, const void *context, ephost_tensor_t *out,
                         size_t capacity, size_t *count) {
   void *status = api->input_count(context, count);
   if (status) return status;
@@ -98,7 +281,7 @@ void *ephost_ort_inputs(const ephost_kernel_api_t *api, const void *context, eph
 }
 
 /* Output `index` of the context, made with these dimensions: its OrtValue, and where its data lies. */
-void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims,
+EXPORT void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims,
                         size_t rank, void **value, void **data) {
   void *status = api->output(context, index, dims, rank, value);
   return status ? status : api->data(*value, data);
@@ -106,8 +289,8 @@ void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, size_t in
 
 /* Output `index` made with these dimensions and `nbytes` copied into it from src (a steady Compute's output, of
  * the type ORT's was found to have before). */
-void *ephost_ort_put(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims, size_t rank,
-                     const void *src, size_t nbytes) {
+EXPORT void *ephost_ort_put(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims,
+                            size_t rank, const void *src, size_t nbytes) {
   void *value = 0, *data = 0;
   void *status = ephost_ort_output(api, context, index, dims, rank, &value, &data);
   if (!status && nbytes) memcpy(data, src, nbytes);
@@ -122,7 +305,7 @@ void *ephost_ort_put(const ephost_kernel_api_t *api, void *context, size_t index
  * The pool begins with an OrtAllocator (filled from Python), so ORT calls these with the pool itself. */
 #define EPHOST_POOL 64
 enum { SLOT_EMPTY, SLOT_IDLE, SLOT_HANDED };
-const size_t ephost_pool_slots = EPHOST_POOL; /* read by ephost/ort/pool.py: the room ephost_pool_drain fills */
+EXPORT const size_t ephost_pool_slots = EPHOST_POOL; /* read by ephost/ort/pool.py: the room ephost_pool_drain fills */
 
 typedef void *(*pool_alloc_fn)(void *self, size_t size);
 typedef void (*pool_free_fn)(void *self, void *p);
@@ -141,7 +324,7 @@ typedef struct {
 static __thread const ephost_pool_t *g_offered;
 
 /* A pool, never freed: ORT may hold its allocator past the registration (a small object per registration). */
-ephost_pool_t *ephost_pool_new(pool_alloc_fn python_alloc, pool_free_fn python_free, size_t idle_limit) {
+EXPORT ephost_pool_t *ephost_pool_new(pool_alloc_fn python_alloc, pool_free_fn python_free, size_t idle_limit) {
   ephost_pool_t *pool = calloc(1, sizeof *pool);
   if (!pool) return 0;
   pool->python_alloc = python_alloc;
@@ -151,7 +334,7 @@ ephost_pool_t *ephost_pool_new(pool_alloc_fn python_alloc, pool_free_fn python_f
   return pool;
 }
 
-void *ephost_pool_alloc(void *self, size_t size) {
+EXPORT void *ephost_pool_alloc(void *self, size_t size) {
   ephost_pool_t *pool = self;
   if (g_offered != pool) {
     pthread_mutex_lock(&pool->lock);
@@ -169,12 +352,12 @@ void *ephost_pool_alloc(void *self, size_t size) {
   return pool->python_alloc(self, size);
 }
 
-void *ephost_pool_alloc_on_stream(void *self, size_t size, void *stream) {
+EXPORT void *ephost_pool_alloc_on_stream(void *self, size_t size, void *stream) {
   (void)stream;
   return ephost_pool_alloc(self, size);
 }
 
-void ephost_pool_free(void *self, void *p) {
+EXPORT void ephost_pool_free(void *self, void *p) {
   ephost_pool_t *pool = self;
   pthread_mutex_lock(&pool->lock);
   for (int i = 0; i < EPHOST_POOL; i++) {
@@ -196,7 +379,7 @@ void ephost_pool_free(void *self, void *p) {
 /* Python made block p of `size` bytes for an Alloc and lets the pool keep it from its Free on. Where no slot is
  * free, an idle block is let go for it: *evicted says which (Python frees it; NULL: none). 0 where not kept (every
  * slot's block is in use): its Free goes to Python. */
-int ephost_pool_track(void *self, void *p, size_t size, void **evicted) {
+EXPORT int ephost_pool_track(void *self, void *p, size_t size, void **evicted) {
   ephost_pool_t *pool = self;
   int empty = -1, idle = -1;
   *evicted = 0;
@@ -221,7 +404,7 @@ int ephost_pool_track(void *self, void *p, size_t size, void **evicted) {
 
 /* Let go of every block: the idle ones' addresses into idle[] (at most EPHOST_POOL; Python frees them), their
  * count returned; those ORT holds are freed through Python from now on. */
-size_t ephost_pool_drain(void *self, void **idle) {
+EXPORT size_t ephost_pool_drain(void *self, void **idle) {
   ephost_pool_t *pool = self;
   size_t n = 0;
   pthread_mutex_lock(&pool->lock);
@@ -235,7 +418,7 @@ size_t ephost_pool_drain(void *self, void **idle) {
 }
 
 /* The bytes of the blocks the pool holds idle, and (*idle_blocks) how many. */
-size_t ephost_pool_idle_bytes(void *self, size_t *idle_blocks) {
+EXPORT size_t ephost_pool_idle_bytes(void *self, size_t *idle_blocks) {
   ephost_pool_t *pool = self;
   size_t n = 0, bytes;
   pthread_mutex_lock(&pool->lock);
@@ -247,4 +430,4 @@ size_t ephost_pool_idle_bytes(void *self, size_t *idle_blocks) {
 }
 
 /* The next Alloc of `pool` on this thread goes to Python (NULL: none does). */
-void ephost_pool_offer(const ephost_pool_t *pool) { g_offered = pool; }
+EXPORT void ephost_pool_offer(const ephost_pool_t *pool) { g_offered = pool; }
