@@ -8,7 +8,14 @@ alone is given the same arrays with a plain run."""
 from __future__ import annotations
 
 import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
+import onnx
 import onnxruntime as ort
 
 import ephost
@@ -101,5 +108,80 @@ def main(quick: bool = False) -> None:
             print(f"| {label} | {t_alone * 1e6:.1f} µs | {t_bridge * 1e6:.1f} µs | "
                   f"{(t_bridge - t_alone) * 1e6:.1f} µs | {t_bridge / t_alone:.2f}x | {t_own * 1e6:.1f} µs | "
                   f"{copied:,.0f} B | {in_place:.1f} |")
+        tiny_alone, tiny_bridge = rows[0][1], rows[0][2]
+        c = c_host(quick)
+        print("\nThe tiny model from a C application (tests/native/ort_host.c: no Python of its own; through the "
+              "bridge, ephost's library embeds it), median per run, beside the Python application's above\n")
+        print("| application | ORT CPU EP in process | ORT + bridge | overhead per run |")
+        print("|---|---|---|---|")
+        for label, alone, bridged in (("C (Python embedded by the bridge)", c["alone"], c["bridge"]),
+                                      ("Python", tiny_alone, tiny_bridge)):
+            print(f"| {label} | {alone * 1e6:.1f} µs | {bridged * 1e6:.1f} µs | {(bridged - alone) * 1e6:.1f} µs |")
     finally:
         ephost.ort.unregister("bench_bridge")
+
+
+HOST_SOURCE = Path(__file__).resolve().parent.parent / "tests" / "native" / "ort_host.c"
+
+
+class CHost:
+    """tests/native/ort_host.c running one session: an ONNX Runtime application in C, without Python of its own
+    (with ephost's library, the library starts Python in it)."""
+
+    def __init__(self, binary: Path, plugin: str, model: Path, config: Path, inputs: str, outputs: str, shape):
+        env = {**os.environ, "EPHOST_CONFIG": str(config), "EPHOST_PYTHON": sys.executable,
+               "ORT_HOST_CONFIG": ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())}
+        library = next((Path(ort.__file__).parent / "capi").glob("libonnxruntime.so.*"))
+        self.proc = subprocess.Popen([str(binary), str(library), plugin, "bench_c", str(model), inputs, outputs,
+                                      ",".join(map(str, shape))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=model.parent)
+        while not (line := self._line()).startswith("ready"):
+            pass
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline().strip()
+        if not line or line.startswith("fatal"):
+            raise RuntimeError(f"ort_host: {line or 'ended'}")
+        return line
+
+    def median_ns(self, feed: Path, runs: int) -> int:
+        self.proc.stdin.write(f"time {feed} {runs}\n")
+        self.proc.stdin.flush()
+        return int(self._line().split()[1])
+
+    def close(self) -> None:
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        self.proc.wait(60)
+
+
+def c_host(quick: bool = False) -> dict[str, float]:
+    """Per run of the tiny model from a C application: ORT's CPU EP alone, and through the bridge (Python embedded
+    by ephost's library), blocks taking turns; medians over the blocks' medians, in seconds."""
+    import numpy as np
+    with tempfile.TemporaryDirectory(prefix="ephost-bench-") as tmp:
+        tmp = Path(tmp)
+        binary = tmp / "ort_host"
+        subprocess.run(["cc", "-O2", "-o", str(binary), str(HOST_SOURCE), "-ldl"], check=True)
+        model = tmp / "tiny.onnx"
+        onnx.save(tiny_model(), str(model))
+        feed = tmp / "x.bin"
+        np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32).tofile(feed)
+        config = tmp / "ephost.toml"
+        spin = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
+        config.write_text(f'[registrations.bench_c]\ntarget = "onnxruntime"\n'
+                          f'options = {{ session_config = "{spin}" }}\n')
+        hosts = {"alone": CHost(binary, "-", model, config, "x", "y", (1, 16)),
+                 "bridge": CHost(binary, ephost.ort.library_path(), model, config, "x", "y", (1, 16))}
+        try:
+            blocks, per = (5, 200) if quick else (20, 500)
+            for host in hosts.values():
+                host.median_ns(feed, per)  # warm
+            times = {name: [] for name in hosts}
+            for _ in range(blocks):
+                for name, host in hosts.items():
+                    times[name].append(host.median_ns(feed, per))
+            return {name: statistics.median(t) / 1e9 for name, t in times.items()}
+        finally:
+            for host in hosts.values():
+                host.close()

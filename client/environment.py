@@ -112,7 +112,9 @@ class Environment:
             else:
                 policy = SupervisionPolicy.take(options)
                 if spec.kind == "launch":
-                    ep_options = dict(options, library=spec.library) if spec.library else options
+                    # (a plugin EP library registered in the worker's ORT under this name, as in process)
+                    ep_options = {"library_name": name, **options, "library": spec.library} if spec.library \
+                        else options
                     link = WorkerLink(name, ep=spec.ep, ep_options=ep_options, policy=policy)
                 else:
                     credentials = Credentials.take(options, spec.tls)

@@ -48,6 +48,9 @@ OPTIONS = {
     "provider_options": "options for that provider, as KEY=VALUE pairs separated by ';'",
     "library": "an ONNX Runtime plugin EP library to register and use: its path, or `module:function` returning "
                "it in the worker's environment (e.g. onnxruntime_ggml:library_path)",
+    "library_name": "the name `library` is registered under in the worker's ONNX Runtime (a plugin EP that names its "
+                    "EP after it shows under it; default: the name of the ephost registration that launched the "
+                    "worker, else ephost)",
     "intra_op_num_threads": "threads inside one operator (ORT's default: one per core)",
     "inter_op_num_threads": "threads across operators",
     "graph_optimization_level": "disable, basic, extended or all (default all)",
@@ -750,7 +753,7 @@ class OrtEpFactory(HostMemoryFactory):
             if not os.path.isfile(library):
                 raise EpNotFound(f"no plugin EP library at {library}")
             try:
-                ort.register_execution_provider_library(_REGISTRATION, library)
+                ort.register_execution_provider_library(options.get("library_name") or _REGISTRATION, library)
             except Exception as e:
                 raise EpInvalidArgument(f"ONNX Runtime cannot load the EP library {library}: {e}") from None
         self.custom_ops_libraries = custom_ops_libraries(options.get("custom_ops_library", ""))
@@ -809,7 +812,9 @@ class OrtEpFactory(HostMemoryFactory):
         return self._devices[0].device.vendor_id if self._devices else 0
 
     def get_version(self) -> str:
-        return self.version
+        """The EP's version: a plugin EP library's own (ORT lists it in its devices' metadata), else ORT's."""
+        versions = {d.ep_metadata.get("version", "") for d in self._devices} - {""}
+        return versions.pop() if len(versions) == 1 else self.version
 
     def get_supported_devices(self) -> list[EpDeviceInfo]:
         return list(self._devices)

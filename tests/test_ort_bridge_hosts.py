@@ -231,3 +231,32 @@ class SecondCopy:
                                                                            ctypes.byref(n))
         name = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(self.api[312])
         return [name(devices[i]).decode() for i in range(n.value)]
+
+
+def test_a_plugin_library_in_a_worker_keeps_its_own_name_and_version(tmp_path, monkeypatch):
+    """A vendor's plugin EP library hosted in a worker: here ephost's own library, which names its EP after the
+    name it is registered under and reports its worker's EP's version (a reference EP, two workers down, its
+    target from EPHOST_CONFIG, which the worker inherits). The worker registers the library under the name the
+    application chose, as ORT in process would: ephost's tables list its EP as "outer", not "ephost", and the
+    bridged device's version is the vendor EP's, not the worker's ONNX Runtime's."""
+    from ephost.eps.reference import ReferenceEpFactory
+    monkeypatch.setenv("EPHOST_CONFIG", str(toml(tmp_path, '[registrations.outer]\ntarget = "reference"\n')))
+    ephost.ort.register("outer", ephost.ort.library_path())
+    try:
+        (worker_device,) = ephost.ort.environment("outer").get_ep_devices()
+        assert worker_device.ep_name == "outer"
+        (device,) = [d for d in ort.get_ep_devices() if d.ep_name == "outer"]
+        metadata = dict(device.ep_metadata)
+        assert metadata["ephost.worker_ep"] == "outer"
+        vendor = ReferenceEpFactory().get_version()
+        assert metadata["version"] == vendor and vendor != ort.__version__
+        options = ort.SessionOptions()
+        options.add_provider_for_devices([device], {})
+        session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+        session.disable_fallback()
+        x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        assert ephost.ort.stats("outer").computes == 1
+        del session
+    finally:
+        ephost.ort.unregister("outer")

@@ -5,7 +5,8 @@
  *
  *   ort_host <libonnxruntime.so> <plugin library | -> <name> <model.onnx> <input> <output> <dims, e.g. 1,3,224,224>
  *
- * With "-" the session runs on ORT's CPU EP alone (no plugin). Then one command a line on stdin, one answer a line:
+ * With "-" the session runs on ORT's CPU EP alone (no plugin). $ORT_HOST_CONFIG ("key=value;key=value") adds session
+ * config entries. Then one command a line on stdin, one answer a line:
  *   run IN OUT    a run of the float32 tensor in file IN; its float output into OUT    -> "ok BYTES" | "error MESSAGE"
  *   loop IN       runs until one fails (3000 at most), "ok" after each              -> ... "error MESSAGE" | "done"
  *   time IN N     N timed runs                                                       -> "ns MEDIAN P10 P90"
@@ -136,6 +137,17 @@ int main(int argc, char **argv) {
           SessionOptionsAppendExecutionProvider_V2(options, env, chosen, mine, 0, 0, 0));
     /* every node on the plugin's devices, or no session: the run is the plugin's, not ORT's CPU EP's */
     CHECK("AddSessionConfigEntry", AddSessionConfigEntry(options, "session.disable_cpu_ep_fallback", "1"));
+  }
+  const char *entries = getenv("ORT_HOST_CONFIG");
+  if (entries && *entries) {
+    char *copy = strdup(entries), *rest = copy;
+    for (char *entry; (entry = strtok_r(rest, ";", &rest));) {
+      char *eq = strchr(entry, '=');
+      if (!eq) die("ORT_HOST_CONFIG", entry);
+      *eq = 0;
+      CHECK("AddSessionConfigEntry", AddSessionConfigEntry(options, entry, eq + 1));
+    }
+    free(copy);
   }
   CHECK("CreateSession", CreateSession(env, argv[4], options, &session));
   CHECK("CreateCpuMemoryInfo", CreateCpuMemoryInfo(0 /* arena */, 0 /* default */, &memory));
