@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpWorkerCrashed,
                            EpWorkerDraining, EpWorkerUnavailable)
+from ephost.eps.base import ComputeCall
 from ephost.client.planner import Partition
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,12 @@ class FailurePolicy:
             self.note("fell back", registration, what)
             raise FellBack() from error
 
-    def recover(self, run: int, p: Partition, partitions: list[Partition], inputs: list, error: EpError,
-                timeout: float | None) -> list:
-        """The outputs of partition `p` after its Compute failed with `error`, as the policy decides."""
+    def recover(self, run: int, p: Partition, partitions: list[Partition], call: ComputeCall,
+                error: EpError) -> list:
+        """The outputs of partition `p` after its Compute (`call`) failed with `error`, as the policy decides."""
         if isinstance(error, EpWorkerDraining) and self._replaced(p.registration):
             try:
-                return p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
+                return p.compute_info.compute(call)
             except EpError as again:  # what it met on the successor, the policy answers
                 error = again
         if not isinstance(error, WORKER_FAILURES) or self._fallback.owns(p.placement):
@@ -87,16 +88,16 @@ class FailurePolicy:
         failed = link is not None and link.failed
         if self.policy == "retry" and not failed:
             self.note("retried", p.registration, p.graph.name, run=run)
-            return p.compute_info.compute(inputs, p.allocator, p.keep, timeout)
+            return p.compute_info.compute(call)
         if self.policy != "fallback" or not self._fallback:
             raise error
         if failed:  # from now on its partitions run on the fallback
             self.note("moved to the fallback", p.registration, "all its partitions", run=run)
             for q in [q for q in partitions if q.registration == p.registration]:
                 self.to_fallback(q)
-            return p.compute_info.compute(inputs, None, (), timeout)
+            return p.compute_info.compute(_on_the_host(call))
         self.note("fell back", p.registration, p.graph.name, run=run)
-        return self._fallback_info(p)[1].compute(inputs)
+        return self._fallback_info(p)[1].compute(_on_the_host(call))
 
     def _replaced(self, registration: str) -> bool:
         """Whether a call the worker refused as it drained is made again on its successor, whatever the policy:
@@ -114,3 +115,8 @@ class FailurePolicy:
         """Run partition `p` on the CPU fallback from now on."""
         p.placement, p.compute_info = self._fallback_info(p)
         p.allocator, p.keep = None, ()
+
+
+def _on_the_host(call: ComputeCall) -> ComputeCall:
+    """The call as the CPU fallback runs it: its outputs in host memory, made for this process."""
+    return ComputeCall(call.inputs, run_options=call.run_options, timeout=call.timeout)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import onnx
 
 from ephost.eps import load_factory
-from ephost.eps.base import FusedGraph, NodeGroup, capability
+from ephost.eps.base import ComputeCall, FusedGraph, NodeGroup, capability
 from ephost import ep_context
 from ephost.external_data import ExternalData
 from ephost.graph import BUILTIN_DOMAINS
@@ -145,11 +145,11 @@ class _NextOnFailure:
         self.name = info.name
         self._info, self._graph, self._compile_next, self._next = info, graph, compile_next, None
 
-    def compute(self, inputs, allocator=None, keep=(), timeout=None, into=None, leave=()):
+    def compute(self, call: ComputeCall) -> list:
         if self._next is None:
             try:
-                return self._info.compute(inputs, allocator, keep, timeout, into, leave)
+                return self._info.compute(call)
             except EpInternal as e:
                 log.warning("the fallback failed on %s (%s); the next fallback EP runs it", self.name, e)
                 self._next = self._compile_next()
-        return self._next.compute(inputs, allocator, keep, timeout, into, leave)
+        return self._next.compute(call)

@@ -11,7 +11,7 @@ import onnx
 
 from ephost import values
 from ephost.ep_context import EpContext
-from ephost.eps.base import FusedGraph, NodeGroup
+from ephost.eps.base import ComputeCall, FusedGraph, NodeGroup
 from ephost.errors import EpNotFound
 from ephost.external_data import ExternalData
 from ephost.memory import Buffer
@@ -80,9 +80,9 @@ class RemoteComputeInfo(RemoteHandle):
         if self._staging is not None:
             self._staging.release()
 
-    def compute(self, inputs: Sequence[Any], allocator: RemoteAllocator | None = None, keep: Sequence[int] = (),
-                timeout: float | None = None, into: Mapping[int, Tensor] | None = None,
-                leave: Sequence[int] = (), run_options: ep_pb2.RunOptions | None = None) -> list[Any]:
+    def compute(self, call: ComputeCall) -> list[Any]:
+        inputs, allocator, keep, timeout, into = call.inputs, call.allocator, call.keep, call.timeout, call.into
+        leave, run_options = call.leave, call.run_options
         # First: it waits for a worker being replaced. What the worker that then runs has decides how each value
         # goes (by handle, staged or inline), as the call is kept and as it is sent alike (a kept call made while
         # the old worker was still the current one named its tensors, which went inline to the new one: its

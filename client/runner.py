@@ -15,7 +15,7 @@ from ephost.run_options import TERMINATED, RunOptions
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value
-from ephost.eps.base import takes_run_options
+from ephost.eps.base import ComputeCall
 from ephost.client.handles import owned
 from ephost.client.planner import Partition
 
@@ -103,38 +103,25 @@ class PartitionRunner:
                  targets: Mapping[str, Tensor], timeout: float | None, to_eps=None) -> list[Any]:
         """Partition `p`'s outputs, under the failure policy."""
         kept = self._kept(p, owners)
-        # The common case, nothing but the plan's own `keep`, builds no extras.
-        extras = self._extras(p, kept, targets, to_eps) if targets or kept is not p.keep or to_eps else None
-        try:
-            if extras:
-                return p.compute_info.compute(inputs, p.allocator, kept, timeout, **extras)
-            return p.compute_info.compute(inputs, p.allocator, kept, timeout)
-        except EpError as error:
-            return self.recover(run, p, inputs, error, timeout)
-
-    def _extras(self, p: Partition, kept: tuple[int, ...], targets: Mapping[str, Tensor], to_eps) -> dict[str, Any]:
-        """The `into`, `leave` and `run_options` arguments of p's Compute, where there are any: only EPs asked to
-        use them get them, so that EPs without them keep working (run options only EPs that take them)."""
-        extras = {}
-        if to_eps is not None and takes_run_options(p.compute_info):
-            extras["run_options"] = to_eps
+        call = ComputeCall(inputs, p.allocator, kept, run_options=to_eps, timeout=timeout)
         if targets:
             into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
             if into:
-                extras["into"] = into
+                call.into = into
         if len(kept) > len(p.keep):
             # Placed outputs no partition reads need not come to this process at all.
-            leave = tuple(i for i in kept if i not in p.keep and p.graph.outputs[i] not in self._read)
-            if leave:
-                extras["leave"] = leave
-        return extras
+            call.leave = tuple(i for i in kept if i not in p.keep and p.graph.outputs[i] not in self._read)
+        try:
+            return p.compute_info.compute(call)
+        except EpError as error:
+            return self.recover(run, p, call, error)
 
-    def recover(self, run: int, p: Partition, inputs: list, error: EpError, timeout: float | None) -> list[Any]:
-        """Partition `p`'s outputs after its Compute failed with `error`, as the failure policy says (a session's
-        steady run's too)."""
+    def recover(self, run: int, p: Partition, call: ComputeCall, error: EpError) -> list[Any]:
+        """Partition `p`'s outputs after its Compute (`call`) failed with `error`, as the failure policy says (a
+        session's steady run's too)."""
         with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
                                 policy=self._failures.policy):
-            return self._failures.recover(run, p, self._partitions, inputs, error, timeout)
+            return self._failures.recover(run, p, self._partitions, call, error)
 
     def _kept(self, p: Partition, owners: Mapping[str, Any]) -> tuple[int, ...]:
         """Outputs of `p` to leave in its EP's memory: those a later partition there reads, and graph outputs

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import onnx
 
 from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument
-from ephost.eps.base import capability
+from ephost.eps.base import ComputeCall, capability
 from ephost.external_data import ExternalData, WorkerFile, check_inline_size, has_external_data, load_model
 from ephost.v1 import worker_pb2
 from ephost.graph import GraphIndex, prepare_model
@@ -408,8 +408,9 @@ class InferenceSession:
             return steady.outputs(values)
         self._steady.run = None
         if outcome.error is not None:  # as the general path's Compute: the failure policy's to answer
-            values.extend(self._runner.recover(run, steady.steps[done].partition, steady.inputs(values, done),
-                                               outcome.error, timeout))
+            p = steady.steps[done].partition
+            values.extend(self._runner.recover(run, p, ComputeCall(steady.inputs(values, done), p.allocator, p.keep,
+                                                                   timeout=timeout), outcome.error))
             done += 1
         # The rest of the run on the general path, from where the steady run stopped
         names = self._output_names(output_names)
@@ -513,7 +514,8 @@ class InferenceSession:
         except EpError as error:  # as the general path's Compute: the failure policy's to answer
             self._steady.binding = None
             self._failures.counters["runs"] += 1
-            outputs = self._runner.recover(run, steady.partition, inputs, error, timeout)
+            p = steady.partition
+            outputs = self._runner.recover(run, p, ComputeCall(inputs, p.allocator, p.keep, timeout=timeout), error)
         else:
             if outputs is None:  # it no longer repeats so (nothing ran): the general path, which makes a new one
                 self._steady.binding = None

@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from ephost.errors import EpError
+from ephost.eps.base import ComputeCall
 from ephost.tensor import Tensor
 from ephost.types import is_plain_dtype
 from ephost.values import as_value, to_python
@@ -81,7 +82,8 @@ class ComputeStep:
 
     def __call__(self, arrays: list[np.ndarray], timeout: float | None) -> tuple[list, bool]:
         p = self._partition
-        outputs = p.compute_info.compute([as_value(a) for a in arrays], p.allocator, p.keep, timeout)
+        outputs = p.compute_info.compute(ComputeCall([as_value(a) for a in arrays], p.allocator, p.keep,
+                                                     timeout=timeout))
         out = _as_made(outputs, self._outputs)
         return (outputs, False) if out is None else (out, True)
 
@@ -115,7 +117,7 @@ class ScratchStep:
             return compute(inputs, timeout)
         p = self._partition
         values = [as_value(v) for v in inputs]
-        outputs = p.compute_info.compute(values, p.allocator, p.keep, timeout, into=self._targets)
+        outputs = p.compute_info.compute(ComputeCall(values, p.allocator, p.keep, self._targets, timeout=timeout))
         out = _as_made(outputs, self._made)
         # (a worker that does not write into the targets: the general path's)
         if out is None or any(out[i] is not t for i, t in self._targets.items()):

@@ -7,8 +7,8 @@ turns a worker back into the same interface. Sessions and the Environment see on
 from __future__ import annotations
 
 import functools
-from contextvars import ContextVar
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -109,21 +109,48 @@ def split_session_options(options: Mapping[str, str]) -> tuple[dict[str, str], d
     return {k: v for k, v in options.items() if k not in config}, config
 
 
+_NO_TENSORS: Mapping[int, "Tensor"] = MappingProxyType({})
+
+
+class ComputeCall:
+    """One Compute of a partition, as a value (ORT's kernel context): what an EP reads and where its outputs go.
+
+    `inputs`: graph values, in the order the partition takes them: a Tensor for plain tensors; a list, None, dict
+    or numpy array (strings, bfloat16...) for the rest. `allocator`: memory outputs may be placed in (the caller
+    can hand that memory on without a copy); None: host memory. `keep`: the outputs (by position) that must stay
+    in `allocator`'s memory because the same EP reads them next. `into`: outputs (by position) to write into
+    given tensors (an IOBinding's bound outputs): a worker writes them there and returns those tensors; an EP in
+    this process may ignore it (the caller copies then). `leave`: kept outputs nobody in the calling process
+    reads: a worker that shares no memory with it does not send their bytes back. `run_options`: the run's
+    logid, log levels and run config entries (an `ephost.v1.ep_pb2.RunOptions`), as an ORT plugin EP reads its
+    OrtRunOptions; None where the run has none. `timeout`: the call's deadline in seconds: an EP in another
+    process is abandoned (and its worker ended) past it; code in this process cannot be interrupted and ignores
+    it. `on_kernel_ran`: what kernel_ran() calls (set by a worker whose caller sleeps for the reply)."""
+
+    __slots__ = ("inputs", "allocator", "keep", "into", "leave", "run_options", "timeout", "on_kernel_ran")
+
+    def __init__(self, inputs: Sequence[Any], allocator: "Allocator | None" = None, keep: tuple[int, ...] = (),
+                 into: Mapping[int, "Tensor"] = _NO_TENSORS, leave: tuple[int, ...] = (), run_options: Any = None,
+                 timeout: float | None = None, on_kernel_ran: Callable[[], Any] | None = None):
+        self.inputs, self.allocator, self.keep, self.into = inputs, allocator, keep, into
+        self.leave, self.run_options, self.timeout, self.on_kernel_ran = leave, run_options, timeout, on_kernel_ran
+
+    def __repr__(self) -> str:
+        return (f"ComputeCall({len(self.inputs)} inputs, keep={self.keep}, into={sorted(self.into)}, "
+                f"leave={self.leave}, timeout={self.timeout})")
+
+    def kernel_ran(self) -> None:
+        """Say, from inside compute, that the partition's kernel has run and what is left is making its outputs
+        (copies, tensors). A worker then wakes a caller asleep for the reply at once rather than as compute
+        returns, so that the caller's wake-up overlaps that work. Optional; a no-op where nobody sleeps so."""
+        if self.on_kernel_ran is not None:
+            self.on_kernel_ran()
+
+
 @runtime_checkable
 class NodeComputeInfo(Protocol):
-    """A compiled partition. Inputs and outputs are graph values: a Tensor for plain tensors; a list, None,
-    dict or numpy array (strings, bfloat16...) for the rest. Outputs may be placed in `allocator`'s memory
-    when one is given (the caller can hand that memory on without a copy), else in host memory; `keep`
-    names the outputs (by position) that must stay in `allocator`'s memory because the same EP reads them
-    next. `timeout` is the call's deadline in seconds: an EP in another process is abandoned (and its worker
-    ended) past it; code running in this process cannot be interrupted and ignores it. `into` names outputs
-    (by position) to write into given tensors (an IOBinding's bound outputs): a worker writes them there and
-    returns those tensors; an EP in this process may ignore it (the session copies then). `leave` names kept
-    outputs nobody in this process reads (outputs bound in the EP's memory): a worker that shares no memory with
-    this process does not send their bytes here. `into` and `leave` are only passed when not empty.
-    `run_options` (an `ephost.v1.ep_pb2.RunOptions`: the run's logid, log levels and run config entries, as an ORT
-    plugin EP reads its OrtRunOptions) is passed only where the run has any and compute takes `run_options`
-    (takes_run_options): an EP that does not reads none, as an ORT EP without OnRunStart.
+    """A compiled partition (ORT's OrtNodeComputeInfo). `compute(call)` runs it once (see ComputeCall) and
+    returns its outputs as graph values, in order.
 
     Optional attributes: `ep_context` (an ephost.ep_context.EpContext: the partition's compiled form, made when
     the EP was created with ep.context_enable=1; None where the EP has none) and `restored` (True where the
@@ -131,39 +158,7 @@ class NodeComputeInfo(Protocol):
 
     name: str
 
-    def compute(self, inputs: Sequence[Any], allocator: Allocator | None = None, keep: Sequence[int] = (),
-                timeout: float | None = None, into: Mapping[int, "Tensor"] | None = None,
-                leave: Sequence[int] = ()) -> list[Any]: ...
-
-
-def takes_run_options(info: Any) -> bool:
-    """Whether `info.compute` takes `run_options` (by name, or through **kwargs)."""
-    return _takes_run_options(type(info))
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_run_options(cls: type) -> bool:
-    import inspect
-    try:
-        parameters = inspect.signature(cls.compute).parameters.values()
-    except (TypeError, ValueError, AttributeError):
-        return False
-    return any(p.name == "run_options" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
-# What kernel_ran calls (set by the worker on each fast-lane connection's thread; None: nothing to call)
-KERNEL_RAN: ContextVar[Callable[[], None] | None] = ContextVar("ephost_kernel_ran", default=None)
-
-
-def kernel_ran() -> None:
-    """Say, from inside NodeComputeInfo.compute, that the partition's kernel has run and what is left is making
-    its outputs (copies, tensors). A worker then wakes a caller asleep for the reply at once rather than as
-    compute returns, so that the caller's wake-up (tens of microseconds on a virtual machine) overlaps that work
-    and the reply's making (ephost/lane_slots.py, the early wake). Optional; where no caller sleeps so (in
-    process, over gRPC, a caller that polls), and once the caller was woken, it does nothing."""
-    hook = KERNEL_RAN.get()
-    if hook is not None:
-        hook()
+    def compute(self, call: ComputeCall) -> list[Any]: ...
 
 
 @runtime_checkable

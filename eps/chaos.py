@@ -17,7 +17,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from ephost.eps import check_options, load_factory
-from ephost.eps.base import capability, takes_run_options
+from ephost.eps.base import ComputeCall, capability
 from ephost.errors import EpInternal, EpInvalidArgument
 
 log = logging.getLogger(__name__)
@@ -94,12 +94,9 @@ class _Wrapper:
 
 
 class ChaosComputeInfo(_Wrapper):
-    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None, leave=(), run_options=None) -> list[Any]:
+    def compute(self, call: ComputeCall) -> list[Any]:
         self._fault.check("compute")
-        if run_options is not None and takes_run_options(self._inner):
-            return self._inner.compute(inputs, allocator, keep, timeout, into, leave, run_options=run_options)
-        return self._inner.compute(inputs, allocator, keep, timeout, into, leave)
+        return self._inner.compute(call)
 
 
 class ChaosEp(_Wrapper):

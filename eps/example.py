@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from ephost.eps import check_options
-from ephost.eps.base import EpDefaults, FusedGraph, KernelInfo, NodeGroup, split_session_options
+from ephost.eps.base import ComputeCall, EpDefaults, FusedGraph, KernelInfo, NodeGroup, split_session_options
 from ephost.eps.host import EphostCpuFactory, local_inputs
 from ephost.errors import EpInvalidArgument
 from ephost.values import as_value
@@ -53,13 +53,12 @@ class ExampleComputeInfo:
         self._steps = [(KERNELS[n.op_type], n.input[0], n.output[0]) for n in graph.model.graph.node]
         self._max_batch = kernel_info.option_int("max_batch", 0)
 
-    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None, leave=()) -> list[Any]:
-        # `into` (outputs the caller would like written into its tensors) and `leave` are hints this EP need not
-        # take: it returns new arrays, and whoever called copies them where they go.
+    def compute(self, call: ComputeCall) -> list[Any]:
+        # `call.into` (outputs the caller would like written into its tensors) and `call.leave` are hints this EP
+        # need not take: it returns new arrays, and whoever called copies them where they go.
         info = self.kernel_info
         names = [v.name for v in info.inputs]
-        values = local_inputs(self.name, names, inputs)
+        values = local_inputs(self.name, names, call.inputs)
         for i, name in enumerate(names):
             expected, array = info.get_input_type_info(i), np.asarray(values[name])
             if array.dtype != expected.dtype:

@@ -26,7 +26,7 @@ from onnx import helper
 from ephost.eps import check_options
 from ephost import ep_context
 from ephost.ep_context import EpContext
-from ephost.eps.base import (EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, kernel_ran,
+from ephost.eps.base import (EP_CONTEXT_ENABLE, ComputeCall, EpDefaults, FusedGraph, NodeGroup,
                              split_session_options)
 from ephost.eps.host import HostMemoryFactory, cpu_device, local_inputs
 from ephost.eps.library_paths import resolve_library
@@ -203,10 +203,11 @@ class OrtComputeInfo:
         self._plain = any(static is None for _, static in self._outputs) and \
             not any(static is not None and static[2] >= PLACE_BYTES for _, static in self._outputs)
 
-    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None, leave=(), run_options=None) -> list[Any]:
+    def compute(self, call: ComputeCall) -> list[Any]:
+        inputs, allocator, keep, run_options = call.inputs, call.allocator, call.keep, call.run_options
+        into = call.into or None
         if self._idle and self._idle[-1].steady is not None and run_options is None:
-            out = self._steady_run(inputs, allocator, keep, into)
+            out = self._steady_run(inputs, allocator, keep, into, call)
             if out is not None:
                 return out
         arrays = local_inputs(self.name, self._inputs, inputs)
@@ -217,7 +218,7 @@ class OrtComputeInfo:
             # for it and copying it out on every run (an Add with a symbolic dimension, this EP in process: its
             # shape changing every run 28.5 -> 15.5 µs; the same every run 19.9 -> 14.8, at 400 KB 83 -> 57).
             # And a run with run options: ORT's own run takes them (such runs are not the steady kind).
-            out = self._run(arrays, None if run_options is None else _ort_run_options(run_options))
+            out = self._run(arrays, call, None if run_options is None else _ort_run_options(run_options))
             if keep and allocator is not None and self._bindable:  # kept ones copied into the allocator once
                 for i in dict.fromkeys(keep):
                     if i < len(out):  # as on the binding's path, a position past the outputs names none
@@ -280,7 +281,7 @@ class OrtComputeInfo:
             if binding.outputs[i] != address:
                 io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
                 binding.outputs[i] = address
-        self._run_binding(io, placed)
+        self._run_binding(io, call, placed)
         # Placed outputs are already where they go; the others are copied out (the binding's memory, and ORT's
         # own, are written again by the next run).
         produced = io.get_outputs() if binding.ort_allocated else ()
@@ -318,7 +319,8 @@ class OrtComputeInfo:
         self._idle.append(binding)
         return out
 
-    def _steady_run(self, inputs: Sequence[Any], allocator, keep: Sequence[int], into) -> list[Tensor] | None:
+    def _steady_run(self, inputs: Sequence[Any], allocator, keep: Sequence[int], into,
+                    call: ComputeCall) -> list[Tensor] | None:
         """A run on a steady binding (every output of known shape, written into its memory or, as on its last
         run, placed in the allocator; small inputs of the types and shapes it holds copies of; large ones of the
         shapes it has bound, a kept call's buffers): nothing is looked up or allocated but the placed outputs
@@ -349,14 +351,15 @@ class OrtComputeInfo:
                 binding.inputs[name] = (array, where)
                 steady.inputs[k] = (None, array, where, k)
         if steady.host is not None:  # every output copied out of the binding's memory: nothing to check or place
-            self._run_binding(binding.io)
+            self._run_binding(binding.io, call)
             out = [Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
                    for static, array in steady.host]
             self._idle.append(binding)
             return out
-        return self._steady_placed(binding, steady, allocator, into)
+        return self._steady_placed(binding, steady, allocator, into, call)
 
-    def _steady_placed(self, binding: "_Binding", steady: "_Steady", allocator, into) -> list[Tensor] | None:
+    def _steady_placed(self, binding: "_Binding", steady: "_Steady", allocator, into,
+                       call: ComputeCall) -> list[Tensor] | None:
         """The rest of a steady run (its inputs in) where an output goes into the allocator or the caller's
         tensor: those tensors checked, the new buffers made and bound, the run, the outputs where they go."""
         addresses = {}  # of the caller's tensors ORT writes large outputs into, this run
@@ -390,7 +393,7 @@ class OrtComputeInfo:
                 if binding.outputs[i] != address:
                     io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
                     binding.outputs[i] = address
-        self._run_binding(io, placed)
+        self._run_binding(io, call, placed)
         out = []
         for i, (_, static, array, how) in enumerate(steady.outputs):
             if how is _WRITTEN:
@@ -402,18 +405,18 @@ class OrtComputeInfo:
         self._idle.append(binding)
         return out
 
-    def _run_binding(self, io, placed: Mapping[int, Tensor] | None = None) -> None:
+    def _run_binding(self, io, call: ComputeCall, placed: Mapping[int, Tensor] | None = None) -> None:
         """ORT's run of a binding; where it fails, the outputs placed for it go back to their allocator and the
         error is ORT's typed (the binding goes: it is not put back for another run)."""
         try:
             self._session.run_with_iobinding(io)
-            kernel_ran()
+            call.kernel_ran()
         except Exception as e:
             for tensor in (placed or {}).values():
                 tensor.release()
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
 
-    def _run(self, feeds: dict[str, Any], run_options=None) -> list[Any]:
+    def _run(self, feeds: dict[str, Any], call: ComputeCall, run_options=None) -> list[Any]:
         ort = _ort()
         # Arrays of types ORT cannot take from numpy go in as OrtValues of their ONNX type.
         feeds = {name: v if (elem := onnx_type_of(v)) is None else to_ort_value(ort, v, elem)
@@ -421,7 +424,7 @@ class OrtComputeInfo:
         try:
             if not any(self._exotic):
                 outputs = self._session.run(None, feeds, run_options)
-                kernel_ran()
+                call.kernel_ran()
                 return [as_value(v) for v in outputs]
             # Outputs numpy cannot hold come back as OrtValues, read as ONNX lays their bytes out.
             names = [name for name, _ in self._outputs]

@@ -17,7 +17,8 @@ from onnx.reference import ReferenceEvaluator
 from ephost.eps import check_options
 from ephost import ep_context
 from ephost.ep_context import EpContext
-from ephost.eps.base import EP_CONTEXT_ENABLE, EpDefaults, FusedGraph, NodeGroup, external_initializers
+from ephost.eps.base import (EP_CONTEXT_ENABLE, ComputeCall, EpDefaults, FusedGraph, NodeGroup,
+                             external_initializers)
 from ephost.external_data import has_external_data
 from ephost.eps.host import EphostCpuFactory, local_inputs
 from ephost.eps.reference_plan import Plan
@@ -108,9 +109,8 @@ class ReferenceComputeInfo:
             raise EpInvalidArgument(f"EPContext node {node.name!r}: form {context.form!r} is not the reference EP's")
         return cls(graph.name, ep_context.model_of(node, context), keep_context, restored=True)
 
-    def compute(self, inputs: Sequence[Any], allocator=None, keep: Sequence[int] = (),
-                timeout: float | None = None, into=None, leave=()) -> list[Any]:
-        feeds = local_inputs(self.name, self._input_names, inputs)
+    def compute(self, call: ComputeCall) -> list[Any]:
+        feeds = local_inputs(self.name, self._input_names, call.inputs)
         if self._constants:
             feeds.update(self._constants)
         with self._lock:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.run_options import checked
-from ephost.eps.base import FusedGraph, capability, takes_run_options
+from ephost.eps.base import ComputeCall, FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
 from ephost.server.kept_calls import KeptReply, KeptRequest
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
+
+_NO_TENSORS: dict = {}  # never written to
 
 
 class EpService(Servicer):
@@ -78,12 +80,8 @@ class EpService(Servicer):
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
         # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
         keep = tuple(request.keep) if request.keep else ()
-        if options is not None and takes_run_options(info):
-            outputs = info.compute(inputs, allocator, keep, into=into, run_options=options)
-        elif into:
-            outputs = info.compute(inputs, allocator, keep, into=into)
-        else:
-            outputs = info.compute(inputs, allocator, keep)
+        outputs = info.compute(ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, run_options=options,
+                                           on_kernel_ran=call.ran))
         counts = call.counts = {"compute_inputs_resident": resident,
                                 "compute_inputs_transferred": len(inputs) - resident,
                                 "compute_input_bytes_resident": bytes_here,
@@ -105,11 +103,8 @@ class EpService(Servicer):
         keep = kept.keep
         if written is not None:
             written()
-        if kept.into:
-            into = kept.into_tensors(handles, client)
-            outputs = info.compute(inputs, allocator, keep, into=into)
-        else:
-            into, outputs = None, info.compute(inputs, allocator, keep)
+        into = kept.into_tensors(handles, client) if kept.into else None
+        outputs = info.compute(ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, on_kernel_ran=call.ran))
         _ran(call, counts)
         arrays = kept.output_arrays(outputs)
         if arrays is None:

@@ -31,7 +31,6 @@ from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, METHODS, PACKET, REPLY_R
                              TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame, send_parts,
                              send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
-from ephost.eps.base import KERNEL_RAN
 from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
 from ephost.v1 import ep_pb2
@@ -149,10 +148,8 @@ class LaneServer:
         dispatch = self._dispatch
         kept = KeptCalls()
         # A Compute, whole or kept, wakes its caller as its EP finishes where the caller sleeps (lane_slots.py):
-        # as its kernel ends, where the EP says so (kernel_ran, for this thread), else as compute returns (Call.ran).
+        # as its kernel ends, where the EP says so (ComputeCall.kernel_ran), else as compute returns (Call.ran).
         ran = _EarlyWake(peer.slots) if peer.slots is not None else None
-        if ran is not None:
-            KERNEL_RAN.set(ran)
         while True:
             frame = reader.read()
             if frame is None:
@@ -267,7 +264,7 @@ class LaneServer:
 
 class _EarlyWake:
     """A connection's early wake (lane_slots.Slots.wake_early), written at most once a call: asked for by the
-    EP as its kernel ends (ephost.eps.base.kernel_ran) and by the handler as compute returns (Call.ran); True
+    EP as its kernel ends (ComputeCall.kernel_ran) and by the handler as compute returns (Call.ran); True
     where the call's caller was woken. Set for the connection's thread once, not around each compute."""
 
     __slots__ = ("_wake_early", "woken")

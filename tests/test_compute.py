@@ -6,7 +6,7 @@ from onnx import TensorProto, helper
 
 import ephost
 from ephost import Tensor
-from ephost.eps.base import FusedGraph
+from ephost.eps.base import ComputeCall, FusedGraph
 from ephost.graph import GraphIndex, prepare_model
 from helpers import TRANSPORTS, make_env
 
@@ -60,14 +60,14 @@ def test_compile_and_compute_match_the_evaluator(ep):
     graph = whole("whole", small_model())
     (info,) = ep.compile([graph])
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
-    (y,) = info.compute([Tensor.from_numpy(x)])
+    (y,) = info.compute(ComputeCall([Tensor.from_numpy(x)]))
     np.testing.assert_allclose(y.numpy(), np.maximum(x + x, 0) * x, rtol=1e-6)
     (again,) = ep.compile([FusedGraph("again", graph.source, graph.nodes, graph.inputs, graph.outputs)])
-    np.testing.assert_allclose(again.compute([Tensor.from_numpy(x)])[0].numpy(), y.numpy())
+    np.testing.assert_allclose(again.compute(ComputeCall([Tensor.from_numpy(x)]))[0].numpy(), y.numpy())
     ep.release_node_compute_infos([info, again])
 
 
 def test_compute_with_the_wrong_inputs_is_a_clear_error(ep):
     (info,) = ep.compile([whole("whole", small_model())])
     with pytest.raises(ephost.EpInvalidArgument, match="takes 1 inputs, got 2"):
-        info.compute([Tensor.from_numpy(np.zeros((2, 3), np.float32))] * 2)
+        info.compute(ComputeCall([Tensor.from_numpy(np.zeros((2, 3), np.float32))] * 2))

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 
 import ephost
 from ephost import InferenceSession
+from ephost.eps.base import ComputeCall
 from ephost.v1 import common_pb2, ep_pb2
 from helpers import options_for, worker_stats
 import models
@@ -416,7 +417,7 @@ def test_an_ep_with_an_external_data_loader_loads_its_initializers_itself(tmp_pa
         for ep, loaded in ((LoadingEp(evaluator_ops(), {}), True), (ReferenceEp(evaluator_ops(), {}), False)):
             calls.clear()
             (info,) = ep.compile([graph])
-            (y,) = info.compute([idx])
+            (y,) = info.compute(ComputeCall([idx]))
             np.testing.assert_array_equal(y.numpy(), expected)
             stride = -(-SMALL * 4 // 65536) * 65536
             assert calls == ([("can_load", "Cpu"), ("load_tensor", "weights.bin", 0, SMALL * 4),
@@ -522,7 +523,7 @@ def test_onnxruntime_copies_a_file_that_has_no_path_here_and_says_so(tmp_path, c
         ep = load_factory("onnxruntime", {}).create_ep([0], {})
         with caplog.at_level("WARNING", logger="ephost.eps.onnxruntime"):
             (info,) = ep.compile([FusedGraph("all", index, tuple(index.order), ("idx",), ("y",))])
-        (y,) = info.compute([idx])
+        (y,) = info.compute(ComputeCall([idx]))
         np.testing.assert_array_equal(y.numpy(), expected)
         assert "copied into ONNX Runtime" in caplog.text
     finally:

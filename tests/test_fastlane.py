@@ -861,20 +861,19 @@ def test_a_handed_over_region_that_cannot_be_mapped_has_its_descriptor_closed_on
 
 
 def test_the_ort_ep_wakes_its_caller_from_inside_compute_once_a_call():
-    """The early wake, sooner (ephost.eps.base.kernel_ran): a worker wakes a caller asleep for a Compute's reply
+    """The early wake, sooner (ComputeCall.kernel_ran): a worker wakes a caller asleep for a Compute's reply
     as the EP's kernel ends, before the EP makes its outputs. The ORT EP says so inside compute on each of its
     paths (a plain run: outputs of symbolic shape; a new IOBinding; a steady one); a connection's wake is written
     once a call however often it is asked for (a second write would end the caller's next sleep at once), and
     not at all for a caller that polls. Outside a worker's connection thread, kernel_ran does nothing."""
     from onnx import TensorProto, helper
-    from ephost.eps.base import KERNEL_RAN, kernel_ran
+    from ephost.eps.base import ComputeCall
     from ephost.server.fastlane import _EarlyWake
     from helpers import compiled
 
-    kernel_ran()  # no connection: nothing to wake, nothing raised
+    ComputeCall([]).kernel_ran()  # no connection: nothing to wake, nothing raised
     with early_wake_slots() as (_, _, _, writer, mine, _):
         early = _EarlyWake(writer)
-        token = KERNEL_RAN.set(early)  # as the worker sets it on a connection's thread
         try:
             for shape in ((2, 3), ("n", 3)):  # known: a new binding, then a steady one; symbolic: plain runs
                 x, y = (helper.make_tensor_value_info(v, TensorProto.FLOAT, list(shape)) for v in ("x", "y"))
@@ -886,7 +885,9 @@ def test_the_ort_ep_wakes_its_caller_from_inside_compute_once_a_call():
                         early.woken = False  # a new call, as the connection's loop marks it
                         mine.asleep(asleep, early=True)
                         array = np.full((2, 3), k, np.float32)
-                        (out,) = info.compute([ephost.Tensor.from_numpy(array)])
+                        # as the worker makes a call on a connection's thread
+                        call = ComputeCall([ephost.Tensor.from_numpy(array)], on_kernel_ran=early)
+                        (out,) = info.compute(call)
                         if asleep:
                             assert os.eventfd_read(mine.wake) == 1, (shape, k)  # written inside compute
                         assert early() is asleep  # the handler's ask as compute returns: no second write
@@ -894,7 +895,6 @@ def test_the_ort_ep_wakes_its_caller_from_inside_compute_once_a_call():
                             os.eventfd_read(mine.wake)
                         np.testing.assert_array_equal(out.numpy(), -array)
         finally:
-            KERNEL_RAN.reset(token)
             mine.asleep(False)
 
 

@@ -7,7 +7,7 @@ from onnx import TensorProto, helper
 import ephost
 from ephost import InferenceSession, SessionOptions
 from ephost.eps import load_factory
-from ephost.eps.base import FusedGraph
+from ephost.eps.base import ComputeCall, FusedGraph
 from ephost.eps.kernel_info import KernelInfo, TypeInfo
 from ephost.graph import GraphIndex, prepare_model
 import models
@@ -60,7 +60,7 @@ def test_the_example_eps_compute_keeps_its_kernel_info_in_process():
     (compute_info,) = ep.compile([fused(symbolic_model(), group.node_names)])
     assert compute_info.kernel_info == fused(symbolic_model(), ["relu", "neg"]).kernel_info({"max_batch": "2"})
     x = np.array([[-1, 2, -3]], np.float32)
-    (y,) = compute_info.compute([x])
+    (y,) = compute_info.compute(ComputeCall([x]))
     np.testing.assert_array_equal(y.numpy(), -np.maximum(x, 0))
 
 

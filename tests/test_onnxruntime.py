@@ -12,6 +12,7 @@ from onnx import helper, numpy_helper
 import ephost
 from ephost import InferenceSession
 from ephost.errors import EpError
+from ephost.eps.base import ComputeCall
 from ephost.eps.onnxruntime import OrtEpFactory, max_ir_version, readable_model
 from ephost.run_command import bundled_input, bundled_model
 from ephost.types import DeviceMemoryType
@@ -302,7 +303,7 @@ def test_a_kept_binding_follows_an_input_array_reshaped_in_place():
         array = np.arange(-8192, 8192, dtype=np.float32).reshape(64, 256)  # 64 KiB: bound where it lies
         for shape in [(64, 256), (64, 256), (256, 64), (16384, 1)]:
             array.shape = shape
-            (out,) = info.compute([ephost.Tensor.from_numpy(array)])
+            (out,) = info.compute(ComputeCall([ephost.Tensor.from_numpy(array)]))
             assert out.shape == shape
             np.testing.assert_array_equal(out.numpy(), np.maximum(array, 0))
 
@@ -325,19 +326,19 @@ def test_runs_on_a_steady_binding_see_each_runs_inputs_and_keep_each_runs_output
             ta, tb = ephost.Tensor.from_numpy(a), ephost.Tensor.from_numpy(b)
             if i == 3:  # the output written into the caller's tensor: the general path, then steady again
                 target = ephost.Tensor.from_numpy(np.zeros((2, 3), np.float32))
-                (out,) = info.compute([ta, tb], into={0: target})
+                (out,) = info.compute(ComputeCall([ta, tb], into={0: target}))
                 assert out is target
             else:
-                (out,) = info.compute([ta, tb])
+                (out,) = info.compute(ComputeCall([ta, tb]))
             fed.append((a.copy(), b.copy()))
             got.append(out)
             a += 100  # the caller's memory written after the run: the output is its own
         for (a, b), out in zip(fed, got):
             np.testing.assert_array_equal(out.numpy(), a - b)
         with pytest.raises(EpError, match="invalid dimensions"):  # ORT's own check, on the general path
-            info.compute([ephost.Tensor.from_numpy(np.ones((3, 2), np.float32))] * 2)
-        (out,) = info.compute([ephost.Tensor.from_numpy(np.full((2, 3), 5, np.float32)),
-                               ephost.Tensor.from_numpy(np.ones((2, 3), np.float32))])
+            info.compute(ComputeCall([ephost.Tensor.from_numpy(np.ones((3, 2), np.float32))] * 2))
+        (out,) = info.compute(ComputeCall([ephost.Tensor.from_numpy(np.full((2, 3), 5, np.float32)),
+                                           ephost.Tensor.from_numpy(np.ones((2, 3), np.float32))]))
         np.testing.assert_array_equal(out.numpy(), np.full((2, 3), 4, np.float32))
 
 
@@ -361,7 +362,7 @@ def test_a_steady_binding_reads_a_bound_array_as_it_is_now_and_binds_another_sha
             if step == 4:
                 tensor = ephost.Tensor.from_numpy(array.reshape(256, 64))
                 array = tensor.numpy()
-            (out,) = info.compute([tensor])
+            (out,) = info.compute(ComputeCall([tensor]))
             np.testing.assert_array_equal(out.numpy(), [array[0].sum()])
 
 
@@ -380,7 +381,7 @@ def test_a_large_output_goes_into_the_allocator_whenever_one_is_given():
     try:
         with compiled(model, ("x",), ("y",)) as info:
             for given in (None, None, allocator, None, allocator):
-                (out,) = info.compute([tensor], given)
+                (out,) = info.compute(ComputeCall([tensor], given))
                 assert (out.buffer is not None) == (given is not None)
                 np.testing.assert_array_equal(out.numpy(), np.maximum(tensor.numpy(), 0))
                 if out.buffer is not None:
@@ -407,7 +408,7 @@ def test_an_output_of_symbolic_shape_kept_in_the_allocator_is_copied_there_once(
             runs = ((3, allocator, (0,)), (5, allocator, (0, 0, 7)), (2, None, (0,)), (4, allocator, ()))
             for n, given, keep in runs:
                 x = np.arange(n, dtype=np.float32).reshape(1, n)
-                (out,) = info.compute([ephost.Tensor.from_numpy(x)], given, keep)
+                (out,) = info.compute(ComputeCall([ephost.Tensor.from_numpy(x)], given, tuple(keep)))
                 assert (out.buffer is not None) == (given is not None and bool(keep)), (n, keep)
                 np.testing.assert_array_equal(out.numpy(), -x)
                 if out.buffer is not None:
@@ -440,7 +441,7 @@ def test_a_loop_kept_in_the_allocator_gets_a_new_buffer_each_step_and_reads_the_
             state, outs = ephost.Tensor.from_numpy(x0), []
             for step, (allocator, keep) in enumerate([(first, (0,))] * 6 + [(second, (0,))] * 2 +
                                                      [(second, ())] * 2 + [(None, (0,))] * 2 + [(first, (0,))] * 2):
-                (state,) = info.compute([state], allocator, keep)
+                (state,) = info.compute(ComputeCall([state], allocator, tuple(keep)))
                 outs.append(state)
                 placed = allocator is not None and (bool(keep) or n == 128)  # 128 KiB: placed, kept or not
                 assert (state.buffer is not None) == placed, step
@@ -475,12 +476,12 @@ def test_outputs_written_into_a_pair_of_tensors_swapped_each_run_land_in_each_ru
     with compiled(model, ("x",), ("y",)) as info:
         pair = [ephost.Tensor.from_numpy(x0.copy()), ephost.Tensor.from_numpy(np.zeros((rows, 8), np.float32))]
         for n in range(1, 9):
-            (out,) = info.compute([pair[0]], into={0: pair[1]})
+            (out,) = info.compute(ComputeCall([pair[0]], into={0: pair[1]}))
             assert out is pair[1]
             np.testing.assert_array_equal(pair[1].numpy(), x0 + n)
             np.testing.assert_array_equal(pair[0].numpy(), x0 + n - 1)
             pair.reverse()
         other = ephost.Tensor.from_numpy(np.zeros((8, rows), np.float32))
-        (out,) = info.compute([pair[0]], into={0: other})
+        (out,) = info.compute(ComputeCall([pair[0]], into={0: other}))
         assert out is not other and not other.numpy().any()
         np.testing.assert_array_equal(out.numpy(), x0 + 9)

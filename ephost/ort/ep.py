@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ephost.eps.base import FusedGraph
+from ephost.eps.base import ComputeCall, FusedGraph
 from ephost.errors import EpInvalidArgument, EpNotFound, EpWorkerDraining
 from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
@@ -267,7 +267,7 @@ class BridgeComputeInfo:
         # ones come back inline: a buffer per small output and its free cost more than the copy (measured on the
         # tiny model: ~450 µs more per run with every output in a buffer).
         allocator = factory.output_allocator()
-        outputs = self.remote.compute(inputs, allocator)
+        outputs = self.remote.compute(ComputeCall(inputs, allocator))
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
         self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place)
