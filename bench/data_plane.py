@@ -117,7 +117,7 @@ def tiny(env, blocks: int, per_block: int) -> None:
 
 def changing(env, blocks: int, per_block: int, sizes: int = 400) -> None:
     """A loop whose input shape changes every run, as a decoding loop's grows: no call repeats as it was, so the
-    lane keeps it whatever its shapes (client/fastlane.py, _Keeping; ComputeRequest.keep_shapes)."""
+    lane keeps it whatever its shapes (a kept call takes inputs of any shape of its ranks)."""
     model = tiny_model("n")
     xs = [np.ones((1, n), np.float32) for n in range(1, sizes + 1)]
     inproc = in_process_session(model, "ORT CPU")

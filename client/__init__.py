@@ -2,7 +2,9 @@
 from ephost.client.devices import EpDevice, SharedAllocator, SyncNotification, SyncStream
 from ephost.client.environment import Environment
 from ephost.client.iobinding import IOBinding
-from ephost.client.session import InferenceSession, ModelOnWorker, NodeArg
+from ephost.client.model_source import ModelOnWorker
+from ephost.client.session import InferenceSession
+from ephost.client.session_io import NodeArg
 from ephost.client.session_options import SessionOptions
 from ephost.run_options import RunOptions
 

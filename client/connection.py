@@ -153,7 +153,7 @@ class WorkerConnection:
             raise self._failed(e, method) from None
 
     def call_kept(self, method, key, parts: list, nbytes: int, request_of, timeout: float | None = None,
-                  write=None, shaped=None):
+                  write=None):
         """A Compute or CopyTensors (`method`: the stub's method) the calling thread repeats (FastLane.call_kept),
         over the fast lane where it opens, else a plain call over gRPC: what came back (see call_kept), or the
         reply."""
@@ -161,7 +161,7 @@ class WorkerConnection:
         if lane_method is not None and self.kept_calls and not self._closed:
             try:
                 return self.lane.call_kept(lane_method, key, parts, nbytes, request_of, timeout or self.timeout_s,
-                                           write, shaped)
+                                           write)
             except LaneUnavailable:
                 pass  # nothing was sent
         return self.call(method, request_of(), timeout=timeout)

@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import weakref
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple
 
 import grpc
 
@@ -26,9 +26,8 @@ import numpy as np
 from ephost import lane_slots
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermissionDenied, EpUnknownKeptCall,
                            error_for_status)
-from ephost.fastlane import (HEADER, KEPT, KEPT_ID, KEPT_WRITING, MAGIC, MAX_KEPT, METHODS, PACKET, PLACED,
-                             STATUS_OK, TICKET_OK, FrameError, FrameReader, Method, configure, decode_error, put_parts,
-                             send_parts)
+from ephost.fastlane import (KEPT, KEPT_ID, KEPT_WRITING, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK,
+                             FrameError, FrameReader, Method, configure, decode_error, put_parts, send_parts)
 from ephost.lane_slots import Slots
 from ephost.types import checked_desc, nbytes_of
 from ephost.wire import SPIN_S
@@ -58,23 +57,20 @@ class Placed(NamedTuple):
 
 
 class _Kept:
-    """A call the worker kept for this connection: its id, and the types and shapes of the outputs that come
-    back, in order: inline (False) or left in the worker (True); `used`: when it was last repeated, on its
-    connection's clock (0: never), `born`: when it was kept (_room)."""
+    """A call the worker kept for this connection: its id, and the types and ranks of the outputs that come back
+    (those a Compute does not write into the caller's buffers), in order: inline (False) or left in the worker
+    (True); `used`: when it was last repeated, on its connection's clock (0: never), `born`: when it was kept
+    (_room). Each reply of a Compute says the outputs' dimensions first (ephost/fastlane.py); a copy's is empty."""
 
-    __slots__ = ("id", "id_bytes", "outputs", "nbytes", "placed", "used", "born")
+    __slots__ = ("id", "id_bytes", "outputs", "placed", "used", "born", "_dims")
 
-    def __init__(self, kid: int, outputs: list[tuple[tuple[int, ...], np.dtype, int, bool]]):
+    def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
         self.id = kid
         self.id_bytes = KEPT_ID.pack(kid)
         self.outputs = outputs
         self.placed = sum(1 for *_, left in outputs if left)
-        self.nbytes = self._nbytes()
         self.used = self.born = 0
-
-    def _nbytes(self) -> int | None:
-        """A KEPT reply's payload: the inline outputs' bytes and a PLACED record for each left in the worker."""
-        return sum(n for _, _, n, left in self.outputs if not left) + PLACED.size * self.placed
+        self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in outputs)}Q")
 
     @classmethod
     def of(cls, method: Method, request, reply) -> "_Kept":
@@ -85,57 +81,27 @@ class _Kept:
         if method is not COMPUTE:
             return cls(reply.kept_call, [])
         into = request.output_buffers
-        outputs = [(*checked_desc(v.tensor.desc), v.tensor.WhichOneof("location") == "buffer")
+        outputs = [(checked_desc(v.tensor.desc), v.tensor.WhichOneof("location") == "buffer")
                    for i, v in enumerate(reply.outputs) if i not in into]
-        if request.keep_shapes:
-            return _ShapedKept(reply.kept_call, [(len(shape), dtype, left) for shape, dtype, _, left in outputs])
-        return cls(reply.kept_call, outputs)
+        return cls(reply.kept_call, [(len(shape), dtype, left) for (shape, dtype, _), left in outputs])
 
     def arrays(self, payload) -> list:
         """The outputs that come back, in order: arrays over a KEPT reply's payload, and a Placed for each
         output left in the worker."""
-        if len(payload) != self.nbytes:
-            raise EpInternal(f"the worker answered a kept call with {len(payload)} bytes of outputs, not "
-                             f"{self.nbytes}")
-        arrays, offset = [], 0
-        records = self.nbytes - PLACED.size * self.placed
-        for shape, dtype, nbytes, left in self.outputs:
-            if left:
-                arrays.append(Placed(shape, dtype, nbytes, *PLACED.unpack_from(payload, records)))
-                records += PLACED.size
-            else:
-                arrays.append(np.ndarray(shape, dtype, payload, offset))  # frombuffer + reshape: twice the cost
-                offset += nbytes
-        return arrays
-
-
-class _ShapedKept(_Kept):
-    """A call the worker kept with `keep_shapes`: the types and ranks of the outputs that come back, in order
-    (inline, or left in the worker: True); each reply says their dimensions first (ephost/fastlane.py)."""
-
-    __slots__ = ("_dims",)
-
-    def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
-        super().__init__(kid, outputs)
-        self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in outputs)}Q")
-
-    def _nbytes(self) -> None:
-        return None  # each reply's own
-
-    def arrays(self, payload) -> list:
         dims = self._dims
         size = len(payload)
         if size < dims.size:
             raise EpInternal(f"the worker answered a kept call with {size} bytes, fewer than its outputs' "
                              "dimensions take")
-        values = dims.unpack_from(payload)
+        values = dims.unpack_from(payload) if dims.size else ()
         descs, at, inline = [], 0, 0
         for rank, dtype, left in self.outputs:
             shape = values[at:at + rank]
             at += rank
             nbytes = nbytes_of(shape, dtype)
             descs.append((shape, nbytes))
-            inline += 0 if left else nbytes
+            if not left:
+                inline += nbytes
         records = dims.size + inline
         if size != records + PLACED.size * self.placed:
             raise EpInternal(f"the worker answered a kept call with {size} bytes, not the "
@@ -146,7 +112,7 @@ class _ShapedKept(_Kept):
                 arrays.append(Placed(shape, dtype, nbytes, *PLACED.unpack_from(payload, records)))
                 records += PLACED.size
             else:
-                arrays.append(np.ndarray(shape, dtype, payload, offset))
+                arrays.append(np.ndarray(shape, dtype, payload, offset))  # frombuffer + reshape: twice the cost
                 offset += nbytes
         return arrays
 
@@ -163,7 +129,7 @@ def _room(kept: dict, clock: int, capacity: int):
     go to the back, to be looked at after the others. A plan that cycles through more calls than a connection keeps thus
     repeats those it keeps, run after run, and sends the rest whole; one that moved on lets the old ones go. (Where the
     oldest went for each new call, each went before it came round again, and every run kept every call anew: a chain of
-    65 partitions a worker, 64 a connection, 142 µs a partition call; 66 now, 46 all kept.)"""
+    65 partitions a worker, 64 a connection, each would be kept anew every run.)"""
     if len(kept) < capacity:
         return None
     horizon = clock - 2 * capacity
@@ -176,59 +142,10 @@ def _room(kept: dict, clock: int, capacity: int):
         kept[key] = call
     return _FULL
 
-MISSES = 4                # kept calls of a kind let go unrepeated in a row, after which its new calls are kept
-                          # only once seen again
-RECENT = 16               # new calls of such a kind remembered, to keep one that comes again
-MAX_KINDS = MAX_KEPT      # kinds of call one connection judges (past it the oldest is forgotten)
-
-
-class _Keeping:
-    """Which new calls one connection asks its worker to keep. Keeping costs both ends tens of microseconds,
-    repaid only by the call's repeats (a loop whose input shape changes every run: 139 µs per run against 104 with
-    `kept_calls=false`, the tiny model). Every new call is asked to keep until MISSES kept calls of one kind (a
-    partition's Computes, a data transfer's copies) in a row were let go unrepeated, as every step of a loop whose
-    shapes grow makes them; from then on a new call of that kind is kept with `keep_shapes` where it can be (a
-    Compute writing into no buffer of the caller's: FastLane.call_kept), so that the loop's later steps repeat it
-    whatever their shapes, and otherwise only when it comes again while still remembered (the last RECENT of its
-    kind), as the calls of a loop that settles into a few shapes do. Used by the connection's one thread."""
-
-    __slots__ = ("_kinds",)
-
-    def __init__(self):
-        # kind -> [kept calls let go unrepeated in a row, the last kept not judged yet, the new calls not kept]
-        self._kinds: dict[Hashable, list] = {}
-
-    def ask(self, kind: Hashable, key: Hashable) -> bool:
-        """Whether to ask the worker to keep a new call (`key`) of this kind."""
-        state = self._kinds.get(kind)
-        if state is None:
-            if len(self._kinds) >= MAX_KINDS:
-                del self._kinds[next(iter(self._kinds))]
-            state = self._kinds[kind] = [0, None, {}]
-        last = state[1]
-        if last is not None:  # judged as the next new call of its kind comes: was it repeated meanwhile?
-            state[0] = 0 if last.used else state[0] + 1
-            state[1] = None
-        if state[0] < MISSES:
-            return True
-        recent = state[2]
-        if recent.pop(key, False):
-            return True
-        recent[key] = True
-        if len(recent) > RECENT:
-            del recent[next(iter(recent))]
-        return False
-
-    def kept(self, kind: Hashable, kept: _Kept) -> None:
-        """The worker kept the new call of this kind just asked for."""
-        state = self._kinds.get(kind)
-        if state is not None:
-            state[1] = kept
-
 
 class _Connection:
-    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "refused", "clock", "keeping", "busy", "closed",
-                 "_closing", "__weakref__")
+    __slots__ = ("sock", "slots", "reader", "timeout", "kept", "clock", "busy", "closed", "_closing",
+                 "__weakref__")
 
     def __init__(self, sock: socket.socket, adopt, spin_s: float, slots: Slots | None):
         self.sock = sock
@@ -238,9 +155,7 @@ class _Connection:
         # key -> _Kept: the calls its worker keeps for it, the same, call for call, as the worker's own (one goes
         # in where the worker kept it, one goes out where this end said so: _room)
         self.kept: dict = {}
-        self.refused: dict = {}  # key -> True: the calls the worker would not keep (the last MAX_KEPT)
         self.clock = 0  # new calls made that may be kept (repeats do not count: a kept call's `used` is this)
-        self.keeping = _Keeping()
         self.busy = False  # a call on it waits for its reply
         self.closed = False  # close() was called (the descriptors may stay until a call under way ends)
         self._closing = threading.Lock()  # taken by the first close of the descriptors, never given back
@@ -352,19 +267,15 @@ class FastLane:
         return method.reply.FromString(frame.payload)
 
     def call_kept(self, method: Method, key: Hashable, parts: list, nbytes: int, request_of: Callable[[], Any],
-                  timeout: float, write: Callable[[], None] | None = None,
-                  shaped: Callable[[Hashable], tuple[Hashable, bytes]] | None = None):
-        """A Compute or CopyTensors this thread repeats (ephost/fastlane.py, kept calls). `key` says what makes
-        it the same call, its first element what kind of call it is (a Compute's partition, then its allocator,
-        input types and shapes; a copy's data transfer, ...: _Keeping judges kinds), `parts` are what a repeat
-        carries (the handles of the buffers it names, the inputs' bytes: `nbytes` in all) and `request_of()` the
-        whole request. The first call on a connection sends the request, asking the worker to keep it (unless
-        calls of its kind do not repeat: _Keeping); the next send only the parts. `write()` writes large inputs
+                  timeout: float, write: Callable[[], None] | None = None):
+        """A Compute or CopyTensors this thread may repeat (ephost/fastlane.py, kept calls): the transport's one
+        cache of prepared calls. `key` says what makes it the same call (a Compute's partition, allocator, input
+        types, ranks and ways, where its outputs go; a copy's data transfer, stream, types and shapes), `parts`
+        are what a repeat carries (a Compute's input dimensions, the handles of the buffers the call names, the
+        inputs' bytes: `nbytes` in all) and `request_of()` the whole request. The first call on a connection sends
+        the request, asking the worker to keep it; the next send only the parts. `write()` writes large inputs
         into the buffers the call names (once, however often it is called; `request_of()` calls it too): a repeat
         through the slots goes first (KEPT_WRITING), so that the worker reads the call while they are written.
-        `shaped(key)`, where the call may be kept with `keep_shapes` (a Compute writing into no buffer of the
-        caller's): the key without the inputs' shapes, and the inputs' dimensions packed as a repeat carries them;
-        a kind of call whose kept calls go unrepeated (_Keeping) is kept so, and repeats whatever its shapes.
         Returns what comes back (_Kept.arrays: a Compute's outputs as arrays over the reply, no copy, and a Placed
         for each left in the worker) where the reply is a kept call's, else the reply."""
         conn = self._connection()
@@ -375,36 +286,7 @@ class FastLane:
             if result is not _UNKEPT:
                 return result
         conn.clock += 1  # a new call (a repeat only reads the clock)
-        if kept is None and key in conn.refused:  # the worker would not keep it
-            return self.call(method, request_of(), timeout)
-        general = None
-        if shaped is not None:
-            general, dims = shaped(key[1])
-            general = (method.id, general)
-            kept = conn.kept.get(general)
-            if kept is not None:
-                result = self._repeat(conn, general, kept, method, [dims, *parts], len(dims) + nbytes, timeout,
-                                      write)
-                if result is not _UNKEPT:
-                    return result
-            elif general in conn.refused:  # the worker would not keep it so
-                general = None
-        kind = (method.id, key[1][0])  # the method and the caller's key's first element; a repeat needs none
-        if conn.keeping.ask(kind, key):
-            return self._keep(conn, key, method, request_of(), timeout, kind)
-        if general is not None:  # this kind of call does not repeat its shapes: kept whatever they are
-            request = request_of()
-            request.keep_shapes = True
-            return self._keep(conn, general, method, request, timeout)
-        return self.call(method, request_of(), timeout)
-
-    def repeater(self, method: Method, key: Hashable) -> "KeptRepeat | None":
-        """This thread's kept call for `key` (call_kept's), held to be repeated without being looked up again (a
-        session's steady run, client/steady.py); None where this thread's connection has none."""
-        conn = getattr(self._local, "conn", None)
-        key = (method.id, key)
-        kept = conn.kept.get(key) if conn is not None else None
-        return KeptRepeat(self, conn, key, kept, method) if kept is not None else None
+        return self._keep(conn, key, method, request_of(), timeout)
 
     def _repeat(self, conn: _Connection, key: Hashable, kept: _Kept, method: Method, parts: list, nbytes: int,
                 timeout: float, write: Callable[[], None] | None):
@@ -419,10 +301,9 @@ class FastLane:
             return _UNKEPT
         if frame.method == KEPT:
             return kept.arrays(frame.payload)
-        return method.reply.FromString(frame.payload)  # outputs of other types or shapes: the whole reply
+        return method.reply.FromString(frame.payload)  # outputs of other types or ranks: the whole reply
 
-    def _keep(self, conn: _Connection, key: Hashable, method: Method, request, timeout: float,
-              kind: Hashable = None):
+    def _keep(self, conn: _Connection, key: Hashable, method: Method, request, timeout: float):
         """A new call, the worker asked to keep it where the connection has room for it (_room): its reply."""
         kept = conn.kept
         room = _room(kept, conn.clock, self._capacity)
@@ -439,29 +320,17 @@ class FastLane:
         finally:
             if room is not None:  # the worker let it go as it read the request, whatever came of the call
                 del kept[room]
-        if not reply.kept_call:
-            refused = conn.refused
-            if len(refused) >= MAX_KEPT:
-                del refused[next(iter(refused))]
-            refused[key] = True
-            return reply
-        new = kept[key] = _Kept.of(method, request, reply)
-        new.born = conn.clock
-        if kind is not None:
-            conn.keeping.kept(kind, new)
+        if reply.kept_call:
+            new = kept[key] = _Kept.of(method, request, reply)
+            new.born = conn.clock
         return reply
 
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float,
-                  key: Hashable, write: Callable[[], None] | None = None, whole: bytes | None = None,
-                  copies: list = (), arrays: Sequence[Any] = ()):
+                  key: Hashable, write: Callable[[], None] | None = None):
         """Send a frame and read its reply frame; the typed error where the reply is one. `key` names the call
         (its reader polls for the reply, or sleeps until it comes, as the last reply to that call was quick or
         slow); `write()`, a kept call's inputs written after its frame went through the slots, or before it is
-        sent. `whole`: instead of `parts`, a kept call's repeat made whole beforehand (KEPT_WRITING where it
-        names large inputs to write, else KEPT; KeptRepeat.written, a steady run's way), put into the slot, then
-        each `(destination, k)` of `copies` written from `arrays[k]` as `write()` would be, in fewer Python calls
-        (on a run's cold caches each costs a microsecond or two); None where it does not go into the slot
-        (nothing sent; one KeptRepeat.written sends fits)."""
+        sent."""
         if conn.busy:
             # A call made by this thread while its call on the connection waits for a reply: a finalizer that
             # the garbage collector ran here (a dropped session's, which releases its partitions). On the lane
@@ -478,12 +347,7 @@ class FastLane:
             if conn.timeout != timeout:
                 sock.settimeout(timeout)
                 conn.timeout = timeout
-            if whole is not None:
-                if not conn.slots.put(whole):
-                    return None
-                if copies:
-                    self._write_after(conn, None, copies, arrays)
-            elif write is None:
+            if write is None:
                 send_parts(sock, method, timeout, parts, nbytes, conn.slots)
             elif conn.slots is not None and put_parts(conn.slots, KEPT_WRITING, timeout, parts, nbytes):
                 self._write_after(conn, write)
@@ -518,23 +382,17 @@ class FastLane:
             raise error
         return frame
 
-    def _write_after(self, conn: _Connection, write: Callable[[], None] | None, copies: list = (),
-                     arrays: Sequence[Any] = ()) -> None:
-        """The inputs of the KEPT_WRITING frame just put, written (by `write()`, or each `(destination, k)` of
-        `copies` from `arrays[k]`); the worker told. Where they cannot be, the connection goes (the worker, waiting
-        for them, sees its end)."""
+    def _write_after(self, conn: _Connection, write: Callable[[], None]) -> None:
+        """The inputs of the KEPT_WRITING frame just put, written by `write()`; the worker told. Where they cannot
+        be, the connection goes (the worker, waiting for them, sees its end)."""
         try:
-            if write is not None:
-                write()
-            for destination, k in copies:
-                destination[...] = arrays[k]  # (np.copyto: a Python call more)
+            write()
         except BaseException:
             self._drop(conn)
             raise
         conn.slots.inputs_written()
         # The worker waits for this word, and may be queued behind this thread on its CPU, which would keep it
-        # until this thread sleeps for the reply (tens of µs of Python cold; a CNN's run: the worker saw its
-        # inputs written 63 µs late in a quarter of runs, then never over 1 µs with this).
+        # until this thread sleeps for the reply.
         os.sched_yield()
 
     def _drop(self, conn: _Connection) -> None:
@@ -566,74 +424,6 @@ class FastLane:
         """Connections open now (one per thread that made a call)."""
         with self._lock:
             return len(self._connections)
-
-
-class KeptRepeat:
-    """A kept call of one thread's connection (FastLane.repeater), repeated as call_kept repeats it while the
-    thread's connection is the one it was kept on and the call is still kept there."""
-
-    __slots__ = ("_lane", "_conn", "_key", "_kept", "_method", "_header")
-
-    def __init__(self, lane: FastLane, conn: _Connection, key: Hashable, kept: _Kept, method: Method):
-        self._lane, self._conn, self._key, self._kept, self._method = lane, conn, key, kept, method
-        self._header = (None, b"")  # (what it was packed for, a frame's header and the kept call's id)
-
-    @property
-    def outputs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
-        """The types and shapes of the outputs that come back as the call was kept, in order."""
-        return [(shape, dtype) for shape, dtype, *_ in self._kept.outputs]
-
-    @property
-    def left(self) -> tuple[int, ...]:
-        """Which of the outputs that come back (by their place among them) the worker leaves in new buffers."""
-        return tuple(k for k, (*_, left) in enumerate(self._kept.outputs) if left)
-
-    def __call__(self, parts: list, nbytes: int, timeout: float, write: Callable[[], None] | None = None):
-        """What call_kept returns for a repeat (the outputs that came back, or the whole reply); None where the
-        call does not repeat now (another connection, the worker let it go, or the connection is in a call of
-        this thread's: call_kept's caller goes over gRPC then): then the worker ran nothing."""
-        lane, conn = self._lane, self._conn
-        if getattr(lane._local, "conn", None) is not conn or conn.busy or conn.kept.get(self._key) is not self._kept:
-            return None
-        result = lane._repeat(conn, self._key, self._kept, self._method, parts, nbytes, timeout, write)
-        return None if result is _UNKEPT else result
-
-    def written(self, parts: list, nbytes: int, copies: list, arrays, timeout: float):
-        """__call__ for a steady run's partition whose large inputs' staging buffers this process maps: each
-        `(destination, k)` of `copies` is written from `arrays[k]` (`destination`: an array over its buffer, of
-        the input's type and shape) after the frame went, as the worker reads it (KEPT_WRITING). Made in fewer
-        Python calls than __call__ (FastLane._exchange's `whole`) where its frame goes through a slot; None where
-        __call__ would give None."""
-        lane, conn, kept = self._lane, self._conn, self._kept
-        if getattr(lane._local, "conn", None) is not conn or conn.busy or conn.kept.get(self._key) is not kept:
-            return None
-        if conn.slots is None or KEPT_ID.size + nbytes > PACKET - HEADER.size:
-            # Its frame goes on the socket (no slots, or longer than a packet): the inputs written before it
-            def write() -> None:
-                for destination, k in copies:
-                    destination[...] = arrays[k]
-            result = lane._repeat(conn, self._key, kept, self._method, parts, nbytes, timeout,
-                                  write if copies else None)
-            return None if result is _UNKEPT else result
-        made, header = self._header
-        if made != (timeout, nbytes, bool(copies)):
-            made = (timeout, nbytes, bool(copies))
-            header = HEADER.pack(MAGIC, KEPT_WRITING if copies else KEPT, STATUS_OK, timeout,
-                                 KEPT_ID.size + nbytes) + kept.id_bytes
-            self._header = (made, header)
-        kept.used = conn.clock
-        try:
-            frame = lane._exchange(conn, KEPT, self._method.name, parts, nbytes, timeout, self._key,
-                                   whole=b"".join((header, *parts)),  # (parts: bytes or arrays)
-                                   copies=copies, arrays=arrays)
-        except EpUnknownKeptCall:
-            del conn.kept[self._key]
-            return None
-        if frame is None:
-            return None
-        if frame.method == KEPT:
-            return kept.arrays(frame.payload)
-        return self._method.reply.FromString(frame.payload)
 
 
 def _after_fork_in_child() -> None:

@@ -43,22 +43,20 @@ class PartitionRunner:
         self._made_by = {v: p.registration for p in partitions for v in p.graph.outputs}  # value -> its maker
 
     def run(self, run: int, values: dict[str, Any], names: Sequence[str], timeout: float | None,
-            placed: Mapping[str, MemoryInfo | None], targets: Mapping[str, Tensor], start: int = 0,
-            record: list | None = None, options: RunOptions | None = None) -> list[Any]:
+            placed: Mapping[str, MemoryInfo | None], targets: Mapping[str, Tensor],
+            options: RunOptions | None = None) -> list[Any]:
         """The values of `names` after one run from the feeds in `values`. `placed` names outputs to leave in an
         EP's memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one
         keeps it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
-        that makes them can (a worker, into its own memory). `start`: the partitions before it ran already
-        (their outputs are in `values`: a steady run that stopped there, client/steady.py); `record` gets each
-        partition run, with its inputs and outputs (to make a steady run of); `options`: the run's RunOptions
+        that makes them can (a worker, into its own memory). `options`: the run's RunOptions
         (its terminate flag is read before each partition; what an EP reads of them goes with each Compute)."""
         keep = set(names)
         owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()} if placed else {}
         if self.profiler.enabled:
             with self.profiler.span("Session", "model_run", run=run):
-                self._run_partitions(run, values, keep, owners, timeout, targets, start, record, options)
+                self._run_partitions(run, values, keep, owners, timeout, targets, options)
         else:
-            self._run_partitions(run, values, keep, owners, timeout, targets, start, record, options)
+            self._run_partitions(run, values, keep, owners, timeout, targets, options)
         for n in names:
             if n not in values and n in self._constants:
                 t = self._constants[n]
@@ -75,11 +73,10 @@ class PartitionRunner:
         return [labelled[id(values[n])] for n in names]
 
     def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
-                        timeout: float | None, targets: Mapping[str, Tensor], start: int, record: list | None,
-                        options: RunOptions | None) -> None:
+                        timeout: float | None, targets: Mapping[str, Tensor], options: RunOptions | None) -> None:
         profiling = self.profiler.enabled
         to_eps = options.for_eps() if options is not None else None
-        for p in self._partitions[start:] if start else self._partitions:
+        for p in self._partitions:
             if options is not None and options.terminated:
                 raise EpCancelled(TERMINATED)
             inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
@@ -93,8 +90,6 @@ class PartitionRunner:
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values.update(zip(p.graph.outputs, outputs))
-            if record is not None:
-                record.append((p, inputs, outputs))
             for v in p.last_reads:  # let go of values no later partition reads
                 if v not in keep:
                     values.pop(v, None)

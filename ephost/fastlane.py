@@ -15,22 +15,20 @@ caller's (large ones, which the caller writes again before each repeat, or value
 bound inputs) and whose outputs travel inline, into buffers of the caller's (`output_buffers`: an IOBinding's bound
 outputs) or into new buffers of the call's allocator (`keep`: an output bound to a device; or one too large to go
 inline, over the request's `inline_limit`) is kept by the worker for that connection (the reply's `kept_call` names
-it). The caller repeats it as a KEPT frame, whose payload is the kept call's id (KEPT_ID), the handles of the
-buffers it names (little-endian u64 each: its inputs in buffers, in order, then the buffers outputs go into, by
-position; each run may name others: a loop feeding back the last step's output names a new one each step) and the
-inline inputs' bytes, in order, and nothing else. The worker answers a KEPT frame with the inline outputs' bytes,
-in order, then a PLACED record for each output it left in a new buffer (a region a record names is handed over
-before the reply, as for any reply), where every output has the type and shape the kept call's first reply gave it,
-and otherwise with a whole ComputeResponse (method Ep/Compute). Errors are error frames, as for any method. A
-steady stream of small runs thus builds, parses and checks no message on either side: the types and shapes were
-checked once, when the call was kept, and every handle is looked up again on every run.
-
-A Compute sent with `keep_shapes` too (and no `output_buffers`) is kept for repeats whose inputs have other
-shapes, of the same types and ranks (a loop whose shapes grow, which would otherwise send every step whole):
-its KEPT frame's payload has each input's dimensions (little-endian u64 each, input by input) between the id and
-the handles, and its reply each returned output's dimensions (those left in the worker too) before the outputs'
-bytes. The worker checks the dimensions as it checks a request's, then the payload's length against the sizes
-they make; an output of another type or rank gets the whole ComputeResponse.
+it). The caller repeats it as a KEPT frame, whose payload is the kept call's id (KEPT_ID), every input's dimensions
+(little-endian u64 each, input by input), the handles of the buffers it names (little-endian u64 each: its inputs in
+buffers, in order, then the buffers outputs go into, by position; each repeat may name others: a loop feeding back
+the last step's output names a new one each step) and the inline inputs' bytes, in order, and nothing else. The
+inputs' shapes may change from repeat to repeat (their types and ranks may not): a loop whose shapes grow repeats
+one kept call. The worker checks the dimensions as it checks a request's, then the payload's length against the
+sizes they make. It answers a KEPT frame with the returned outputs' dimensions (those not written into the caller's
+buffers, in order), the inline outputs' bytes, in order, then a PLACED record for each output it left in a new
+buffer (a region a record names is handed over before the reply, as for any reply), where every output has the type
+and rank the kept call's first reply gave it, and otherwise with a whole ComputeResponse (method Ep/Compute).
+Errors are error frames, as for any method. A steady stream of runs thus builds, parses and checks no message on
+either side: the types were checked once, when the call was kept, and every handle is looked up again on every
+repeat. A kept CopyTensors (its sources and destinations all buffers of the caller's) is repeated with their
+handles only, and answered with an empty KEPT frame.
 
 A repeat whose large inputs the caller still has to write into the buffers it names may go first, as a
 KEPT_WRITING frame (the same payload), through the connection's slots only: the caller then writes those inputs

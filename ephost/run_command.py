@@ -253,7 +253,7 @@ def _progress(path: str):
     start = time.perf_counter()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_Elapsed(start))
-    logger = logging.getLogger("ephost.client.session")
+    logger = logging.getLogger("ephost.client.session_plan")  # the session says how its making goes
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

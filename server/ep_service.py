@@ -57,6 +57,7 @@ class EpService(Servicer):
 
     @rpc
     def Compute(self, request, call):
+        """A Compute from its whole request (gRPC, or a fast-lane frame): the same run as a kept call's repeat."""
         client = call.client
         _, info = client.get("compute_info", request.node_compute_info)
         # Checked whether the EP reads them or not: a malformed request is refused the same everywhere.
@@ -78,45 +79,45 @@ class EpService(Servicer):
         into = output_buffers(self.state, client, request.output_buffers) if request.output_buffers else None
         if stream is not None:
             stream.flush(call.time_remaining())  # inputs may still be arriving on the stream
-        # The EP may write outputs straight into the caller's buffers (`into`); into_value copies the others.
         keep = tuple(request.keep) if request.keep else ()
-        outputs = info.compute(ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, run_options=options,
-                                           on_kernel_ran=call.ran))
         counts = call.counts = {"compute_inputs_resident": resident,
                                 "compute_inputs_transferred": len(inputs) - resident,
                                 "compute_input_bytes_resident": bytes_here,
                                 "compute_input_bytes_transferred": bytes_moved, "bytes_inline_in": inline}
-        _ran(call, counts)
+        outputs = _run(info, ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, run_options=options,
+                                         on_kernel_ran=call.ran), call, counts)
         return self._reply(client, outputs, allocator, keep, request.inline_limit, into, request.output_buffers,
                            counts)
 
     def compute_kept(self, request: KeptRequest, call):
-        """A kept call repeated (server/kept_calls.py) -> a KeptReply, or a whole ComputeResponse where an output
-        is not of its kept type and shape."""
+        """A kept Compute repeated (server/kept_calls.py): the same run as a whole request's, read from the
+        repeat's frame; a KeptReply, or a whole ComputeResponse where an output is not of its kept type and
+        rank."""
         kept, payload, written = request
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
-        counts = call.counts = kept.counts()
-        handles = kept.handles(payload)
-        inputs = kept.input_tensors(payload, handles, client, counts)
-        keep = kept.keep
+        counts = call.counts = {"kept_calls": 1}
+        read = kept.read(payload)
+        handles = read[0]
+        inputs = kept.input_tensors(payload, read, client, counts)
+        into = kept.into_tensors(handles, client) if kept.into else None
         if written is not None:
             written()
-        into = kept.into_tensors(handles, client) if kept.into else None
-        outputs = info.compute(ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, on_kernel_ran=call.ran))
-        _ran(call, counts)
-        arrays = kept.output_arrays(outputs)
-        if arrays is None:
+        keep = kept.keep
+        outputs = _run(info, ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, on_kernel_ran=call.ran),
+                       call, counts)
+        parts = kept.reply_parts(outputs)
+        if parts is None:
             return self._reply(client, outputs, allocator, keep, kept.inline_limit, into,
                                kept.into_refs(handles) if into else None, counts)
         if into:
             kept.write_into(client, handles, into, outputs, counts)
-        counts["bytes_inline_out"], nbytes = kept.sizes(arrays)
+        counts["bytes_inline_out"], nbytes = kept.sizes(parts)
         if not kept.placed:
-            return KeptReply(arrays, nbytes, [])
+            return KeptReply(parts, nbytes, [])
         records, regions = kept.place(client, allocator, outputs, counts)
-        return KeptReply([*arrays, records], nbytes, regions)
+        return KeptReply([*parts, records], nbytes, regions)
 
     def _reply(self, client, outputs, allocator, keep, inline_limit: int, into, output_buffers,
                counts: dict[str, int]) -> ep_pb2.ComputeResponse:
@@ -164,8 +165,10 @@ class EpService(Servicer):
         return common_pb2.Empty()
 
 
-def _ran(call, counts: dict[str, int]) -> None:
-    """A Compute's EP has run: its caller woken now where it sleeps for the reply (Call.ran, the fast lane's early
-    wake), and that counted."""
+def _run(info, compute: ComputeCall, call, counts: dict[str, int]) -> list:
+    """The EP's run of one Compute, whole or kept; its caller woken as it ends where it sleeps for the reply
+    (Call.ran, the fast lane's early wake), and that counted."""
+    outputs = info.compute(compute)
     if call.ran is not None and call.ran():
         counts["early_wakes"] = 1
+    return outputs

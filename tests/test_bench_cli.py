@@ -148,7 +148,7 @@ def test_the_split_chain_keeps_a_value_in_one_worker_for_its_next_partition_and_
         with ephost.InferenceSession(model, options_for(env, "ns", "relu"), env=env) as session:
             assert [a.registration for a in session.get_provider_graph_assignment_info()] == ["ns", "relu"] * 3 + ["ns"]
             assert [p.keep for p in session._runner.partitions][0::2] == [(0,)] * 3 + [()]
-            for _ in range(3):  # the general path, then steady runs
+            for _ in range(3):  # the first run keeps the calls, the next repeat them
                 np.testing.assert_allclose(session.run(None, {"x": x})[0], expected[0], rtol=1e-6)
 
 
@@ -176,7 +176,7 @@ def test_the_cnn_table_runs_the_input_bound_in_the_worker_and_the_floor_as_ort_r
         with ephost.InferenceSession(model, options_for(env, "ort"), env=env) as session:
             run = bound_input(env, session, "ort", feeds)
             before = calls()
-            for _ in range(3):  # a general run, then steady IOBinding runs
+            for _ in range(3):  # the first run keeps the call, the next repeat it
                 (y,) = run()
                 np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-5)
             # The input went by handle: no staging buffer made for it, no copy into the worker

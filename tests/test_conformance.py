@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def run_case(case, prepare, runs: int = 1) -> None:
-    """`runs`: how often each data set is run (a session's third run of the same feeds is a steady one)."""
+    """`runs`: how often each data set is run (a session's later runs repeat its partitions' kept calls)."""
     rep = prepare(case.model)
     try:
         for inputs, expected in case.data_sets:
@@ -98,7 +98,7 @@ def test_every_case_passes_split_across_two_workers_and_the_reference_fallback(c
     with ephost.Environment() as env:
         env.register_execution_provider_library("a", "reference", {"ops": ",".join(ops[0::3])})
         env.register_execution_provider_library("b", "reference", {"ops": ",".join(ops[1::3])})
-        # Each data set three times: the third run is a steady one (client/steady.py), a plan with `keep` too
+        # Each data set three times: the later runs repeat kept calls, a plan with `keep` too
         kept = []
         failures, partitions = through(env, ["a", "b"], passing, fallback="reference", runs=3, kept=kept)
     multi = sum(n for k, n in partitions.items() if k > 1)

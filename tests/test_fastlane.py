@@ -1005,42 +1005,11 @@ def test_a_caller_asleep_through_a_long_compute_is_woken_as_the_ep_finishes(ort_
         ort_env.unregister_execution_provider_library("ort_whole")
 
 
-def test_a_kind_of_call_whose_kept_calls_go_unrepeated_is_no_longer_kept_until_a_call_comes_again():
-    """The client's choice of new calls to ask its worker to keep (client/fastlane.py, _Keeping): every one, until
-    MISSES kept calls of one kind in a row went unrepeated; then only a call that comes again while remembered.
-    A kind whose kept calls repeat, and every other kind, are asked for as before."""
-    from ephost.client.fastlane import MISSES, RECENT, _Keeping, _Kept
-    keeping = _Keeping()
-
-    def new_call(kind, key, repeated=False) -> bool:
-        asked = keeping.ask(kind, key)
-        if asked:
-            kept = _Kept(1, [])
-            keeping.kept(kind, kept)
-            kept.used = repeated  # the caller marks a kept call used as it repeats it
-        return asked
-
-    assert all(new_call("steady", ("steady", n), repeated=True) for n in range(3 * MISSES))
-    assert [new_call("growing", ("growing", n)) for n in range(MISSES + 3)] == [True] * MISSES + [False] * 3
-    assert new_call("steady", ("steady", "again"), repeated=True), "another kind is judged apart"
-    assert not new_call("growing", ("growing", 100))
-    assert new_call("growing", ("growing", 100), repeated=True), "a call that came again is kept"
-    assert new_call("growing", ("growing", 101)), "its kept call was repeated: the kind is kept again"
-    for n in range(MISSES):
-        new_call("growing", ("growing", 200 + n))
-    assert not new_call("growing", ("growing", 300))
-    for n in range(RECENT):
-        assert not new_call("growing", ("growing", 400 + n))
-    assert not new_call("growing", ("growing", 300)), "remembered are the last RECENT only"
-
-
 def test_a_loop_whose_shapes_change_every_run_repeats_one_call_kept_whatever_its_shapes(ort_env):
-    """Keeping a call costs both ends tens of microseconds, repaid only by its repeats: a loop whose input shape
-    changes every run has its worker keep its first MISSES calls (`calls_kept`), which go unrepeated, and then one
-    call with `keep_shapes`, which every later step repeats (`kept_calls`) with its own shapes, the steps after the
-    loop settled on one shape too. The results are those of gRPC, which keeps nothing."""
+    """A loop whose input shape changes every run has its worker keep its first call (`calls_kept`), which every
+    later step repeats (`kept_calls`) with its own shapes, the steps after the loop settled on one shape too. The
+    results are those of gRPC, which keeps nothing."""
     from onnx import TensorProto, helper
-    from ephost.client.fastlane import MISSES
     graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"], name="double")], "dyn",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "n"])])
@@ -1058,7 +1027,7 @@ def test_a_loop_whose_shapes_change_every_run_repeats_one_call_kept_whatever_its
         after = worker_stats(ort_env, registration)
         if lane:
             assert (middle.calls_kept - before.calls_kept, middle.kept_calls - before.kept_calls) == \
-                (MISSES + 1, len(growing) - MISSES - 1)
+                (1, len(growing) - 1)
             assert (after.calls_kept - middle.calls_kept, after.kept_calls - middle.kept_calls) == (0, len(settled))
         else:
             assert after.calls_kept == before.calls_kept and after.kept_calls == before.kept_calls
@@ -1184,10 +1153,15 @@ def kept_frame(sock, payload: bytes, timeout: float = 10.0):
     return FrameReader(sock).read()
 
 
+def dims(*values: int) -> bytes:
+    """Dimensions as a KEPT frame and its reply carry them."""
+    return struct.pack(f"<{len(values)}Q", *values)
+
+
 def test_kept_calls_on_the_wire(lane_worker):
-    """The KEPT frame: the kept call's id and the inputs' bytes in; the outputs' bytes out. Every payload is
-    checked (length, id), a kept call belongs to its connection and names a partition looked up on every call,
-    and gRPC never keeps one."""
+    """The KEPT frame: the kept call's id, the inputs' dimensions and bytes in; the outputs' dimensions and bytes
+    out. Every payload is checked (length, id), a kept call belongs to its connection and names a partition looked
+    up on every call, and gRPC never keeps one."""
     raw = RawClient(lane_worker.address)
     try:
         ep, partition, request = kept_partition(raw)
@@ -1203,24 +1177,25 @@ def test_kept_calls_on_the_wire(lane_worker):
         frame, unkept = lane_call(sock, "Ep/Compute", with_options)
         assert frame.status == 0 and unkept.kept_call == 0  # a call with run options is never kept
         x = np.array([5, -6, 7, -8], np.float32)
-        frame = kept_frame(sock, kid + x.tobytes())
+        frame = kept_frame(sock, kid + dims(4) + x.tobytes())
         assert (frame.method, frame.status) == (KEPT, 0)
-        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
+        assert frame.payload[:8] == dims(4)
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32, offset=8), [5, 0, 7, 0])
 
-        for payload, code, says in ((kid + x.tobytes()[:12], 3, b"takes 16 bytes"),
-                                    (kid + x.tobytes() + b"\0", 3, b"takes 16 bytes"),
+        for payload, code, says in ((kid + dims(4) + x.tobytes()[:12], 3, b"takes 24 bytes"),
+                                    (kid + dims(4) + x.tobytes() + b"\0", 3, b"takes 24 bytes"),
                                     (b"\x01\x00", 3, b"shorter than its 4-byte id"),
-                                    (KEPT_ID.pack(999) + x.tobytes(), 5, b"no kept call 999")):
+                                    (KEPT_ID.pack(999) + dims(4) + x.tobytes(), 5, b"no kept call 999")):
             frame = kept_frame(sock, payload)
             assert (frame.method, frame.status) == (KEPT, code) and says in bytes(frame.payload), fastlane_error(frame)
         assert decode_error(kept_frame(sock, KEPT_ID.pack(999)).payload)[1] == "unknown-kept-call"
-        frame = kept_frame(sock, kid + x.tobytes(), timeout=float("nan"))
+        frame = kept_frame(sock, kid + dims(4) + x.tobytes(), timeout=float("nan"))
         assert frame.status == 3 and b"timeout" in bytes(frame.payload)
 
         # Another connection of the same client does not know it.
         other, _ = open_lane(raw)
         assert other.recv(2) == b"OK"
-        assert kept_frame(other, kid + x.tobytes()).status == 5
+        assert kept_frame(other, kid + dims(4) + x.tobytes()).status == 5
         other.close()
         # Not asked, or over gRPC: not kept.
         request.keep_call = False
@@ -1238,20 +1213,20 @@ def test_kept_calls_on_the_wire(lane_worker):
         request.replace_kept = KEPT_ID.unpack(kid)[0]
         frame, reply = lane_call(sock, "Ep/Compute", request)
         assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
-        assert kept_frame(sock, kid + x.tobytes()).status == 5
+        assert kept_frame(sock, kid + dims(4) + x.tobytes()).status == 5
         newest = KEPT_ID.pack(reply.kept_call)
-        assert kept_frame(sock, newest + x.tobytes()).status == 0
+        assert kept_frame(sock, newest + dims(4) + x.tobytes()).status == 0
         bad = ep_pb2.ComputeRequest()
         bad.CopyFrom(request)
         bad.replace_kept = ids[0]
         bad.inputs[0].tensor.inline = b"\0" * 4  # 4 bytes for 4 floats
         assert lane_call(sock, "Ep/Compute", bad)[0].status == 3
-        assert kept_frame(sock, KEPT_ID.pack(ids[0]) + x.tobytes()).status == 5
+        assert kept_frame(sock, KEPT_ID.pack(ids[0]) + dims(4) + x.tobytes()).status == 5
         request.replace_kept = 0
         # The partition is looked up on every call: released, it is NOT_FOUND like any Compute of it.
         raw(raw.ep.ReleaseNodeComputeInfos, ep_pb2.ReleaseNodeComputeInfosRequest(ep=ep,
                                                                                   node_compute_infos=[partition]))
-        frame = kept_frame(sock, newest + x.tobytes())
+        frame = kept_frame(sock, newest + dims(4) + x.tobytes())
         assert frame.status == 5 and b"unknown compute info handle" in bytes(frame.payload)
         # The connection, and the worker, serve on.
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=host_allocator(raw), nbytes=64), lane_worker)
@@ -1261,17 +1236,16 @@ def test_kept_calls_on_the_wire(lane_worker):
 
 
 def test_kept_calls_of_changing_shapes_on_the_wire(lane_worker):
-    """A Compute kept with `keep_shapes`: a repeat carries its input's dimensions before its bytes, and its reply
-    the output's before the output's; any shape of the kept rank goes, empty ones too. The dimensions are checked
-    as a request's are (a tensor too large for any), and the payload's length against the size they make."""
+    """A kept Compute's repeats may have inputs of any shape of the kept rank, empty ones too: the dimensions are
+    checked as a request's are (a tensor too large for any), and the payload's length against the size they
+    make."""
     raw = RawClient(lane_worker.address)
     try:
         ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
         (partition,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(
             ep=ep, model=ep_pb2.ModelRef(model=models.chain(["Relu"], shape=("n",)).SerializeToString()),
             graphs=[ep_pb2.FusedGraph(name="p", nodes=["n0_Relu"], inputs=["x"], outputs=["y"])])).node_compute_infos
-        request = ep_pb2.ComputeRequest(node_compute_info=partition, inline_limit=1 << 20, keep_call=True,
-                                        keep_shapes=True)
+        request = ep_pb2.ComputeRequest(node_compute_info=partition, inline_limit=1 << 20, keep_call=True)
         ref = request.inputs.add().tensor
         ref.desc.elem_type, ref.desc.shape[:] = 1, [4]
         ref.inline = np.array([-1, 2, -3, 4], np.float32).tobytes()
@@ -1425,10 +1399,9 @@ def test_runs_with_large_inputs_are_kept_calls_through_buffers_kept_for_them(ort
 def test_a_large_input_whose_shape_grows_is_written_into_buffers_that_grow_twice_as_large(ort_env):
     """A loop whose large input grows every step: the calling thread's buffer for it is used while it is large
     enough and replaced by one twice as large when outgrown, so that a dozen steps allocate twice, not a dozen
-    times; on the lane the steps after the first MISSES + 1 repeat one call kept whatever its shapes, the input's
-    bytes never in a frame. Every result is right, over gRPC too."""
+    times; on the lane the steps after the first repeat its kept call whatever their shapes, the input's bytes
+    never in a frame. Every result is right, over gRPC too."""
     from onnx import helper
-    from ephost.client.fastlane import MISSES
     model = models.model([helper.make_node("MatMul", ["s", "x"], ["y"], name="mm")],
                          [models.tensor("s", [1, 256]), models.tensor("x", [256, "n"])],
                          [models.tensor("y", [1, "n"])])
@@ -1448,7 +1421,7 @@ def test_a_large_input_whose_shape_grows_is_written_into_buffers_that_grow_twice
         assert after.compute_input_bytes_transferred - before.compute_input_bytes_transferred == \
             sum(256 * 4 + 256 * n * 4 for n in widths), registration
         if lane:
-            assert after.kept_calls - before.kept_calls == len(widths) - MISSES - 1
+            assert after.kept_calls - before.kept_calls == len(widths) - 1
 
 def test_threads_keep_buffers_of_their_own(ort_env):
     """Four threads repeating one call with large inputs at once: each writes into buffers of its own, so that
@@ -1510,24 +1483,24 @@ def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
         assert frame.status == 0 and reply.kept_call, fastlane_error(frame)
         kid = KEPT_ID.pack(reply.kept_call)
         write([5, -6, 7, -8])
-        frame = kept_frame(sock, kid + struct.pack("<Q", buffer))
+        frame = kept_frame(sock, kid + dims(4, buffer))
         assert (frame.method, frame.status) == (KEPT, 0), fastlane_error(frame)
-        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
-        frame = kept_frame(sock, kid + struct.pack("<Q", buffer) + bytes(16))  # the input is not in the frame
-        assert frame.status == 3 and b"takes 8 bytes" in bytes(frame.payload)
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32, offset=8), [5, 0, 7, 0])
+        frame = kept_frame(sock, kid + dims(4, buffer) + bytes(16))  # the input is not in the frame
+        assert frame.status == 3 and b"takes 16 bytes" in bytes(frame.payload)
         other = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
         raw(raw.allocator.Write, iter([allocator_pb2.BufferChunk(
             allocator=allocator, buffer=other, data=np.array([-9, 9, -9, 9], np.float32).tobytes())]))
-        frame = kept_frame(sock, kid + struct.pack("<Q", other))  # another buffer this run
-        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [0, 9, 0, 9])
+        frame = kept_frame(sock, kid + dims(4, other))  # another buffer this run
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32, offset=8), [0, 9, 0, 9])
         small = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=8)).buffer
-        frame = kept_frame(sock, kid + struct.pack("<Q", small))
+        frame = kept_frame(sock, kid + dims(4, small))
         assert frame.status == 3 and b"does not fit its buffer of 8 bytes" in bytes(frame.payload), \
             fastlane_error(frame)
 
         raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=buffer))
         for handle in (buffer, 99999):
-            frame = kept_frame(sock, kid + struct.pack("<Q", handle))
+            frame = kept_frame(sock, kid + dims(4, handle))
             assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
         assert_serves_on(sock, allocator_pb2.AllocRequest(allocator=allocator, nbytes=64), lane_worker)
     finally:
@@ -1568,7 +1541,7 @@ def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wi
             frame = reader.read()
             assert frame.status == 0, fastlane_error(frame)
             kid = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
-            return sock, slots, reader, KEPT_ID.pack(kid) + struct.pack("<Q", buffer)
+            return sock, slots, reader, KEPT_ID.pack(kid) + dims(4, buffer)
 
         def writing(timeout: float = 10.0, data: bytes | None = None) -> None:
             data = payload if data is None else data
@@ -1585,7 +1558,7 @@ def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wi
         slots.inputs_written()
         frame = reader.read()
         assert (frame.method, frame.status, frame.slot) == (KEPT, 0, True), fastlane_error(frame)
-        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32), [5, 0, 7, 0])
+        np.testing.assert_array_equal(np.frombuffer(frame.payload, np.float32, offset=8), [5, 0, 7, 0])
 
         writing(timeout=1e308)  # a deadline centuries away: the worker sleeps as long as it takes
         time.sleep(0.1)
@@ -1600,9 +1573,9 @@ def test_a_kept_call_sent_before_its_inputs_are_written_waits_for_them_on_the_wi
         write([1, 1, -1, -1])
         writing()
         slots.inputs_written()
-        np.testing.assert_array_equal(np.frombuffer(reader.read().payload, np.float32), [1, 1, 0, 0])
+        np.testing.assert_array_equal(np.frombuffer(reader.read().payload, np.float32, offset=8), [1, 1, 0, 0])
 
-        writing(data=KEPT_ID.pack(999) + struct.pack("<Q", buffer))  # never written: nothing to wait for
+        writing(data=KEPT_ID.pack(999) + dims(4, buffer))  # never written: nothing to wait for
         assert reader.read().status == 5
         send_frame(sock, KEPT_WRITING, 0, 10.0, payload)  # on the socket
         frame = reader.read()
@@ -1693,12 +1666,12 @@ def test_kept_calls_writing_into_a_buffer_on_the_wire(lane_worker):
         assert reply.outputs[0].tensor.buffer == out
         np.testing.assert_array_equal(result(), [0, 2, 0, 4])
         kid = KEPT_ID.pack(reply.kept_call)
-        frame = kept_frame(sock, kid + struct.pack("<Q", out) + np.array([5, -6, 7, -8], np.float32).tobytes())
+        frame = kept_frame(sock, kid + dims(4, out) + np.array([5, -6, 7, -8], np.float32).tobytes())
         assert (frame.method, frame.status, len(frame.payload)) == (KEPT, 0, 0), fastlane_error(frame)
         np.testing.assert_array_equal(result(), [5, 0, 7, 0])
 
         raw(raw.allocator.Free, allocator_pb2.FreeRequest(allocator=allocator, buffer=out))
-        frame = kept_frame(sock, kid + struct.pack("<Q", out) + np.array([1, 1, 1, 1], np.float32).tobytes())
+        frame = kept_frame(sock, kid + dims(4, out) + np.array([1, 1, 1, 1], np.float32).tobytes())
         assert frame.status == 5 and b"unknown buffer handle" in bytes(frame.payload), fastlane_error(frame)
         target.ClearField("buffer")
         target.reply.SetInParent()
@@ -1877,9 +1850,11 @@ def test_kept_calls_leaving_outputs_in_the_worker_on_the_wire(lane_worker, why):
         before = sole_client_stats(raw)
         for values in ([5, -6, 7, -8], [-1, -1, 9, 1]):
             x = np.array(values, np.float32)
-            frame = kept_frame(sock, kid + x.tobytes())
-            assert (frame.method, frame.status, len(frame.payload)) == (KEPT, 0, PLACED.size), fastlane_error(frame)
-            handle, region, offset, nbytes = PLACED.unpack(frame.payload)
+            frame = kept_frame(sock, kid + dims(4) + x.tobytes())
+            assert (frame.method, frame.status, len(frame.payload)) == (KEPT, 0, 8 + PLACED.size), \
+                fastlane_error(frame)
+            assert frame.payload[:8] == dims(4)
+            handle, region, offset, nbytes = PLACED.unpack_from(frame.payload, 8)
             assert handle not in handles and region == first.mapped.region and nbytes == 16 and offset >= 0
             handles.add(handle)
             data = b"".join(c.data for c in raw(raw.allocator.Read, allocator_pb2.ReadRequest(

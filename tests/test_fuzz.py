@@ -446,8 +446,8 @@ def test_every_fast_lane_method_survives_hostile_frames(fuzzed, method):
 
 
 def test_kept_call_frames_survive_hostile_payloads(fuzzed):
-    """KEPT frames (a kept Compute repeated with only its inputs' bytes, one kept with `keep_shapes` with its
-    input's dimensions too, a kept CopyTensors with only its buffers' handles) with ids kept or not, payloads of
+    """KEPT frames (two kept Computes repeated with only their input's dimensions and bytes, a kept CopyTensors
+    with only its buffers' handles) with ids kept or not, payloads of
     every length, dimensions of every size, handles of buffers and not, and timeouts of every kind, sent as KEPT
     or as KEPT_WRITING (inputs said written at once, a little later, or, under a short deadline, never): one
     reply each, a result or a typed error, and the worker serves on."""
@@ -464,7 +464,6 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
                         lane.slots)
     (frame,) = lane.replies()
     kept = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
-    request.keep_shapes = True
     fastlane.send_frame(lane.open(), fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request.SerializeToString(),
                         lane.slots)
     (frame,) = lane.replies()
@@ -493,7 +492,7 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
            written=st.sampled_from([None, None, "at once", "later", "never"]), rng=st.randoms(use_true_random=False))
     def fuzz(kid, dim, extra, length, prefix, handles_, named, timeout_s, written, rng):
         body = struct.pack("<2Q", *handles_) if named and length == 16 else rng.randbytes(length)
-        if kid == shaped and named:  # its input's dimensions, then about as many bytes as they make
+        if kid in (kept, shaped) and named:  # its input's dimensions, then about as many bytes as they make
             body = struct.pack("<Q", dim) + rng.randbytes(max(0, 4 * min(dim, 64) + extra))
         payload = fastlane.KEPT_ID.pack(kid)[:prefix] + body
         if written == "never" and (timeout_s == 0 or timeout_s >= 1):

@@ -135,17 +135,17 @@ def test_after_a_crash_what_ort_holds_in_the_dead_workers_memory_stays_readable_
         ephost.ort.unregister("crashy")
 
 
-def test_a_tensor_on_the_device_goes_by_handle_after_steady_computes_of_numpy_inputs(ref):
-    """Runs fed numpy arrays make the partition's Compute a steady call (its inputs' bytes sent); a run of the same
+def test_a_tensor_on_the_device_goes_by_handle_after_kept_computes_of_numpy_inputs(ref):
+    """Runs fed numpy arrays make the partition's Compute a kept call (its inputs' bytes sent); a run of the same
     shape given an OrtValue on the bridged device still names it by handle, nothing copied in."""
     model = models.chain(["Relu", "Neg"], shape=(1, 16))
     session = session_on(ref, model)
     rng = np.random.default_rng(6)
-    before = ephost.ort.stats(ref)
+    repeats = ephost.ort.environment(ref).get_worker_stats(ref).kept_calls
     for _ in range(3):
         x = rng.standard_normal((1, 16)).astype(np.float32)
         np.testing.assert_array_equal(session.run(None, {"x": x})[0], -np.maximum(x, 0))
-    assert ephost.ort.stats(ref).computes_steady - before.computes_steady == 2
+    assert ephost.ort.environment(ref).get_worker_stats(ref).kept_calls - repeats == 2
     x = rng.standard_normal((1, 16)).astype(np.float32)
     on_device = ort.OrtValue.ortvalue_from_shape_and_type([1, 16], np.float32, memory_info=device_memory(ref))
     on_device.update_inplace(x)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from ctypes import c_size_t, c_void_p
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,6 @@ from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
 from ephost.ort.graph_reader import GraphReader
-from ephost.ort.kernel_io import KernelIO, shape_of
 from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor
 
@@ -24,10 +22,6 @@ if TYPE_CHECKING:
     from ephost.ort.factory import BridgeFactory
 
 log = logging.getLogger(__name__)
-
-STEADY_MISSES = 8  # general-path Computes in a row that made no steady call, after which one is tried ...
-STEADY_RETRY = 64  # ... only every this many
-
 
 class BridgeEp:
     """OrtEp: one per ORT session that selected the bridged devices; an EP in the worker behind it."""
@@ -156,12 +150,10 @@ class BridgeEp:
         forget(self.address)
         self.remote.release()
 
-
 def tensor_kind(info) -> int:
     """The element type of a tensor ValueInfoProto: what a partition edge must agree on (ORT's shapes of
     intermediate values are not trusted, see GraphReader.value_info)."""
     return info.type.tensor_type.elem_type
-
 
 def acyclic_groups(index: GraphIndex, groups: list[tuple[str, ...]]) -> list[list[str]]:
     """The worker's groups, each split where fusing it whole would put a node outside it on a path between two of
@@ -172,7 +164,6 @@ def acyclic_groups(index: GraphIndex, groups: list[tuple[str, ...]]) -> list[lis
             key_of[name] = i
     clusters = cluster(index, key_of, set(range(len(groups))))
     return [c.nodes for c in clusters if isinstance(c.key, int)]
-
 
 class BridgeComputeInfo:
     """OrtNodeComputeInfo of one fused partition: Compute reads the kernel context's inputs (views of ORT's
@@ -190,7 +181,6 @@ class BridgeComputeInfo:
             "ReleaseState": lambda this, state: None,
         })
         self.address = keep(self, self.struct)
-        self._local = _ThreadCompute()
         self._output_count: int | None = None
 
     def _state(self, state_out) -> None:
@@ -215,46 +205,18 @@ class BridgeComputeInfo:
             self._run(context)
 
     def _run(self, context: int) -> None:
+        """One Compute: ORT's tensors in the worker's memory named by handle, the others' bytes sent (the
+        transport repeats the call with only what changes where it keeps calls)."""
         factory = self.ep.factory
         arrays, addresses = factory.kernel_io.inputs(context)
-        for i, array in enumerate(arrays):
-            if array is None:
-                raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
-        local = self._local
-        memory = factory.memory
-        # (a tensor ORT holds in the worker's memory goes by handle: the general way, which asks the same)
-        if local.steady is not None and (memory is None or not any(memory.buffer_at(a) for a in addresses if a)):
-            try:
-                made = local.steady(arrays)
-            except BaseException:  # the worker died, say: the next Compute goes the general way, which waits for it
-                local.steady = None
-                raise
-            if made is not None:
-                outputs, kept = made
-                local.misses = 0
-                steady = local.steady
-                if kept:  # as the call was kept: into ORT's outputs without a look at them
-                    factory.stats.count(steady.in_bytes, steady.write(factory.kernel_io, context, outputs),
-                                        steady=True)
-                else:
-                    self._write_outputs(context, outputs, steady.in_bytes, steady=True)
-                return
-            local.steady = None
-            local.misses += 1
-        self._compute(context, arrays, addresses)
-
-    def _compute(self, context: int, arrays: list[np.ndarray], addresses: list[int]) -> None:
-        """A Compute on the general path: ORT's tensors in the worker's memory named by handle, the others' bytes
-        sent; a steady call made of it for the next Compute on this thread where it repeats (_SteadyCompute)."""
-        factory = self.ep.factory
         memory = factory.memory
         inputs: list[Any] = []
         in_place = in_bytes = 0
-        plain = True
-        for array, address in zip(arrays, addresses):
+        for i, (array, address) in enumerate(zip(arrays, addresses)):
+            if array is None:
+                raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
             if array.dtype == object:
                 inputs.append(array)
-                plain = False
                 continue
             buffer = memory.buffer_at(address) if memory is not None and array.size else None
             if buffer is not None:  # in the worker's memory already: named by handle
@@ -264,24 +226,13 @@ class BridgeComputeInfo:
                 inputs.append(Tensor.from_numpy(array))
                 in_bytes += array.nbytes
         # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory); small
-        # ones come back inline: a buffer per small output and its free cost more than the copy (measured on the
-        # tiny model: ~450 µs more per run with every output in a buffer).
-        allocator = factory.output_allocator()
-        outputs = self.remote.compute(ComputeCall(inputs, allocator))
+        # ones come back inline: a buffer per small output and its free cost more than the copy.
+        outputs = self.remote.compute(ComputeCall(inputs, factory.output_allocator()))
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
         self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place)
-        local = self._local
-        # Made after the outputs went into ORT's, their types checked against ORT's there: a steady call's outputs
-        # come back of the same types, or whole. Where none can be made (no fast lane, a call not kept, inputs of
-        # other shapes every run), tried again every STEADY_RETRY-th run only.
-        if plain and not in_place and (local.misses < STEADY_MISSES or local.misses % STEADY_RETRY == 0):
-            local.steady = _SteadyCompute.of(self.remote, inputs, allocator, outputs)
-            if local.steady is None:
-                local.misses += 1
 
-    def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0,
-                       steady: bool = False) -> None:
+    def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0) -> None:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
         output tensor is the worker's buffer), the others' bytes copied into ORT's."""
         factory = self.ep.factory
@@ -315,58 +266,4 @@ class BridgeComputeInfo:
                 out_bytes += array.nbytes
             if isinstance(out, Tensor):
                 out.release()
-        factory.stats.count(in_bytes, out_bytes, in_place, out_place, steady)
-
-
-class _ThreadCompute(threading.local):
-    """A compute info's state on one of ORT's threads: its steady call, and how many runs in a row made none."""
-
-    steady: "_SteadyCompute | None" = None
-    misses = 0
-
-
-class _SteadyCompute:
-    """One thread's Compute of a partition made again as the last one went (client/remote.py's SteadyCompute):
-    ORT's inputs of the types and shapes it was made with, each in this process's memory, sent as they are, the
-    outputs' bytes back, nothing looked up or made on the way (the tiny model through the bridge: 100-102 -> 79 µs a
-    run, against 34 through ephost's own session on the same worker and 5.5 on ORT's CPU EP in process)."""
-
-    __slots__ = ("_kinds", "_call", "_dims", "in_bytes")
-
-    def __init__(self, kinds: list[tuple[np.dtype, tuple[int, ...]]], call, dims: list, in_bytes: int):
-        self._kinds, self._call = kinds, call
-        self._dims = dims  # each output's shape, as KernelIO.put takes it
-        self.in_bytes = in_bytes  # what a call sends
-
-    @classmethod
-    def of(cls, remote, inputs: list[Tensor], allocator, outputs: list[Any]) -> "_SteadyCompute | None":
-        """Where the Compute just made (`inputs`, arrays in this process's memory, and what it returned) is a kept
-        call on this thread's fast lane whose outputs all come back in its reply; else None."""
-        if not all(type(out) is Tensor and out.buffer is None for out in outputs):
-            return None
-        call = remote.steady(inputs, allocator, outputs)
-        if call is None or not call.inline:
-            return None
-        return cls([(t.dtype, t.shape) for t in inputs], call, [shape_of(out.shape) for out in outputs],
-                   sum(t.nbytes for t in inputs))
-
-    def __call__(self, arrays: list[np.ndarray]) -> tuple[list[Any], bool] | None:
-        """The outputs, and whether they are as the call was kept: arrays over the reply (True), else as compute
-        returns them (False: of other types or shapes); None where these inputs are not of the kinds it repeats, or
-        the call no longer repeats (nothing ran)."""
-        if len(arrays) != len(self._kinds):
-            return None
-        for array, (dtype, shape) in zip(arrays, self._kinds):
-            if array.dtype != dtype or array.shape != shape:
-                return None
-        return self._call(arrays, None)
-
-    def write(self, io: KernelIO, context: int, arrays: list[np.ndarray]) -> int:
-        """The outputs of a call that went as kept (arrays over its reply, of the types and shapes of the general
-        Compute's, which went into ORT's outputs: checked against them there) copied into ORT's, made in the C
-        helper with the shapes kept; their bytes."""
-        nbytes = 0
-        for i, (array, dims) in enumerate(zip(arrays, self._dims)):
-            io.put(context, i, dims, array)
-            nbytes += array.nbytes
-        return nbytes
+        factory.stats.count(in_bytes, out_bytes, in_place, out_place)

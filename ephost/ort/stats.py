@@ -12,18 +12,15 @@ class BridgeStats:
     the worker's shared memory, ORT's tensors on the bridged device)."""
 
     computes: int = 0
-    computes_steady: int = 0  # of them, made again as the one before on the thread (no lookup, no tensor made)
     bytes_in_copied: int = 0
     bytes_out_copied: int = 0
     inputs_in_place: int = 0
     outputs_in_place: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def count(self, bytes_in: int, bytes_out: int, inputs_in_place: int = 0, outputs_in_place: int = 0,
-              steady: bool = False) -> None:
+    def count(self, bytes_in: int, bytes_out: int, inputs_in_place: int = 0, outputs_in_place: int = 0) -> None:
         with self._lock:
             self.computes += 1
-            self.computes_steady += steady
             self.bytes_in_copied += bytes_in
             self.bytes_out_copied += bytes_out
             self.inputs_in_place += inputs_in_place
@@ -31,5 +28,5 @@ class BridgeStats:
 
     def snapshot(self) -> "BridgeStats":
         with self._lock:
-            return BridgeStats(self.computes, self.computes_steady, self.bytes_in_copied, self.bytes_out_copied,
+            return BridgeStats(self.computes, self.bytes_in_copied, self.bytes_out_copied,
                                self.inputs_in_place, self.outputs_in_place)

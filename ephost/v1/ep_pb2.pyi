@@ -103,7 +103,7 @@ class CompileResponse(_message.Message):
     def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ..., ep_contexts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep", "output_buffers", "keep_call", "keep_shapes", "replace_kept", "run_options")
+    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep", "output_buffers", "keep_call", "replace_kept", "run_options")
     class OutputBuffersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,7 +119,6 @@ class ComputeRequest(_message.Message):
     KEEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     KEEP_CALL_FIELD_NUMBER: _ClassVar[int]
-    KEEP_SHAPES_FIELD_NUMBER: _ClassVar[int]
     REPLACE_KEPT_FIELD_NUMBER: _ClassVar[int]
     RUN_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     node_compute_info: int
@@ -130,10 +129,9 @@ class ComputeRequest(_message.Message):
     keep: _containers.RepeatedScalarFieldContainer[int]
     output_buffers: _containers.MessageMap[int, _common_pb2.TensorRef]
     keep_call: bool
-    keep_shapes: bool
     replace_kept: int
     run_options: RunOptions
-    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ..., output_buffers: _Optional[_Mapping[int, _common_pb2.TensorRef]] = ..., keep_call: _Optional[bool] = ..., keep_shapes: _Optional[bool] = ..., replace_kept: _Optional[int] = ..., run_options: _Optional[_Union[RunOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ..., output_buffers: _Optional[_Mapping[int, _common_pb2.TensorRef]] = ..., keep_call: _Optional[bool] = ..., replace_kept: _Optional[int] = ..., run_options: _Optional[_Union[RunOptions, _Mapping]] = ...) -> None: ...
 
 class RunOptions(_message.Message):
     __slots__ = ("logid", "log_severity_level", "log_verbosity_level", "config")

@@ -1,9 +1,8 @@
-"""A session's steady run (client/steady.py): a run made again as the last one went, straight to its partitions'
-kept calls, and the general path wherever anything it was made with changed."""
+"""Sessions over kept calls (client/remote.py, client/fastlane.py): every run goes one path, and the transport
+repeats each partition's Compute as the call its worker keeps, sending only what changes (its inputs'
+dimensions and bytes, the handles of the buffers it names), whatever the inputs' shapes. What each worker served
+is read from its counters: `kept_calls` (repeats) and `calls_kept` (new calls it kept)."""
 from __future__ import annotations
-
-import signal
-import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -17,7 +16,7 @@ from helpers import in_threads, options_for, worker_stats
 
 
 def staged_model(rows="n"):
-    """y = s @ x (a MatMul): x over the inline limit (staged in a buffer of the worker's) at 256 rows and more, s
+    """y = s @ x (a MatMul): x over the inline limit (staged in a buffer of the worker's) at 128 rows and more, s
     small (inline); `rows`: x's first dimension, symbolic by default."""
     return models.model([helper.make_node("MatMul", ["s", "x"], ["y"], name="mm")],
                         [models.tensor("s", [1, rows]), models.tensor("x", [rows, 1024])],
@@ -33,28 +32,23 @@ def expected(f: dict[str, np.ndarray]) -> np.ndarray:
     return f["s"] @ f["x"]
 
 
-class Computes:
-    """Counts the Computes each partition of a session makes through its compute info (the general path's way
-    to a worker; a steady run goes to the kept call it made, and to an in-process partition's compute info):
-    `counts`, in the plan's order; `count`, the first's."""
+class Calls:
+    """What the workers of these registrations served since this was made: the kept calls' repeats (only what
+    changed sent) and the new calls they kept."""
 
-    def __init__(self, session: InferenceSession):
-        partitions = session._runner.partitions
-        self.counts = [0] * len(partitions)
-        self._lock = threading.Lock()  # threads' runs count too
-        for i, partition in enumerate(partitions):
-            partition.compute_info.compute = self._counted(i, partition.compute_info.compute)
+    def __init__(self, env, *names: str):
+        self._env, self._names = env, names
+        self._start = {name: self._read(name) for name in names}
 
-    def _counted(self, i, compute):
-        def counted(*args, **kwargs):
-            with self._lock:
-                self.counts[i] += 1
-            return compute(*args, **kwargs)
-        return counted
+    def _read(self, name: str) -> tuple[int, int]:
+        stats = self._env.get_worker_stats(name)
+        return stats.kept_calls, stats.calls_kept
 
-    @property
-    def count(self) -> int:
-        return self.counts[0]
+    def repeats(self, name: str | None = None) -> int:
+        return sum(self._read(n)[0] - self._start[n][0] for n in ([name] if name else self._names))
+
+    def kept(self, name: str | None = None) -> int:
+        return sum(self._read(n)[1] - self._start[n][1] for n in ([name] if name else self._names))
 
 
 @pytest.fixture(scope="module")
@@ -73,87 +67,91 @@ def check(session, f, names=None) -> None:
 
 @pytest.mark.parametrize("registration", ["ort", "ort_socket"])
 @pytest.mark.parametrize("rows", [256, 32])
-def test_a_run_made_again_goes_straight_to_its_kept_call_and_gives_what_ort_gives(env, registration, rows):
-    """The third run of a kind on a thread and the next go straight to the kept call the general path made
-    (its inputs written into the buffers kept for it, no Compute through the partition's compute info), with
-    every result as ORT's in process; `runs` counts them all. So too where the repeat's frame goes on the socket:
-    without slots (`fast_lane_slots=false`), and with slots where it is longer than a packet (32 rows: x inline,
-    128 KiB)."""
+def test_runs_after_the_first_repeat_the_kept_call_and_give_what_ort_gives(env, registration, rows):
+    """The first run's Compute is kept by the worker; every later run repeats it (its large input written into
+    the buffer kept for it), with every result as ORT's in process; `runs` counts them all. So too where the
+    repeat's frame goes on the socket: without slots (`fast_lane_slots=false`), and with slots where it is longer
+    than a packet (32 rows: x inline, 128 KiB)."""
     rng = np.random.default_rng(1)
     model = staged_model(rows)
     in_process = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     with InferenceSession(model, options_for(env, registration), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, registration)
         for _ in range(12):
             f = feeds(rng, rows)
             (y,) = s.run(None, f)
             np.testing.assert_allclose(y, in_process.run(None, f)[0], rtol=1e-5, atol=1e-5)
             y[:] = 0  # the caller's own array: the next run's is another
-        assert computes.count == 2, "runs after the second did not repeat the kept call straight"
+        assert (calls.kept(), calls.repeats()) == (1, 11)
         assert s.failure_counters["runs"] == 12
 
 
-def test_a_steady_run_gives_way_to_the_general_path_where_the_run_differs(env):
-    """Other shapes, other output names, a non-contiguous feed, run options, or feeds given as tensors: the
-    general path, every result right; the steady run then serves the runs like its own again."""
+def test_runs_that_differ_but_in_how_their_inputs_travel_repeat_one_kept_call(env):
+    """Other shapes, other output names, a non-contiguous feed, a deadline of their own, or feeds given as
+    tensors: the same partition, inputs of the same types and ranks going the same way, so the same kept call,
+    every result right. Run options an EP reads go whole (a repeat carries none), and the kept call serves the
+    next run."""
     rng = np.random.default_rng(2)
     with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
         for _ in range(3):
             check(s, feeds(rng))
-        assert computes.count == 2
         differing = [
             (feeds(rng, 128), None, None),                                   # other shapes
             (feeds(rng), ["y"], None),                                       # output names given
             ({**feeds(rng), "x": np.asfortranarray(feeds(rng)["x"])}, None, None),  # not C-contiguous
-            (feeds(rng), None, RunOptions(compute_timeout_s=30)),            # run options
+            (feeds(rng), None, RunOptions(compute_timeout_s=30)),            # a deadline of its own
             ({k: ephost.Tensor.from_numpy(v) for k, v in feeds(rng).items()}, None, None),  # tensors
         ]
         for f, names, options in differing:
-            before = computes.count
             out = s.run(names, f, options)
             arrays = {k: v.numpy() if isinstance(v, ephost.Tensor) else v for k, v in f.items()}
             np.testing.assert_allclose(out[0], expected(arrays), rtol=1e-4, atol=1e-4)
-            assert computes.count == before + 1, f"not the general path: {names}, {options}"
-        before = computes.count
+        assert (calls.kept(), calls.repeats()) == (1, 2 + len(differing))
+        with_entries = RunOptions()
+        with_entries.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        f = feeds(rng)
+        np.testing.assert_allclose(s.run(None, f, with_entries)[0], expected(f), rtol=1e-4, atol=1e-4)
         check(s, feeds(rng))
-        assert computes.count == before, "the steady run of the first kind did not serve it again"
+        assert (calls.kept(), calls.repeats()) == (1, 3 + len(differing))
 
 
-def test_a_steady_run_whose_staging_buffers_were_outgrown_does_not_write_into_them(env):
-    """A larger input of the same kind on the same thread replaces the staging buffers (the old ones given
-    back, for others to use): the steady run made with them takes the general path, and every result is
-    right."""
+def test_a_kept_call_whose_staging_buffers_were_outgrown_names_the_new_ones(env):
+    """A larger input of the same kind on the same thread replaces the staging buffers (the old ones given back,
+    for others to use): the repeats name the new ones, and every result is right."""
     rng = np.random.default_rng(3)
     with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
         for _ in range(3):
             check(s, feeds(rng, 256))
         check(s, feeds(rng, 1024))  # 4 MiB: the buffer of 1 MiB is outgrown
-        before = computes.count
         for _ in range(3):
             check(s, feeds(rng, 256))
-        assert computes.count > before, "the steady run wrote into staging buffers it no longer held"
+        assert (calls.kept(), calls.repeats()) == (1, 6)
 
 
-def test_steady_runs_are_each_threads_own(env):
-    """Eight threads running one session: each makes its own steady run on its own lane connection, and every
-    result is its own."""
+def test_kept_calls_are_each_threads_own(env):
+    """Eight threads running one session: each repeats a call kept on its own lane connection, and every result
+    is its own."""
     with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
+        calls = Calls(env, "ort")
+
         def work(seed):
             rng = np.random.default_rng(seed)
             for _ in range(20):
                 check(s, feeds(rng, 64 + seed))
 
         assert in_threads(work, 8) == []
+        assert (calls.kept(), calls.repeats()) == (8, 8 * 19)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
-def test_a_worker_that_dies_in_a_steady_run_is_answered_by_the_failure_policy(policy):
-    """The worker's EP dies (a real SIGSEGV) in the Compute of a steady run: the run fails with EpWorkerCrashed
-    naming the call (raise), or is made again on the restarted worker (retry) or on the CPU fallback (fallback),
-    with the right result; the runs after it are right."""
+def test_a_worker_that_dies_in_a_repeat_is_answered_by_the_failure_policy(policy):
+    """The worker's EP dies (a real SIGSEGV) in the Compute of a kept call's repeat: the run fails with
+    EpWorkerCrashed naming the call (raise), or is made again on the restarted worker (retry) or on the CPU
+    fallback (fallback), with the right result; the runs after it are right, and repeat a call the new worker
+    keeps."""
     rng = np.random.default_rng(4)
     with ephost.Environment() as env:
         env.register_execution_provider_library("w", "chaos", {
@@ -161,28 +159,29 @@ def test_a_worker_that_dies_in_a_steady_run_is_answered_by_the_failure_policy(po
         options = options_for(env, "w")
         options.ep_failure_policy = policy
         with InferenceSession(staged_model(), options, env=env) as s:
-            computes = Computes(s)
+            calls = Calls(env, "w")
             for _ in range(3):
                 check(s, feeds(rng))
-            assert computes.count == 2, "the third run was not a steady one"
-            if policy == "raise":  # the 4th Compute, the second steady run's
+            assert (calls.kept(), calls.repeats()) == (1, 2)
+            if policy == "raise":  # the 4th Compute
                 with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
                     s.run(None, feeds(rng))
             else:
                 check(s, feeds(rng))
-            # It was a steady run's: through the partition's compute info only as retried on the new worker
-            assert computes.count == (3 if policy == "retry" else 2)
             assert env.registration("w").link.wait_healthy(10)
             for _ in range(2):  # (the new worker's 4th Compute would die too)
                 check(s, feeds(rng))
+            stats = worker_stats(env, "w")  # the new worker's: the retried call, then the two runs
+            assert (stats.calls_kept, stats.kept_calls) == (1, 2 if policy == "retry" else 1)
             assert s.failure_counters["runs"] == 6
 
 
 @pytest.mark.timeout(60)
-def test_a_run_whose_worker_dies_as_its_steady_run_is_made_gives_its_outputs():
-    """The worker's EP dies (a real SIGSEGV) in an Alloc made as a run makes its steady run (its staging buffers,
-    where the thread's are not the worker's; CI once saw a worker killed just then): the run's outputs were made
-    and stand; the runs after it are right, on the restarted worker."""
+def test_a_worker_that_dies_as_a_run_allocates_its_staging_buffer_is_answered_by_the_failure_policy():
+    """The worker's EP dies (a real SIGSEGV) in the Alloc of a run's staging buffer (a larger input outgrew the
+    thread's): the run is made again on the restarted worker (retry), with the right result, as are the runs
+    after it."""
+    import signal
     rng = np.random.default_rng(5)
     with ephost.Environment() as env:
         # The worker's first Alloc is the first run's staging buffer; it dies in its second
@@ -191,21 +190,13 @@ def test_a_run_whose_worker_dies_as_its_steady_run_is_made_gives_its_outputs():
         options = options_for(env, "w")
         options.ep_failure_policy = "retry"
         with InferenceSession(staged_model(), options, env=env) as s:
-            (partition,) = s._runner.partitions
-            info, steady, dead = partition.compute_info, partition.compute_info.steady, []
-
-            def allocating(*args, **kwargs):
-                dead.append(env.registration("w").process)
-                partition.allocator.alloc(1 << 20)  # the worker's second Alloc, as a staging buffer's
-                return steady(*args, **kwargs)
-
-            info.steady = allocating
-            check(s, feeds(rng))  # the general path, its feeds remembered
-            check(s, feeds(rng))  # the general path, then its steady run made: the worker dies there
-            del info.steady
-            assert dead and dead[0].exited.wait(5) and dead[0].returncode == -signal.SIGSEGV
+            check(s, feeds(rng, 256))
+            dead = env.registration("w").process
+            check(s, feeds(rng, 512))  # its staging buffer outgrown: the worker dies in the new one's Alloc
+            assert dead.exited.wait(5) and dead.returncode == -signal.SIGSEGV
             for _ in range(3):
-                check(s, feeds(rng))
+                check(s, feeds(rng, 256))
+            assert s.failure_counters["retried"] == 1
 
 
 CHAIN = ["Relu", "Neg"] * 4
@@ -237,59 +228,59 @@ def workers():
         yield environment
 
 
-def test_a_plan_of_partitions_in_two_workers_is_made_again_step_by_step(workers):
-    """A chain alternating between two workers (8 partitions): from the third run on, each partition's kept
-    call is made again straight, the next reading the last one's outputs, and every result is right."""
+def test_a_plan_of_partitions_in_two_workers_repeats_each_partitions_kept_call(workers):
+    """A chain alternating between two workers (8 partitions): from the second run on, each partition's kept
+    call is repeated, the next reading the last one's outputs, and every result is right."""
     rng = np.random.default_rng(5)
     with InferenceSession(models.chain(CHAIN), options_for(workers, "relu", "neg"), env=workers) as s:
         assert len(s.get_provider_graph_assignment_info()) == len(CHAIN)
-        computes = Computes(s)
+        calls = Calls(workers, "relu", "neg")
         for _ in range(6):
             x = rng.standard_normal(4).astype(np.float32)
             (y,) = s.run(None, {"x": x})
             np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
-        assert computes.counts == [2] * len(CHAIN), "runs after the second went the general path"
+        for name in ("relu", "neg"):
+            assert (calls.kept(name), calls.repeats(name)) == (4, 4 * 5)
         assert s.failure_counters["runs"] == 6
 
 
-def test_a_partition_whose_call_its_connection_does_not_keep_is_called_as_it_ran_in_a_steady_run():
-    """Four partitions in each of two workers whose connections keep three calls each: the steady run goes
-    straight to the three kept calls of each and calls the fourth's Compute as the general path does (not
-    every partition the general path's way, as where a plan's every call had to be kept), every result right."""
+def test_a_partition_whose_call_its_connection_has_no_room_to_keep_goes_whole():
+    """Four partitions in each of two workers whose connections keep three calls each: the three kept are
+    repeated run after run, the fourth goes whole every run (none of the three makes room for it: each was used
+    since), and every result is right."""
     rng = np.random.default_rng(7)
     with ephost.Environment() as env:
         for name, op in (("relu", "Relu"), ("neg", "Neg")):
             env.register_execution_provider_library(name, "reference", {"ops": op, "kept_calls_max": "3"})
         with InferenceSession(models.chain(CHAIN), options_for(env, "relu", "neg"), env=env) as s:
-            computes = Computes(s)
+            calls = Calls(env, "relu", "neg")
             for _ in range(6):
                 x = rng.standard_normal(4).astype(np.float32)
                 (y,) = s.run(None, {"x": x})
                 np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
-            assert computes.counts == [2] * 6 + [6] * 2, "the last partition in each worker is the one not kept"
-            assert env.get_worker_stats("relu").kept_calls == 3 * 5  # every run after the first
+            for name in ("relu", "neg"):
+                assert (calls.kept(name), calls.repeats(name)) == (3, 3 * 5)
+                assert worker_stats(env, name).methods["Ep/Compute"].calls == 4 * 6
 
 
-def test_a_steady_run_makes_partitions_in_process_again_between_those_in_a_worker(workers):
-    """A worker taking Relu, the CPU fallback (in this process) the Neg nodes between: the steady run goes
-    straight to the worker's kept calls and to the fallback's compute, and every result is right."""
+def test_partitions_in_process_between_those_in_a_worker(workers):
+    """A worker taking Relu, the CPU fallback (in this process) the Neg nodes between: the worker's partitions
+    repeat their kept calls, and every result is right."""
     rng = np.random.default_rng(6)
     with InferenceSession(models.chain(CHAIN), options_for(workers, "relu"), env=workers) as s:
         assigned = [a.ep_name for a in s.get_provider_graph_assignment_info()]
         assert assigned[1] != assigned[0] and len(assigned) == len(CHAIN), assigned
-        computes = Computes(s)
+        calls = Calls(workers, "relu")
         for _ in range(6):
             x = rng.standard_normal(4).astype(np.float32)
             (y,) = s.run(None, {"x": x})
             np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
-        assert computes.counts[0::2] == [2] * 4, "the worker's partitions went the general path"
-        assert computes.counts[1::2] == [6] * 4
+        assert (calls.kept(), calls.repeats()) == (4, 4 * 5)
 
 
 def kept_model():
     """models.diamond with its sum an output too: x -> Add -> s; s -> Relu -> r; (s, r) -> Mul -> y. With Add and
     Mul in one worker, s is kept there for the Mul (the plan's `keep`) and read by the Relu's partition too."""
-    from onnx import helper
     nodes = [helper.make_node("Add", ["x", "x"], ["s"], name="add"),
              helper.make_node("Relu", ["s"], ["r"], name="relu"),
              helper.make_node("Mul", ["s", "r"], ["y"], name="mul")]
@@ -297,18 +288,18 @@ def kept_model():
 
 
 @pytest.mark.parametrize("relu", ["relu", None])
-def test_a_value_a_worker_keeps_for_a_later_partition_there_is_made_again_step_by_step(workers, relu):
+def test_a_value_a_worker_keeps_for_a_later_partition_there_is_named_by_handle(workers, relu):
     """A worker's two partitions with another's (or the CPU fallback's, in this process) between them, the first
-    leaving the sum in its worker for the second (the plan's `keep`): from the third run on, each partition's
-    call is made again straight; the second names the sum by handle in the worker, the Relu reads it through
-    this process's mapping (or as it is, in process), and every result is right. The sum, an output too, comes
-    back as an array that stays right after later runs; the buffers the runs left in the worker are freed."""
+    leaving the sum in its worker for the second (the plan's `keep`): each partition's call is repeated, the
+    second naming the sum by handle in the worker, the Relu reading it through this process's mapping (or as it
+    is, in process), and every result is right. The sum, an output too, comes back as an array that stays right
+    after later runs; the buffers the runs left in the worker are freed."""
     rng = np.random.default_rng(8)
     names = ("am", relu) if relu else ("am",)
     with InferenceSession(kept_model(), options_for(workers, *names), env=workers) as s:
         partitions = s._runner.partitions
         assert [p.registration for p in partitions][0::2] == ["am", "am"] and partitions[0].keep == (0,)
-        computes = Computes(s)
+        calls = Calls(workers, *names)
         before = worker_stats(workers, "am")
         kept = []
 
@@ -322,8 +313,9 @@ def test_a_value_a_worker_keeps_for_a_later_partition_there_is_made_again_step_b
 
         for _ in range(8):
             run(True)
-        assert computes.counts[0::2] == [2, 2], "the worker's partitions went the general path"
-        assert computes.counts[1] == (2 if relu else 8)
+        assert (calls.kept("am"), calls.repeats("am")) == (2, 2 * 7)
+        if relu:
+            assert (calls.kept("relu"), calls.repeats("relu")) == (1, 7)
         assert partitions[0].allocator.flush_frees()
         for _ in range(4):  # in memory freed by now, were the sums not held
             run(False)
@@ -336,33 +328,32 @@ def test_a_value_a_worker_keeps_for_a_later_partition_there_is_made_again_step_b
         assert worker_stats(workers, "am").buffers_live == before.buffers_live
 
 
-def test_a_value_kept_in_process_is_read_by_a_worker_between_in_a_steady_run(workers):
+def test_a_value_kept_in_process_is_read_by_a_worker_between(workers):
     """The other way round: Add and Mul on the CPU fallback in this process, the sum kept there for the Mul, and
-    the Relu between them in a worker, which reads the sum from this process: from the third run on the worker's
-    call is made again straight, and every result is right."""
+    the Relu between them in a worker, which reads the sum from this process: the worker's call is repeated, and
+    every result is right."""
     rng = np.random.default_rng(11)
     with InferenceSession(models.diamond(), options_for(workers, "relu"), env=workers) as s:
         partitions = s._runner.partitions
         assert [p.registration for p in partitions][1] == "relu" and partitions[0].keep == (0,)
-        computes = Computes(s)
+        calls = Calls(workers, "relu")
         for _ in range(6):
             x = rng.standard_normal((2, 3)).astype(np.float32)
             np.testing.assert_allclose(s.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
-        assert computes.counts == [6, 2, 6], "the worker's partition went the general path"
+        assert (calls.kept(), calls.repeats()) == (1, 5)
 
 
 @pytest.mark.parametrize("relu", ["relu", None])
-def test_a_kept_value_the_run_does_not_hand_out_goes_into_a_tensor_the_steady_run_holds(workers, relu):
-    """The same plan, the sum not asked for: the steady run's first makes the first partition's call with the sum
-    written into a tensor of the worker's that the steady run holds, and the later runs repeat it, the second
-    partition naming that tensor by handle. No run after that leaves a buffer in the worker or frees one, and every
-    result is right."""
+def test_a_kept_value_the_run_does_not_hand_out_stays_in_the_worker(workers, relu):
+    """The same plan, the sum not asked for: it stays in the worker for the second partition, which names it by
+    handle; nothing of it comes to the application, the buffers go back as the runs end, and every result is
+    right."""
     rng = np.random.default_rng(10)
     names = ("am", relu) if relu else ("am",)
     with InferenceSession(models.diamond(), options_for(workers, *names), env=workers) as s:
         partitions = s._runner.partitions
         assert partitions[0].keep == (0,) and partitions[2].registration == "am"
-        computes = Computes(s)
+        calls = Calls(workers, "am")
 
         def run() -> None:
             x = rng.standard_normal((2, 3)).astype(np.float32)
@@ -370,37 +361,32 @@ def test_a_kept_value_the_run_does_not_hand_out_goes_into_a_tensor_the_steady_ru
 
         for _ in range(3):
             run()
-        assert computes.counts[0::2] == [3, 2], "the first steady run did not make the call into a held tensor"
         assert partitions[0].allocator.flush_frees()
         before = worker_stats(workers, "am")
         for _ in range(10):
             run()
         assert partitions[0].allocator.flush_frees()
         after = worker_stats(workers, "am")
-        assert computes.counts[0::2] == [3, 2]
-        assert computes.counts[1] == (2 if relu else 13)
+        assert (calls.kept(), calls.repeats()) == (2, 2 * 12)
         assert after.compute_inputs_resident - before.compute_inputs_resident == 10
         assert after.buffers_live == before.buffers_live
-        assert after.methods["Allocator/Free"].calls == before.methods["Allocator/Free"].calls, \
-            "the runs left buffers in the worker, freed since"
 
 
 LARGE = (1, 1 << 17)  # 512 KiB of floats: not under the inline limit, so a worker leaves them in its memory
 
 
 @pytest.mark.parametrize("names", [("relu", "neg"), ("relu",)])
-def test_values_too_large_to_come_back_inline_leave_a_steady_run_steady(workers, names):
+def test_values_too_large_to_come_back_inline_are_handed_over_by_a_kept_calls_record(workers, names):
     """A Relu then a Neg on 512 KiB, each output left in a new buffer of its worker's (too large for the reply):
-    a kept call hands such an output over by its PLACED record, as one `keep` names, so from the third run on
-    each worker's partition is made again straight. The Neg's worker (or the CPU fallback, in this process) reads
-    the Relu's output through this process's mapping, the application gets the Neg's as an array of its own,
-    every result right after later runs too; the buffers go back to the workers once the arrays go."""
+    a kept call's repeat hands such an output over by its PLACED record, as one `keep` names. The Neg's worker (or
+    the CPU fallback, in this process) reads the Relu's output through this process's mapping, the application
+    gets the Neg's as an array of its own, every result right after later runs too; the buffers go back to the
+    workers once the arrays go."""
     rng = np.random.default_rng(12)
     ops = ["Relu", "Neg"]
     with InferenceSession(models.chain(ops, shape=LARGE), options_for(workers, *names), env=workers) as s:
         partitions = s._runner.partitions
         assert not any(p.keep for p in partitions)
-        computes = Computes(s)
         before = {name: worker_stats(workers, name) for name in names}
         runs = []
         for _ in range(6):
@@ -411,10 +397,9 @@ def test_values_too_large_to_come_back_inline_leave_a_steady_run_steady(workers,
             runs.append((x, y))
         for x, y in runs:  # each run's output its own, whatever ran since
             np.testing.assert_array_equal(y, chain_expected(x, ops))
-        assert computes.counts == [2, 2 if len(names) == 2 else 6], "a worker's partition went the general path"
         for name in names:
             after = worker_stats(workers, name)
-            assert after.kept_calls - before[name].kept_calls == 5  # the second run's repeat, and the steady runs'
+            assert after.kept_calls - before[name].kept_calls == 5
             assert after.compute_outputs_copied - before[name].compute_outputs_copied == 6  # into new buffers
         del runs, y
         for p in partitions:
@@ -427,18 +412,16 @@ def test_values_too_large_to_come_back_inline_leave_a_steady_run_steady(workers,
 
 def test_an_ort_output_too_large_to_come_back_inline_is_written_where_a_kept_call_leaves_it(env):
     """ORT's CPU EP in a worker writes a 1 MiB output straight into a new buffer of the call's allocator (no
-    copy), and the call is still kept: runs after the second repeat it straight, every result right."""
+    copy), and the call is still kept: runs after the first repeat it, every result right."""
     rng = np.random.default_rng(13)
     shape = (1, 1 << 18)
     with InferenceSession(models.chain(["Relu"], shape=shape), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
         before = worker_stats(env, "ort")
         for _ in range(5):
             x = rng.standard_normal(shape).astype(np.float32)
             (y,) = s.run(None, {"x": x})
             np.testing.assert_array_equal(y, np.maximum(x, 0))
         after = worker_stats(env, "ort")
-        assert computes.count == 2
         assert after.kept_calls - before.kept_calls == 4
         assert after.compute_outputs_in_place - before.compute_outputs_in_place == 5
         assert after.compute_outputs_copied == before.compute_outputs_copied
@@ -448,17 +431,14 @@ def test_an_ort_output_too_large_to_come_back_inline_is_written_where_a_kept_cal
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
 @pytest.mark.parametrize("handed_out", [True, False])
 def test_a_worker_that_dies_holding_a_kept_value_is_answered_by_the_failure_policy(policy, handed_out):
-    """The worker keeping the sum for its second partition (in a new buffer each run where the run hands the sum
-    out, else in the tensor the steady run holds) dies (a real SIGSEGV) at that partition in a steady run: the run
-    fails with EpWorkerCrashed (raise), or the partition is made again on the restarted worker (retry) or on the
-    CPU fallback (fallback) from the sum its predecessor left, and the run is right, as are the runs after it."""
+    """The worker keeping the sum for its second partition dies (a real SIGSEGV) at that partition: the run fails
+    with EpWorkerCrashed (raise), or the partition is made again on the restarted worker (retry) or on the CPU
+    fallback (fallback) from the sum its predecessor left, and the run is right, as are the runs after it."""
     rng = np.random.default_rng(9)
     with ephost.Environment() as env:
-        # Its computes: two a run (Add, then Mul); the 8th is the fourth run's Mul, the second steady run's
+        # Its computes: two a run (Add, then Mul); the 8th is the fourth run's Mul
         options = dying_worker(env, policy, ("am", "Add,Mul"), 8, ("relu", "Relu"))
         with InferenceSession(kept_model() if handed_out else models.diamond(), options, env=env) as s:
-            computes = Computes(s)
-
             def run():
                 x = rng.standard_normal((2, 3)).astype(np.float32)
                 out = s.run(None, {"x": x})
@@ -468,14 +448,11 @@ def test_a_worker_that_dies_holding_a_kept_value_is_answered_by_the_failure_poli
 
             for _ in range(3):
                 run()
-            made = [2 if handed_out else 3, 2, 2]
-            assert computes.counts == made, "the third run was not a steady one"
             if policy == "raise":
                 with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
                     s.run(None, {"x": rng.standard_normal((2, 3)).astype(np.float32)})
             else:
                 run()
-            assert computes.counts[:2] == made[:2]
             assert env.registration("am").link.wait_healthy(10)
             for _ in range(3):
                 run()
@@ -492,15 +469,13 @@ def nonzero_model():
     return models.model(nodes, [models.tensor("x", [6])], [models.tensor("y", [1, "n"])])
 
 
-def test_a_step_whose_outputs_change_shape_hands_the_rest_of_the_run_to_the_general_path(workers):
-    """The middle partition's output takes another shape (as many positions as x has positive elements): the
-    steady run stops there and the general path runs the rest with what it made; every result is right. The
-    worker answers that call whole while its outputs are not of the shape it was kept with, so runs of the new
-    shape make a steady run that calls that partition's Compute as the general path does, the others' kept calls
-    straight; runs of the first shape make one of three kept calls again."""
+def test_outputs_whose_shape_is_known_only_as_a_partition_runs_repeat_the_kept_calls(workers):
+    """The middle partition's output takes another shape (as many positions as x has positive elements): its kept
+    call's reply says the new shape, and the last partition's repeats carry it; every partition repeats its kept
+    call whatever the shapes, and every result is right."""
     with InferenceSession(nonzero_model(), options_for(workers, "relu", "nz", "neg"), env=workers) as s:
         assert [a.registration for a in s.get_provider_graph_assignment_info()] == ["relu", "nz", "neg"]
-        computes = Computes(s)
+        calls = Calls(workers, "relu", "nz", "neg")
         two = np.array([1, -1, 2, -2, -3, -4], np.float32)
         three = np.array([1, -1, 2, -2, 3, -4], np.float32)
 
@@ -508,33 +483,23 @@ def test_a_step_whose_outputs_change_shape_hands_the_rest_of_the_run_to_the_gene
             (y,) = s.run(None, {"x": x})
             np.testing.assert_array_equal(y, -np.flatnonzero(x > 0).astype(np.float32)[None, :])
 
-        for _ in range(3):
-            run(two)
-        assert computes.counts == [2, 2, 2]
-        run(three)  # the steady run's: its middle step came back whole, the last partition went the general way
-        assert computes.counts == [2, 2, 3]
-        for _ in range(4):  # the first of them makes a steady run of the new shape
-            run(three)
-        assert computes.counts == [3, 6, 4]
-        for _ in range(4):  # the first stops in the middle step (its steady run's), the second makes one again
-            run(two)
-        assert computes.counts == [4, 8, 6], "runs of the first shape made no steady run again"
+        for x in [two] * 3 + [three] * 4 + [two] * 4:
+            run(x)
+        for name in ("relu", "nz", "neg"):
+            assert (calls.kept(name), calls.repeats(name)) == (1, 10), name
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
 def test_a_worker_that_dies_in_a_middle_step_is_answered_by_the_failure_policy(policy):
-    """The worker of a chain's middle partitions dies (a real SIGSEGV) in a steady run: the run fails with
-    EpWorkerCrashed (raise), or the partition is made again on the restarted worker (retry) or on the CPU
-    fallback (fallback) and the rest of the run goes the general path, with the right result; the runs after
-    it are right."""
+    """The worker of a chain's middle partitions dies (a real SIGSEGV): the run fails with EpWorkerCrashed
+    (raise), or the partition is made again on the restarted worker (retry) or on the CPU fallback (fallback)
+    and the rest of the run goes on, with the right result; the runs after it are right."""
     rng = np.random.default_rng(7)
     ops = ["Relu", "Neg", "Relu"]
     with ephost.Environment() as env:
         options = dying_worker(env, policy, ("neg", "Neg"), 4, ("relu", "Relu"))
         with InferenceSession(models.chain(ops), options, env=env) as s:
-            computes = Computes(s)
-
             def run():
                 x = rng.standard_normal(4).astype(np.float32)
                 (y,) = s.run(None, {"x": x})
@@ -542,26 +507,22 @@ def test_a_worker_that_dies_in_a_middle_step_is_answered_by_the_failure_policy(p
 
             for _ in range(3):
                 run()
-            assert computes.counts == [2, 2, 2], "the third run was not a steady one"
-            if policy == "raise":  # the middle partition's 4th Compute, the second steady run's
+            if policy == "raise":  # the middle partition's 4th Compute
                 with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
                     s.run(None, {"x": rng.standard_normal(4).astype(np.float32)})
             else:
                 run()
-            # The first step was steady; the middle one through its compute info only as retried on the new
-            # worker; the last through the general path where the run went on
-            assert computes.counts == [2, 3 if policy == "retry" else 2, 2 if policy == "raise" else 3]
             assert env.registration("neg").link.wait_healthy(10)
             for _ in range(2):
                 run()
             assert s.failure_counters["runs"] == 6
 
 
-def test_eight_threads_run_one_chain_each_with_its_own_steady_run(workers):
-    """Eight threads running one session whose chain alternates between two workers: each thread's steady run
-    goes on its own lane connections, and every result is its own."""
+def test_eight_threads_run_one_chain_each_on_its_own_kept_calls(workers):
+    """Eight threads running one session whose chain alternates between two workers: each thread's calls are
+    kept on its own lane connections, and every result is its own."""
     with InferenceSession(models.chain(CHAIN), options_for(workers, "relu", "neg"), env=workers) as s:
-        computes = Computes(s)
+        calls = Calls(workers, "relu", "neg")
 
         def work(seed):
             rng = np.random.default_rng(seed)
@@ -571,10 +532,10 @@ def test_eight_threads_run_one_chain_each_with_its_own_steady_run(workers):
                 np.testing.assert_array_equal(y, chain_expected(x, CHAIN))
 
         assert in_threads(work, 8) == []
-        assert computes.counts == [16] * len(CHAIN), "the threads' runs after their second were not steady"
+        assert (calls.kept(), calls.repeats()) == (8 * len(CHAIN), 8 * 19 * len(CHAIN))
 
 
-# --- steady IOBinding runs: a decoding loop (client/steady.py, SteadyBinding) -------------------------------
+# --- IOBinding runs: a decoding loop ------------------------------------------------------------------------
 
 WIDTH = 16
 
@@ -613,52 +574,39 @@ class Loop:
         self.binding.bind_ortvalue_input("past", present)
 
 
-def settled(session, env, seed: int, steps: int):
-    """A Computes of `session`, and a Loop of it run until its steps are steady (MISSES + 3 of them), with the rest
-    of its `steps` rows to come."""
-    from ephost.client.fastlane import MISSES
-    computes, loop, data = Computes(session), Loop(session, env, "ort"), iter(rows(seed, steps))
-    for _ in range(MISSES + 3):
-        loop.step(next(data))
-    return computes, loop, data
-
-
-def test_a_decoding_loop_goes_straight_to_the_call_kept_whatever_its_shapes(env):
-    """A loop whose state grows a row a step: once the lane kept a step's call whatever its shapes, every later
-    step goes straight to it (no Compute through the partition's compute info), its present left in
-    the worker and labelled with the device's memory as the general path labels it, every result ORT's. A new
-    binding's loop makes its own steady run after its first two steps (its first past is the application's)."""
-    from ephost.client.fastlane import MISSES
+def test_a_decoding_loop_repeats_one_kept_call_whatever_its_shapes(env):
+    """A loop whose state grows a row a step: the first step's call (its empty past from the application) and the
+    second's (its past in the worker, named by handle) are kept, and every later step repeats the second's with
+    its own shapes, its present left in the worker and labelled with the device's memory, every result ORT's. A
+    new binding's loop on the same thread repeats the same two calls."""
     steps = 16
     with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
         loop = Loop(s, env, "ort")
         for row in rows(1, steps):
             loop.step(row)
-        # The general path: the MISSES + 1 steps whose calls were kept (the last whatever its shapes)
-        assert computes.count == MISSES + 1
+        assert (calls.kept(), calls.repeats()) == (2, steps - 2)
         present = loop.binding.get_outputs()[0]
         assert present.memory_info == loop.device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE)
         assert present.buffer is not None and present.buffer.owner is not None, "the present came back"
         second = Loop(s, env, "ort")
         for row in rows(2, steps):
             second.step(row)
-        assert computes.count == MISSES + 1 + 2
+        assert (calls.kept(), calls.repeats()) == (2, 2 * steps - 2)
         assert s.failure_counters["runs"] == 2 * steps
 
 
 @pytest.mark.parametrize("rows", [4, 4096], ids=["128B", "128KiB"])
-def test_a_loop_of_one_shape_bound_in_the_worker_goes_straight_to_its_kept_call(env, rows):
+def test_a_loop_of_one_shape_bound_in_the_worker_repeats_its_kept_call(env, rows):
     """A loop whose state keeps its shape (an output bound to the worker's memory and bound as the next step's
-    input): from the third step on, straight to the call the lane kept with those shapes, every result right (a
-    small state copied in and out of the worker's ORT binding, a large one bound where it lies, a new buffer each
-    step)."""
+    input): from the third step on, a repeat of the second's kept call, every result right (a small state copied
+    in and out of the worker's ORT binding, a large one bound where it lies, a new buffer each step)."""
     one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
     model = models.model([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [models.tensor("x", [rows, 8])],
                          [models.tensor("y", [rows, 8])], [one])
     x0 = np.arange(-4 * rows, 4 * rows, dtype=np.float32).reshape(rows, 8)  # whole numbers: every sum exact
     with InferenceSession(model, options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
         binding = s.io_binding()
         binding.bind_cpu_input("x", x0)
         binding.bind_output("y", next(d for d in env.get_ep_devices() if d.registration_name == "ort"))
@@ -668,19 +616,19 @@ def test_a_loop_of_one_shape_bound_in_the_worker_goes_straight_to_its_kept_call(
             assert y.buffer is not None and y.buffer.owner is not None, "the output came back"
             np.testing.assert_array_equal(y.numpy(), x0 + step)
             binding.bind_ortvalue_input("x", y)
-        assert computes.count == 2, "steps after the second did not repeat the kept call straight"
+        assert (calls.kept(), calls.repeats()) == (2, 8)
 
 
 def test_a_binding_of_large_inputs_writes_them_into_the_staging_buffers_kept_for_its_call(env):
     """A binding whose input is over the inline limit (bound from the application's memory, its output to the
-    worker's device): from the second run on (its call kept by the first), straight to the kept call, the input
-    written into the staging buffers the thread keeps for it; a larger input of the same kind in a run() since
-    (which replaced those buffers and gave them back) sends the next run the general way, and every result is
-    right."""
+    worker's device): from the second run on, a repeat of its kept call, the input written into the staging
+    buffers the thread keeps for it; a larger input of the same kind in a run() since (which replaced those
+    buffers and gave them back, a call of its own as its output comes back) changes nothing for the binding's
+    runs, and every result is right."""
     rng = np.random.default_rng(7)
     device = next(d for d in env.get_ep_devices() if d.registration_name == "ort")
     with InferenceSession(staged_model(), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
         binding = s.io_binding()
         binding.bind_output("y", device)
 
@@ -695,54 +643,46 @@ def test_a_binding_of_large_inputs_writes_them_into_the_staging_buffers_kept_for
 
         for _ in range(6):
             run(256)
-        assert computes.count == 1, "runs after the first did not go straight to the kept call"
+        assert (calls.kept(), calls.repeats()) == (1, 5)
         f = feeds(rng, 512)  # the same kinds, larger, in a run(): the thread's staging buffers for them replaced
         np.testing.assert_allclose(s.run(None, f)[0], expected(f), rtol=1e-4, atol=1e-4)
-        before = computes.count
-        run(256)
-        assert computes.count == before + 1, "a steady run wrote into staging buffers it no longer holds"
-        for _ in range(3):
+        for _ in range(4):
             run(256)
-        assert computes.count == before + 1
+        assert (calls.kept(), calls.repeats()) == (2, 9)
 
 
-def test_a_steady_binding_run_gives_way_where_the_binding_or_the_run_differs(env):
-    """An output bound elsewhere, run options, another binding of the session, or a past in the application's
-    memory: the general path, every result right; the loop's steady run serves it again
-    once a step like its own is run twice more."""
+def test_a_binding_run_that_changes_where_a_value_goes_keeps_a_call_of_its_own(env):
+    """Run options with a deadline only, another binding of the session: the same kept calls. An output bound
+    elsewhere, or a past in the application's memory: a call of their own (each kept once), every result right;
+    the loop's own call serves it again after."""
     with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
-        computes, loop, data = settled(s, env, 3, 40)
-        steady = computes.count
-        loop.step(next(data))
-        assert computes.count == steady, "not a steady run"
-
-        def general(step) -> None:
-            before = computes.count
-            step()
-            assert computes.count == before + 1
-
-        general(lambda: loop.step(next(data), RunOptions(compute_timeout_s=30)))
-        loop.binding.bind_output("present", "cpu")  # the present comes back: the next past is the application's
-        general(lambda: loop.step(next(data)))
-        assert loop.binding.get_outputs()[0].buffer is None
-        loop.binding.bind_output("present", loop.device)
-        general(lambda: loop.step(next(data)))  # a past in the application's memory
-        other = Loop(s, env, "ort")
-        general(lambda: other.step(next(data)))
-        for _ in range(2):  # the loop's own kind again: a general step, which makes a steady run again
+        calls = Calls(env, "ort")
+        loop, data = Loop(s, env, "ort"), iter(rows(3, 40))
+        for _ in range(4):
             loop.step(next(data))
-        before = computes.count
+        assert (calls.kept(), calls.repeats()) == (2, 2)
+        loop.step(next(data), RunOptions(compute_timeout_s=30))
+        assert (calls.kept(), calls.repeats()) == (2, 3)
+        loop.binding.bind_output("present", "cpu")  # the present comes back: the next past is the application's
         loop.step(next(data))
-        assert computes.count == before, "the loop's steady run was not made again"
+        assert loop.binding.get_outputs()[0].buffer is None
+        assert (calls.kept(), calls.repeats()) == (3, 3)
+        loop.binding.bind_output("present", loop.device)
+        loop.step(next(data))  # a past in the application's memory: the first step's call
+        other = Loop(s, env, "ort")
+        other.step(next(data))
+        for _ in range(3):
+            loop.step(next(data))
+        assert (calls.kept(), calls.repeats()) == (3, 8)
 
 
 @pytest.mark.parametrize("rows", [4, 2048], ids=["128B", "64KiB"])
-def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_call(env, rows):
+def test_a_pair_of_worker_tensors_swapped_every_step_repeats_one_kept_call(env, rows):
     """Two tensors in the worker's memory, one bound as the input and the other as the output, swapped every step
-    (ORT in the worker writes each step's output into the tensor bound for it): from the second step on, straight
-    to the kept call, each step's output in the tensor it was bound to and its input left as it was. An output
-    bound to a tensor of another shape (refused, as on the general path), or to the application's memory, goes
-    the general way, every result right; the pair's steady run serves it again after."""
+    (ORT in the worker writes each step's output into the tensor bound for it): from the second step on, a repeat
+    of the first's kept call, each step's output in the tensor it was bound to and its input left as it was. An
+    output bound to a tensor of another shape is refused (as the worker refuses it), one bound to the
+    application's memory is a call of its own, every result right; the pair's call serves the pair again after."""
     one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
     model = models.model([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [models.tensor("x", [rows, 8])],
                          [models.tensor("y", [rows, 8])], [one])
@@ -750,7 +690,7 @@ def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_c
     device = next(d for d in env.get_ep_devices() if d.registration_name == "ort")
     allocator = env.allocator_for(device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE))
     with InferenceSession(model, options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
         binding = s.io_binding()
         pair = [ephost.Tensor.from_numpy(x0, allocator), ephost.Tensor.empty(x0.shape, x0.dtype, allocator)]
 
@@ -767,7 +707,7 @@ def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_c
 
         for n in range(1, 9):
             step(n)
-        assert computes.count == 1, "steps after the first did not go straight to the kept call"
+        assert (calls.kept(), calls.repeats()) == (1, 7)
         other = ephost.Tensor.empty((rows, 16), x0.dtype, allocator)  # not the output's shape: the worker's error
         binding.bind_ortvalue_input("x", pair[0])
         binding.bind_output("y", tensor=other)
@@ -776,23 +716,20 @@ def test_a_pair_of_worker_tensors_swapped_every_step_goes_straight_to_the_kept_c
             s.run_with_iobinding(binding)
         host = ephost.Tensor.from_numpy(np.zeros((rows, 8), np.float32))  # the application's memory
         step(9, host)
-        step(9)
-        step(10)
-        before = computes.count
-        for n in range(11, 15):
+        for n in range(9, 15):
             step(n)
-        assert computes.count == before, "the pair's steady run was not made again"
+        assert (calls.kept(), calls.repeats()) == (2, 13)
 
 
-def test_a_binding_of_small_inputs_from_the_application_goes_straight_to_the_kept_call(env):
+def test_a_binding_of_small_inputs_from_the_application_repeats_its_kept_call(env):
     """A binding whose only input is small, bound from the application every run (its bytes go in the frame, and
-    nothing names a buffer), its output bound to the application: from the second run on, straight to the kept
+    nothing names a buffer), its output bound to the application: from the second run on, a repeat of the kept
     call, each run's output ORT's for that run's input."""
     one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
     model = models.model([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [models.tensor("x", [4, 8])],
                          [models.tensor("y", [4, 8])], [one])
     with InferenceSession(model, options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
         binding = s.io_binding()
         binding.bind_output("y", "cpu")
         for n in range(6):
@@ -801,65 +738,60 @@ def test_a_binding_of_small_inputs_from_the_application_goes_straight_to_the_kep
             s.run_with_iobinding(binding)
             (y,) = binding.copy_outputs_to_cpu()
             np.testing.assert_array_equal(y, x + 1)
-        assert computes.count == 1, "runs after the first did not go straight to the kept call"
+        assert (calls.kept(), calls.repeats()) == (1, 5)
 
 
-def test_a_steady_binding_run_checks_its_inputs_as_the_general_path_does(env):
-    """A row of another width (the model fixes it) in a steady run: the general path's EpInvalidArgument,
-    nothing sent; the loop goes on steady."""
+def test_a_binding_run_checks_its_inputs_before_anything_is_sent(env):
+    """A row of another width (the model fixes it): the session's EpInvalidArgument, nothing sent; the loop goes
+    on repeating its kept call."""
     with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
-        computes, loop, data = settled(s, env, 4, 20)
-        before, runs = computes.count, s.failure_counters["runs"]
+        calls = Calls(env, "ort")
+        loop, data = Loop(s, env, "ort"), iter(rows(4, 20))
+        for _ in range(4):
+            loop.step(next(data))
+        runs, sent = s.failure_counters["runs"], worker_stats(env, "ort").methods["Ep/Compute"].calls
         loop.binding.bind_cpu_input("row", np.zeros((1, 1, WIDTH + 1), np.float32))
         with pytest.raises(ephost.EpInvalidArgument, match="expects 16 along axis 2"):
             s.run_with_iobinding(loop.binding)
         assert s.failure_counters["runs"] == runs
+        assert worker_stats(env, "ort").methods["Ep/Compute"].calls == sent
         loop.step(next(data))
-        assert computes.count == before
+        assert (calls.kept(), calls.repeats()) == (2, 3)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
-def test_a_worker_that_dies_in_a_steady_binding_run_is_answered_by_the_failure_policy(policy):
-    """The worker's EP dies (a real SIGSEGV) in a decoding loop's steady step: the step fails with
-    EpWorkerCrashed naming the call (raise), or is made again on the restarted worker (retry) or on the CPU
-    fallback (fallback), the state it was bound to read from the shared memory the dead worker left mapped
-    here; the loop goes on from there (after `raise`, from the state the failed step was bound to) with the right
-    results."""
-    from ephost.client.fastlane import MISSES
-    steady = MISSES + 1  # the steps through the general path before the loop's steady run
+def test_a_worker_that_dies_in_a_binding_run_is_answered_by_the_failure_policy(policy):
+    """The worker's EP dies (a real SIGSEGV) in a decoding loop's step: the step fails with EpWorkerCrashed
+    naming the call (raise), or is made again on the restarted worker (retry) or on the CPU fallback (fallback),
+    the state it was bound to read from the shared memory the dead worker left mapped here; the loop goes on from
+    there (after `raise`, from the state the failed step was bound to) with the right results."""
     with ephost.Environment() as env:
         env.register_execution_provider_library("w", "chaos", {
-            "wrap": "onnxruntime", "fault": "segfault", "at": "compute", "after": str(steady + 2),
-            "intra_op_num_threads": "1"})
+            "wrap": "onnxruntime", "fault": "segfault", "at": "compute", "after": "5", "intra_op_num_threads": "1"})
         options = options_for(env, "w")
         options.ep_failure_policy = policy
         with InferenceSession(decoding(), options, env=env) as s:
-            computes = Computes(s)
             loop = Loop(s, env, "w")
             data = iter(rows(5, 30))
-            for _ in range(steady + 1):
+            for _ in range(4):
                 loop.step(next(data))
-            assert computes.count == steady
             if policy == "raise":
                 with pytest.raises(ephost.EpWorkerCrashed, match="Ep/Compute"):
                     loop.step(next(data))
             else:
                 loop.step(next(data))
-            # It was a steady step's: through the partition's compute info only as retried on the new worker
-            assert computes.count == steady + (1 if policy == "retry" else 0)
             assert env.registration("w").link.wait_healthy(10)
-            for _ in range(steady):  # (the new worker's Compute `after` would die too)
+            for _ in range(3):  # (the new worker's 5th Compute would die too)
                 loop.step(next(data))
 
 
-def test_eight_threads_run_their_own_decoding_loops_steady(env):
-    """Eight threads, each its own binding's loop in one session: each its own steady run on its own lane
+def test_eight_threads_run_their_own_decoding_loops(env):
+    """Eight threads, each its own binding's loop in one session: each repeats calls kept on its own lane
     connection, every result its own."""
-    from ephost.client.fastlane import MISSES
     steps = 14
     with InferenceSession(decoding(), options_for(env, "ort"), env=env) as s:
-        computes = Computes(s)
+        calls = Calls(env, "ort")
 
         def work(seed):
             loop = Loop(s, env, "ort")
@@ -867,5 +799,5 @@ def test_eight_threads_run_their_own_decoding_loops_steady(env):
                 loop.step(row)
 
         assert in_threads(work, 8) == []
-        assert computes.count <= 8 * (MISSES + 1), "the threads' loops were not steady"
+        assert (calls.kept(), calls.repeats()) == (8 * 2, 8 * (steps - 2))
         assert s.failure_counters["runs"] == 8 * steps

@@ -1,0 +1,73 @@
+"""A model's inputs and outputs as a session's runs see them: the feeds checked (client/feeds.py) and made graph
+values, the output names a run asks for, and their descriptions as ONNX Runtime gives them (NodeArg)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import onnx
+
+from ephost.errors import EpInvalidArgument
+from ephost.tensor import Tensor
+from ephost.values import as_value
+from ephost.client.feeds import FeedCheck, check_feed_names, shape_of, type_string
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """A graph input or output, as ONNX Runtime's NodeArg: name, type ("tensor(float)") and shape."""
+
+    name: str
+    type: str
+    shape: list
+
+
+class ModelIO:
+    """The graph's inputs (initializers aside) and outputs, read once when the session is made."""
+
+    def __init__(self, graph: onnx.GraphProto, constants: Mapping[str, Any]):
+        self.inputs = [i for i in graph.input if i.name not in constants]
+        self.outputs = list(graph.output)
+        self._constants = constants
+        # As ORT does: an input of optional type that is not fed is an empty optional (None).
+        self._empty_optionals = {i.name: None for i in self.inputs if i.type.WhichOneof("value") == "optional_type"}
+        self._checks = {i.name: FeedCheck.of(i.name, i.type) for i in self.inputs}
+        self._output_names = dict.fromkeys(o.name for o in self.outputs)  # in order
+
+    def input_args(self) -> list[NodeArg]:
+        return [NodeArg(i.name, type_string(i.type), shape_of(i.type)) for i in self.inputs]
+
+    def output_args(self) -> list[NodeArg]:
+        return [NodeArg(o.name, type_string(o.type), shape_of(o.type)) for o in self.outputs]
+
+    def output_names(self, asked: Sequence[str] | None) -> list[str]:
+        """The outputs a run asks for (None or empty: all of them, in the model's order)."""
+        known = self._output_names
+        if not asked:
+            return list(known)
+        names = list(asked)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")
+        return names
+
+    def feeds(self, input_feed: Mapping[str, Any], to_host) -> dict[str, Any]:
+        """The feeds as graph values, each checked against its input's declared type (lists made arrays of it);
+        `to_host(tensor)` brings a tensor no EP can read (in memory of a worker that went) to this process."""
+        checks = self._checks
+        if self._empty_optionals:
+            input_feed = {**self._empty_optionals, **input_feed}
+        if input_feed.keys() != checks.keys():  # the common case, every input fed and nothing else, is known
+            check_feed_names(checks, self._constants, input_feed)
+        values = {}
+        for name, value in input_feed.items():
+            check = checks.get(name)
+            if check is not None:
+                if type(value) is list:
+                    value = check.from_list(value)
+                check(value)
+            value = as_value(value)
+            if isinstance(value, Tensor) and not value.addressable and value.buffer.owner is None:
+                value = to_host(value)
+            values[name] = value
+        return values
