@@ -17,7 +17,7 @@ import os
 import tempfile
 import threading
 import weakref
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -182,8 +182,8 @@ def _kept_in(result: np.ndarray, allocator) -> Any:
 
 
 class OrtComputeInfo:
-    """One compiled partition: an ORT session, and the IOBindings kept between its runs (one per caller
-    running it at the same time), so that a steady stream of runs binds and allocates only what changes."""
+    """One compiled partition: an ORT session, and the IOBindings kept between its runs (one per caller running
+    it at the same time), so that a stream of runs binds and allocates only what changes."""
 
     def __init__(self, graph: FusedGraph, session, ep_context: EpContext | None = None, restored: bool = False,
                  shared: bool = False):
@@ -199,54 +199,45 @@ class OrtComputeInfo:
                                                        for o in session.get_outputs())
         self._idle: list[_Binding] = []  # list.pop and append are atomic: no lock on the way in or out
         # An output whose shape ORT learns as it runs (ORT allocates it), and none a run with an allocator would
-        # have ORT write straight into it: such a run without `keep` or `into` is a plain run (compute).
+        # have ORT write straight into it: such a run without `keep` or `into` is a plain run (_run).
         self._plain = any(static is None for _, static in self._outputs) and \
             not any(static is not None and static[2] >= PLACE_BYTES for _, static in self._outputs)
 
     def compute(self, call: ComputeCall) -> list[Any]:
-        inputs, allocator, keep, run_options = call.inputs, call.allocator, call.keep, call.run_options
-        into = call.into or None
-        if self._idle and self._idle[-1].steady is not None and run_options is None:
-            out = self._steady_run(inputs, allocator, keep, into, call)
-            if out is not None:
-                return out
-        arrays = local_inputs(self.name, self._inputs, inputs)
-        if run_options is not None or not self._bindable or (self._plain and not into) or \
-                not all(isinstance(v, np.ndarray) and is_plain_dtype(v.dtype) for v in arrays.values()):
-            # Sequences, strings...: what IOBinding cannot bind. And an output whose shape ORT learns as it runs,
-            # with nothing to write into: ORT allocates it either way, and a binding costs binding it anew, asking
-            # for it and copying it out on every run (an Add with a symbolic dimension, this EP in process: its
-            # shape changing every run 28.5 -> 15.5 µs; the same every run 19.9 -> 14.8, at 400 KB 83 -> 57).
-            # And a run with run options: ORT's own run takes them (such runs are not the steady kind).
-            out = self._run(arrays, call, None if run_options is None else _ort_run_options(run_options))
-            if keep and allocator is not None and self._bindable:  # kept ones copied into the allocator once
-                for i in dict.fromkeys(keep):
-                    if i < len(out):  # as on the binding's path, a position past the outputs names none
-                        out[i] = _kept_in(out[i].local_array(), allocator)
-            return out
+        arrays = _plain_arrays(call.inputs) if self._bindable and call.run_options is None else None
+        if arrays is None or (self._plain and not call.into):
+            # Sequences, strings...: what IOBinding cannot bind; a run with run options, which ORT's own run takes;
+            # and an output whose shape ORT learns as it runs with nothing to write into: ORT allocates it either
+            # way, and a binding would bind it anew, ask for it and copy it out on every run.
+            return self._run(call)
+        if len(arrays) != len(self._inputs):
+            raise EpInvalidArgument(f"{self.name} takes {len(self._inputs)} inputs, got {len(arrays)}")
         try:
             binding = self._idle.pop()
         except IndexError:
-            binding = _Binding(self._session.io_binding(), self._outputs)
-        io = binding.io
-        for name, array in arrays.items():
+            binding = _Binding(self._session.io_binding(), self._inputs, self._outputs)
+        out = self._run_bound(binding, arrays, call)
+        self._idle.append(binding)  # (not where the run failed: that binding goes)
+        return out
+
+    def _run_bound(self, binding: "_Binding", arrays: list[np.ndarray], call: ComputeCall) -> list[Any]:
+        """A run through `binding`: small inputs copied into memory kept with it, large ones bound where they lie;
+        each output of known shape written by ORT into the caller's tensor (a large one of `into`), into a new
+        buffer of the allocator (kept, or large), or into memory kept with the binding and copied out; the others
+        allocated by ORT. Only what moved is bound again."""
+        io, allocator, keep, into = binding.io, call.allocator, call.keep, call.into
+        for k, array in enumerate(arrays):
             if array.nbytes <= COPY_BYTES:
-                # Small inputs (inline bytes of a request, new memory every call) are copied into memory kept
-                # with the binding and bound once: a copy of a few bytes costs less than binding anew.
-                kept = binding.copies.get(name)
-                if kept is None or kept[0].shape != array.shape or kept[0].dtype != array.dtype:
-                    copy = np.empty(array.shape, array.dtype)
-                    kept = binding.copies[name] = (copy, (copy.ctypes.data, copy.shape, copy.dtype))
-                np.copyto(kept[0], array)
-                array, where = kept
-            else:
-                bound = binding.inputs.get(name)
-                if bound is not None and bound[0] is array and bound[1][1:] == (array.shape, array.dtype):
-                    continue  # the array bound last run (a kept call's buffer): asking its address costs
-                where = (array.ctypes.data, array.shape, array.dtype)
-            if binding.inputs.get(name, _UNBOUND)[1] != where:  # rebound only when the memory moved or changed
-                io.bind_input(name, "cpu", 0, array.dtype, array.shape, where[0])
-            binding.inputs[name] = (array, where)
+                # Small inputs (inline bytes of a request, new memory every call) are copied into memory kept with
+                # the binding and bound once: a copy of a few bytes costs less than binding anew.
+                copy = binding.copies[k]
+                if copy is None or copy.shape != array.shape or copy.dtype != array.dtype:
+                    copy = binding.copies[k] = np.empty(array.shape, array.dtype)
+                copy[...] = array
+                array = copy
+            if binding.inputs[k] is not array:  # rebound only where the memory moved
+                io.bind_input(binding.names[k], "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+                binding.inputs[k] = array
         placed: dict[int, Tensor] = {}
         written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
         scratch: dict[int, np.ndarray] = {}  # outputs ORT writes into memory kept with the binding
@@ -254,16 +245,14 @@ class OrtComputeInfo:
         for i, (name, static) in enumerate(self._outputs):
             if static is None:
                 # ORT allocates it. Bound again every run: the binding keeps the OrtValue ORT made, and ORT
-                # refuses to write a result of another shape into it (NonZero, a dynamic shape: the next run
-                # failed with "has shape {1,3} but the computed output shape for this run is {1,0}").
+                # refuses to write a result of another shape into it (a dynamic shape: NonZero).
                 io.bind_output(name, "cpu")
                 binding.outputs[i] = None
                 continue
-            target = _writable_target(into, i, static, arrays.values()) if into else None
+            target = _writable_target(into, i, static, arrays) if into else None
             if target is not None and static[2] > COPY_BYTES:
-                array = target.local_array()
-                address = array.ctypes.data
                 written[i] = target
+                address = target.local_array().ctypes.data
             elif allocator is not None and (i in keep and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES) and \
                     (made := _in_allocator(*static, allocator)) is not None:
                 # ORT writes the result straight into a buffer of the allocator (shared memory the client
@@ -271,170 +260,83 @@ class OrtComputeInfo:
                 placed[i], array = made
                 address = array.ctypes.data
             else:
-                # Into memory kept with the binding (bound once), read out after the run: small outputs
-                # travel inline anyway, and an allocation for them would be waste. A small one the caller gives
-                # a tensor for is copied there: the caller's tensors change from run to run (a swapped pair).
-                array, address = binding.scratch(i, static)
-                scratch[i] = array
+                # Into memory kept with the binding (bound once), read out after the run: small outputs travel
+                # inline anyway, and an allocation for them would be waste. A small one the caller gives a tensor
+                # for is copied there: the caller's tensors change from run to run (a swapped pair).
+                scratch[i], address = binding.scratch(i, static)
                 if target is not None:
                     copied[i] = target
             if binding.outputs[i] != address:
-                io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
+                io.bind_output(name, "cpu", 0, static[1], static[0], address)
                 binding.outputs[i] = address
-        self._run_binding(io, call, placed)
-        # Placed outputs are already where they go; the others are copied out (the binding's memory, and ORT's
-        # own, are written again by the next run).
-        produced = io.get_outputs() if binding.ort_allocated else ()
-        out = []
-        for i, (_, static) in enumerate(self._outputs):
-            if i in scratch:
-                how = _INTO if i in copied else _KEPT if i in keep and allocator is not None else _HOST
-                out.append(_read_out(scratch[i], static, how, allocator, copied.get(i)))
-            elif i in placed or i in written:
-                out.append(placed[i] if i in placed else written[i])
-            elif i in keep and allocator is not None:
-                out.append(_kept_in(produced[i].numpy(), allocator))
-            else:
-                out.append(as_value(produced[i].numpy().copy()))
-        # Every output of known shape, written into the binding's memory, placed in the allocator or written into
-        # the caller's tensor: the next run like this one (its `keep`, its allocator, its `into` positions, inputs
-        # of these shapes) only copies in, binds the new placed outputs and targets, runs and copies out
-        # (_steady_run).
-        binding.steady = None
-        if len(scratch) + len(placed) + len(written) == len(self._outputs):
-            steady = []
-            for k, name in enumerate(self._inputs):
-                array, where = binding.inputs[name]
-                steady.append((array if array is binding.copies.get(name, _UNBOUND)[0] else None, array, where, k))
-            # The allocator matters to a later run only where it would place an output (kept, or large)
-            placing = any(i in keep or static[2] >= PLACE_BYTES for i, (_, static) in enumerate(self._outputs))
-            outputs = [(name, static, scratch.get(i), _WRITTEN if i in written else _INTO if i in copied else
-                        _KEPT if i in keep and allocator is not None else _HOST)
-                       for i, (name, static) in enumerate(self._outputs)]
-            host = [(static, array) for _, static, array, how in outputs] \
-                if all(how is _HOST and array is not None for *_, array, how in outputs) else None
-            targets = tuple(i for i in range(len(self._outputs)) if i in copied or i in written)
-            binding.steady = _Steady(steady, outputs, tuple(keep), allocator if placing else _ANY, targets, host,
-                                     bool(keep or targets or placing))
-        self._idle.append(binding)
-        return out
-
-    def _steady_run(self, inputs: Sequence[Any], allocator, keep: Sequence[int], into,
-                    call: ComputeCall) -> list[Tensor] | None:
-        """A run on a steady binding (every output of known shape, written into its memory or, as on its last
-        run, placed in the allocator; small inputs of the types and shapes it holds copies of; large ones of the
-        shapes it has bound, a kept call's buffers): nothing is looked up or allocated but the placed outputs
-        and the others' copies, nothing bound but those and a large input that moved (a loop's state fed back,
-        a new buffer each step). None where the run is not like the binding's last (the general path binds it)."""
-        try:
-            binding = self._idle.pop()
-        except IndexError:
-            return None
-        steady = binding.steady
-        if steady is None or len(inputs) != len(steady.inputs) or ((keep or into or steady.guarded) and (
-                keep != steady.keep or (steady.allocator is not _ANY and allocator is not steady.allocator) or
-                ((tuple(into) != steady.into) if into else steady.into))):
-            self._idle.append(binding)
-            return None
-        # An input copied in or rebound before a later one is found unlike the last run's is harmless: the
-        # general path copies it again, and finds it bound where it is.
-        for value, (copy, bound, where, k) in zip(inputs, steady.inputs):
-            array = value.local_array() if type(value) is Tensor else None
-            if array is None or (array.shape, array.dtype) != where[1:]:
-                self._idle.append(binding)
-                return None
-            if copy is not None:
-                np.copyto(copy, array)
-            elif array is not bound:
-                name, where = self._inputs[k], (array.ctypes.data, *where[1:])
-                binding.io.bind_input(name, "cpu", 0, array.dtype, array.shape, where[0])
-                binding.inputs[name] = (array, where)
-                steady.inputs[k] = (None, array, where, k)
-        if steady.host is not None:  # every output copied out of the binding's memory: nothing to check or place
-            self._run_binding(binding.io, call)
-            out = [Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
-                   for static, array in steady.host]
-            self._idle.append(binding)
-            return out
-        return self._steady_placed(binding, steady, allocator, into, call)
-
-    def _steady_placed(self, binding: "_Binding", steady: "_Steady", allocator, into,
-                       call: ComputeCall) -> list[Tensor] | None:
-        """The rest of a steady run (its inputs in) where an output goes into the allocator or the caller's
-        tensor: those tensors checked, the new buffers made and bound, the run, the outputs where they go."""
-        addresses = {}  # of the caller's tensors ORT writes large outputs into, this run
-        for i in steady.into:  # the caller's tensors, of the outputs' types and shapes, readable here
-            target = into[i]
-            array = target.local_array() if type(target) is Tensor else None
-            if array is None or array.shape != steady.outputs[i][1][0] or array.dtype != steady.outputs[i][1][1] or \
-                    (steady.outputs[i][3] is _WRITTEN and any(np.may_share_memory(array, bound) for copy, bound, *_
-                                                               in steady.inputs if copy is None)):
-                self._idle.append(binding)  # (ORT would read what it writes: the general path copies it out)
-                return None
-            if steady.outputs[i][3] is _WRITTEN:
-                addresses[i] = array.ctypes.data
-        io = binding.io
-        placed = {}
-        for i, (name, static, array, how) in enumerate(steady.outputs):
-            if how is _WRITTEN:  # straight into the caller's tensor (a large one), bound where it is this run
-                address = addresses[i]
-                if binding.outputs[i] != address:
-                    io.bind_output(name, "cpu", 0, static[1], static[0], address)
-                    binding.outputs[i] = address
-            elif array is None:
-                made = _in_allocator(*static, allocator)
-                if made is None:  # memory this process can no longer write: the general path's scratch
-                    for tensor in placed.values():
-                        tensor.release()
-                    self._idle.append(binding)
-                    return None
-                placed[i], array = made
-                address = array.ctypes.data
-                if binding.outputs[i] != address:
-                    io.bind_output(name, "cpu", 0, array.dtype, array.shape, address)
-                    binding.outputs[i] = address
-        self._run_binding(io, call, placed)
-        out = []
-        for i, (_, static, array, how) in enumerate(steady.outputs):
-            if how is _WRITTEN:
-                out.append(into[i])
-            elif array is None:
-                out.append(placed[i])
-            else:
-                out.append(_read_out(array, static, how, allocator, into[i] if how is _INTO else None))
-        self._idle.append(binding)
-        return out
-
-    def _run_binding(self, io, call: ComputeCall, placed: Mapping[int, Tensor] | None = None) -> None:
-        """ORT's run of a binding; where it fails, the outputs placed for it go back to their allocator and the
-        error is ORT's typed (the binding goes: it is not put back for another run)."""
         try:
             self._session.run_with_iobinding(io)
             call.kernel_ran()
         except Exception as e:
-            for tensor in (placed or {}).values():
+            for tensor in placed.values():
                 tensor.release()
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+        # Placed and written outputs are already where they go; the others are copied out (the binding's memory,
+        # and ORT's own, are written again by the next run).
+        produced = io.get_outputs() if binding.ort_allocated else ()
+        out = []
+        for i, (_, static) in enumerate(self._outputs):
+            if i in placed or i in written:
+                out.append(placed[i] if i in placed else written[i])
+                continue
+            kept = i in keep and allocator is not None
+            if i not in scratch:
+                result = produced[i].numpy()
+                out.append(_kept_in(result, allocator) if kept else as_value(result.copy()))
+            elif i in copied:
+                np.copyto(copied[i].local_array(), scratch[i])
+                out.append(copied[i])
+            elif kept:
+                out.append(_kept_in(scratch[i], allocator))
+            else:
+                out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
+        return out
 
-    def _run(self, feeds: dict[str, Any], call: ComputeCall, run_options=None) -> list[Any]:
+    def _run(self, call: ComputeCall) -> list[Any]:
+        """ORT's own run (session.run), for what a binding cannot take."""
         ort = _ort()
+        feeds = local_inputs(self.name, self._inputs, call.inputs)
         # Arrays of types ORT cannot take from numpy go in as OrtValues of their ONNX type.
         feeds = {name: v if (elem := onnx_type_of(v)) is None else to_ort_value(ort, v, elem)
                  for name, v in feeds.items()}
+        options = None if call.run_options is None else _ort_run_options(call.run_options)
         try:
             if not any(self._exotic):
-                outputs = self._session.run(None, feeds, run_options)
+                out = [as_value(v) for v in self._session.run(None, feeds, options)]
                 call.kernel_ran()
-                return [as_value(v) for v in outputs]
-            # Outputs numpy cannot hold come back as OrtValues, read as ONNX lays their bytes out.
-            names = [name for name, _ in self._outputs]
-            feeds = {n: v if isinstance(v, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
-                     for n, v in feeds.items()}
-            return [as_value(from_ort_value(v)) for v in self._session.run_with_ort_values(names, feeds, run_options)]
+            else:
+                # Outputs numpy cannot hold come back as OrtValues, read as ONNX lays their bytes out.
+                names = [name for name, _ in self._outputs]
+                feeds = {n: v if isinstance(v, ort.OrtValue) else
+                         ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for n, v in feeds.items()}
+                out = [as_value(from_ort_value(v))
+                       for v in self._session.run_with_ort_values(names, feeds, options)]
         except EpError:
             raise
         except Exception as e:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
+        if call.keep and call.allocator is not None and self._bindable:  # kept ones copied into the allocator once
+            for i in dict.fromkeys(call.keep):
+                if i < len(out):  # as on the binding's path, a position past the outputs names none
+                    out[i] = _kept_in(out[i].local_array(), call.allocator)
+        return out
+
+
+def _plain_arrays(inputs: Sequence[Any]) -> list[np.ndarray] | None:
+    """The inputs as arrays over their memory in this process, where every one is a tensor of a plain type this
+    process can address (what an IOBinding binds); else None."""
+    arrays = []
+    for value in inputs:
+        array = value.local_array() if type(value) is Tensor else None
+        if array is None or not is_plain_dtype(array.dtype):
+            return None
+        arrays.append(array)
+    return arrays
 
 
 def _ort_run_options(options) -> Any:
@@ -448,68 +350,35 @@ def _ort_run_options(options) -> Any:
     return ro
 
 
-def _read_out(array: np.ndarray, static, how: str, allocator, target: Tensor | None) -> Tensor:
-    """An output ORT wrote into the binding's memory (`array`, written again by the next run), where it goes: a
-    copy of its own (_HOST), a buffer of the allocator (_KEPT), or the caller's tensor (_INTO, `target`)."""
-    if how is _HOST:
-        return Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy())
-    if how is _KEPT:
-        return _kept_in(array, allocator)
-    np.copyto(target.local_array(), array)
-    return target
-
-
-def _writable_target(into, i: int, static, inputs) -> Tensor | None:
+def _writable_target(into, i: int, static, inputs: Sequence[np.ndarray]) -> Tensor | None:
     """The caller's tensor output `i` can be written into by ORT: of the output's type and shape, addressable
     here, and sharing no memory with an input (ORT would read what it writes)."""
-    target = into.get(i) if into else None
+    target = into.get(i)
     if target is None or target.shape != static[0] or target.dtype != static[1]:
         return None
     array = target.local_array()
-    if array is None or any(np.may_share_memory(array, a) for a in inputs if isinstance(a, np.ndarray)):
+    if array is None or any(np.may_share_memory(array, a) for a in inputs):
         return None
     return target
 
 
-_UNBOUND = (None, None)
-_ANY = object()  # a steady binding that any run's allocator will do for (it would place no output)
-# Where a steady binding's output goes from its scratch memory (_WRITTEN: ORT writes it into the caller's tensor)
-_HOST, _KEPT, _INTO, _WRITTEN = "host", "kept", "into", "written"
-
-
-class _Steady(NamedTuple):
-    """What a run on a steady binding needs (OrtComputeInfo._steady_run)."""
-    inputs: list[tuple]   # per input, in order: its copy kept with the binding (None: bound where it lies), the
-                          # array bound, where ((address, shape, dtype)), and its position
-    outputs: list[tuple]  # per output: its name, (shape, dtype, nbytes), the scratch array ORT writes it into
-                          # (None: placed in the allocator, a new buffer each run, or _WRITTEN), and where it goes
-                          # from there (_HOST: a copy of its own; _KEPT: into the allocator; _INTO: into the
-                          # caller's tensor)
-    keep: tuple           # the run's `keep`
-    allocator: Any        # the run's allocator (None: none), where it would place an output; else _ANY
-    into: tuple           # the positions of the outputs that go into the caller's tensors (`into`)
-    host: list | None     # where every output goes _HOST (none placed, kept or copied into the caller's
-                          # tensors): each one's (shape, dtype, nbytes) and scratch array; else None
-    guarded: bool         # a run's keep, allocator or into may not be another's (any is, for a run without them)
-
-
 class _Binding:
-    """An IOBinding kept between runs: where each input and output is bound, and the memory kept with it
+    """An IOBinding kept between runs: what each input and output is bound to, and the memory kept with it
     (small inputs are copied into it; small outputs of known shape are written into it)."""
 
-    __slots__ = ("io", "inputs", "copies", "outputs", "_scratch", "ort_allocated", "steady")
+    __slots__ = ("io", "names", "inputs", "copies", "outputs", "_scratch", "ort_allocated")
 
-    def __init__(self, io, outputs: list):
+    def __init__(self, io, inputs: list[str], outputs: list):
         self.io = io
-        self.inputs: dict[str, tuple] = {}  # name -> (array, (address, shape, dtype)) bound (the array kept alive)
-        self.copies: dict[str, tuple[np.ndarray, tuple]] = {}  # name -> (kept array, its binding)
+        self.names = inputs
+        self.inputs: list[np.ndarray | None] = [None] * len(inputs)  # the array each input is bound to (kept alive)
+        self.copies: list[np.ndarray | None] = [None] * len(inputs)  # memory small inputs are copied into
         self.outputs: list[int | None] = [-1] * len(outputs)  # address bound; None: ORT allocates; -1: unbound
         self._scratch: dict[int, tuple[np.ndarray, int]] = {}
         self.ort_allocated = any(static is None for _, static in outputs)
-        self.steady: _Steady | None = None  # set after a run that bound every output to scratch memory
 
     def scratch(self, i: int, static) -> tuple[np.ndarray, int]:
-        """Output i's memory kept with the binding, and its address (asking numpy for it costs microseconds)."""
+        """Output i's memory kept with the binding, and its address (asking numpy for it costs)."""
         kept = self._scratch.get(i)
         if kept is None:
             array = np.empty(static[0], static[1])
