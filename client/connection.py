@@ -166,6 +166,26 @@ class WorkerConnection:
                 pass  # nothing was sent
         return self.call(method, request_of(), timeout=timeout)
 
+    @property
+    def keeps_calls(self) -> bool:
+        """Whether calls made on this connection may be kept (call_kept, kept, repeat): a fast lane, kept calls on."""
+        return self.lane is not None and self.kept_calls and not self._closed
+
+    def kept(self, method, key):
+        """The call this thread keeps for `key` on the lane (call_kept's), to be repeated with `repeat`; None where
+        none is kept (no lane, kept calls off, or not kept yet on this thread's connection)."""
+        lane_method = self._lane_methods.get(method)
+        if lane_method is None or not self.kept_calls or self._closed:
+            return None
+        return self.lane.kept(lane_method, key)
+
+    def repeat(self, kept, parts: list, nbytes: int, timeout: float | None = None, write=None):
+        """A kept call (kept()'s) repeated: what came back (see call_kept); None where it no longer applies
+        (nothing was sent)."""
+        if self._closed:
+            return None
+        return self.lane.repeat(kept, parts, nbytes, timeout or self.timeout_s, write)
+
     def _failed(self, e: grpc.RpcError | ValueError, method) -> EpError:
         """The EpError for a gRPC call that raised `e`: a status, or gRPC's ValueError for a channel that another
         thread closed (its worker replaced, its EP unregistered) as the call began; any other ValueError is

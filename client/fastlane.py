@@ -12,6 +12,7 @@ unused; the child opens its own.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import struct
@@ -29,7 +30,7 @@ from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpPermission
 from ephost.fastlane import (KEPT, KEPT_ID, KEPT_WRITING, MAX_KEPT, METHODS, PLACED, STATUS_OK, TICKET_OK,
                              FrameError, FrameReader, Method, configure, decode_error, put_parts, send_parts)
 from ephost.lane_slots import Slots
-from ephost.types import checked_desc, nbytes_of
+from ephost.types import MAX_TENSOR_BYTES, checked_desc, nbytes_of
 from ephost.wire import SPIN_S
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class _Kept:
     (True); `used`: when it was last repeated, on its connection's clock (0: never), `born`: when it was kept
     (_room). Each reply of a Compute says the outputs' dimensions first (ephost/fastlane.py); a copy's is empty."""
 
-    __slots__ = ("id", "id_bytes", "outputs", "placed", "used", "born", "_dims")
+    __slots__ = ("id", "id_bytes", "outputs", "placed", "used", "born", "live", "conn", "key", "method", "_dims")
 
     def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
         self.id = kid
@@ -70,6 +71,10 @@ class _Kept:
         self.outputs = outputs
         self.placed = sum(1 for *_, left in outputs if left)
         self.used = self.born = 0
+        self.live = True  # False once its connection forgot it (the worker let it go, or room was made)
+        self.conn: _Connection | None = None  # the connection that keeps it, its key there, and its method
+        self.key: Hashable = None
+        self.method: Method | None = None
         self._dims = struct.Struct(f"<{sum(rank for rank, _, _ in outputs)}Q")
 
     @classmethod
@@ -98,7 +103,9 @@ class _Kept:
         for rank, dtype, left in self.outputs:
             shape = values[at:at + rank]
             at += rank
-            nbytes = nbytes_of(shape, dtype)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not 0 < nbytes <= MAX_TENSOR_BYTES:  # (an empty one, or out of bounds: checked the long way)
+                nbytes = nbytes_of(shape, dtype)
             descs.append((shape, nbytes))
             if not left:
                 inline += nbytes
@@ -175,6 +182,12 @@ class _Connection:
                 pass
             return
         self.release()
+
+    def forget(self, kept: _Kept) -> None:
+        """A kept call its worker let go, or that makes room for another: forgotten here, and no longer repeated."""
+        kept.live = False
+        if self.kept.get(kept.key) is kept:
+            del self.kept[kept.key]
 
     def release(self) -> None:
         """Close this process's descriptors and mapping of it (once), whatever `busy` says: by the thread whose
@@ -282,22 +295,39 @@ class FastLane:
         key = (method.id, key)
         kept = conn.kept.get(key)
         if kept is not None:
-            result = self._repeat(conn, key, kept, method, parts, nbytes, timeout, write)
+            result = self._repeat(conn, kept, parts, nbytes, timeout, write)
             if result is not _UNKEPT:
                 return result
         conn.clock += 1  # a new call (a repeat only reads the clock)
         return self._keep(conn, key, method, request_of(), timeout)
 
-    def _repeat(self, conn: _Connection, key: Hashable, kept: _Kept, method: Method, parts: list, nbytes: int,
-                timeout: float, write: Callable[[], None] | None):
+    def kept(self, method: Method, key: Hashable) -> _Kept | None:
+        """The call this thread's connection keeps for `key` (call_kept's), to be repeated without being looked up
+        again (repeat); None where it keeps none."""
+        conn = getattr(self._local, "conn", None)
+        return conn.kept.get((method.id, key)) if conn is not None else None
+
+    def repeat(self, kept: _Kept, parts: list, nbytes: int, timeout: float, write: Callable[[], None] | None = None):
+        """A kept call (kept()'s) repeated as call_kept repeats it: what comes back; None where it no longer
+        applies (its connection forgot it, or is not this thread's now, or is in a call of this thread's: nothing
+        was sent then)."""
+        conn = kept.conn
+        if not kept.live or getattr(self._local, "conn", None) is not conn or conn.busy:
+            return None
+        result = self._repeat(conn, kept, parts, nbytes, timeout, write)
+        return None if result is _UNKEPT else result
+
+    def _repeat(self, conn: _Connection, kept: _Kept, parts: list, nbytes: int, timeout: float,
+                write: Callable[[], None] | None):
         """A kept call repeated: what came back (see call_kept), or _UNKEPT where the worker let it go (then it
         is forgotten here too, and the caller sends the whole request again, asking to keep it)."""
         kept.used = conn.clock
+        method = kept.method
         try:
             frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
-                                   timeout, key, write)
+                                   timeout, kept.key, write)
         except EpUnknownKeptCall:
-            del conn.kept[key]
+            conn.forget(kept)
             return _UNKEPT
         if frame.method == KEPT:
             return kept.arrays(frame.payload)
@@ -319,10 +349,10 @@ class FastLane:
             raise
         finally:
             if room is not None:  # the worker let it go as it read the request, whatever came of the call
-                del kept[room]
+                conn.forget(kept[room])
         if reply.kept_call:
             new = kept[key] = _Kept.of(method, request, reply)
-            new.born = conn.clock
+            new.born, new.conn, new.key, new.method = conn.clock, conn, key, method
         return reply
 
     def _exchange(self, conn: _Connection, method: int, name: str, parts: list, nbytes: int, timeout: float,

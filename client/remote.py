@@ -16,8 +16,10 @@ from ephost.errors import EpNotFound
 from ephost.external_data import ExternalData
 from ephost.memory import Buffer
 from ephost.tensor import Tensor
-from ephost.types import HOST_MEMORY, EpDeviceInfo, MemoryInfo, checked_desc, desc_to_proto
+from ephost.values import as_value
+from ephost.types import HOST_MEMORY, EpDeviceInfo, MemoryInfo, checked_desc, desc_to_proto, is_plain_dtype
 from ephost.client.allocator import FreeQueue, RemoteAllocator
+from ephost.client.connection import WorkerConnection
 from ephost.client.context_model import restore_graph
 from ephost.client.fastlane import Placed
 from ephost.client.handles import RemoteHandle, owned
@@ -48,14 +50,15 @@ def _write_once(stager: Stager, pending: list[tuple[Buffer, Tensor]]) -> Callabl
 
 
 class _KeptForm(NamedTuple):
-    """How a Compute's inputs go as a kept call: each input's (rank, dtype, way), the dimensions of all of them,
-    the inline ones' arrays and bytes, and the positions of the staged and of the named (by handle) ones."""
+    """How a Compute's inputs go as a kept call: each input's (rank, dtype, way), the repeat's head (the inputs'
+    dimensions, then the handles of the buffers it names), the inline inputs' arrays and the payload's length, and
+    the large inputs to write into their staging buffers first (`write`, None where there are none)."""
     kinds: tuple
-    dims: list
+    head: bytes
     inline: list
     nbytes: int
-    staged: list
-    named: list
+    write: Callable[[], None] | None
+    staged: dict
 
 
 class RemoteComputeInfo(RemoteHandle):
@@ -92,7 +95,7 @@ class RemoteComputeInfo(RemoteHandle):
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
         into = self._owned(call.into) if call.into else _NO_TARGETS
         if call.run_options is None and (not call.keep or call.allocator is not None):  # (repeats carry none)
-            form = self._kept_form(call.inputs)
+            form = self.kept_form(call.inputs, into, conn=conn)
             if form is not None:
                 outputs = self._compute_kept(conn, call, into, form)
                 self.link.between_calls()
@@ -109,41 +112,103 @@ class RemoteComputeInfo(RemoteHandle):
         self.link.between_calls()
         return outputs
 
+    def prepare(self, call: ComputeCall) -> "KeptCompute | None":
+        """The call as this thread's connection keeps it (after a compute of it), held to be repeated with nothing
+        looked up again (a run's plan holds it: client/runner.py); None where the transport keeps no such call."""
+        conn = self.link.current
+        if conn is None or not conn.keeps_calls or call.run_options is not None or \
+                (call.keep and call.allocator is None):
+            return None
+        into = self._owned(call.into) if call.into else _NO_TARGETS
+        form = self.kept_form(call.inputs, into)
+        if form is None:
+            return None
+        placed = _placed(call.keep, into)
+        kept = conn.kept(conn.ep.Compute, self._key(call.allocator, form.kinds, into, placed))
+        if kept is None:
+            return None
+        return KeptCompute(self, conn, kept, form.kinds, call.allocator, placed,
+                           tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())))
+
     def _owned(self, targets: Mapping[int, Tensor]) -> Mapping[int, Tensor]:
         """The targets in the memory of the worker that runs now (all of them, as given, in the common case)."""
         if all(owned(t.buffer, self.link) for t in targets.values()):
             return targets
         return {i: t for i, t in targets.items() if owned(t.buffer, self.link)}
 
-    def _kept_form(self, inputs: Sequence[Any]) -> _KeptForm | None:
+    def kept_form(self, inputs: Sequence[Any], into: Mapping[int, Tensor], kinds: tuple | None = None,
+                  conn=None) -> _KeptForm | None:
         """How the inputs go as a kept call, where every input is a tensor the worker has (named by handle) or
         this process can read: small ones inline, large ones through buffers this thread keeps for this call
-        (named by handle too). Else None."""
-        kinds, dims, inline, nbytes, staged, named = [], [], [], 0, [], []
-        staging = self._staging
+        (named by handle too); with `kinds`, only where they go so (a held kept call's). Else None."""
+        current = conn or self.link.current
+        kinds_made, dims, handles, inline, nbytes, staged = [], [], [], [], 0, {}
         for i, value in enumerate(inputs):
-            if type(value) is not Tensor:
+            kind_of = type(value)
+            if kind_of is np.ndarray:  # the application's memory (a run's feed, an output that came back)
+                if not value.flags.c_contiguous or not is_plain_dtype(value.dtype):
+                    return None
+                shape = value.shape
+                if value.nbytes < INLINE_LIMIT:
+                    kind = (len(shape), value.dtype, _INLINE)
+                    inline.append(value)
+                    nbytes += value.nbytes
+                elif self._staging is not None:
+                    kind = (len(shape), value.dtype, _STAGED)
+                    staged[i] = len(handles)
+                    handles.append(0)  # the staging buffer's, once it is known
+                else:
+                    return None
+                if kinds is not None and kinds[i] != kind:
+                    return None
+                kinds_made.append(kind)
+                dims += shape
+                continue
+            if kind_of is not Tensor:
                 return None
             shape = value.shape
-            dims += shape
-            if owned(value.buffer, self.link):  # an IOBinding's bound input, a value the worker made
-                kinds.append((len(shape), value.dtype, _NAMED))
-                named.append(i)
-                continue
-            array = value.local_array()
-            if array is None:
-                return None
-            if value.nbytes < INLINE_LIMIT:
-                kinds.append((len(shape), value.dtype, _INLINE))
+            buffer = value.buffer
+            if buffer is not None and buffer.owner is current:  # an IOBinding's bound input, a value the worker made
+                kind = (len(shape), value.dtype, _NAMED)
+                handles.append(buffer.handle)
+            elif value.nbytes < INLINE_LIMIT:
+                array = value.local_array()
+                if array is None:
+                    return None
+                kind = (len(shape), value.dtype, _INLINE)
                 inline.append(array)
                 nbytes += value.nbytes
-            elif staging is not None:
-                kinds.append((len(shape), value.dtype, _STAGED))
-                staged.append(i)
-                named.append(i)
+            elif self._staging is not None and value.addressable:
+                kind = (len(shape), value.dtype, _STAGED)
+                staged[i] = len(handles)
+                handles.append(0)  # the staging buffer's, once it is known
             else:
                 return None
-        return _KeptForm(tuple(kinds), dims, inline, nbytes, staged, named)
+            if kinds is not None and kinds[i] != kind:
+                return None
+            kinds_made.append(kind)
+            dims += shape
+        write = None
+        if staged:
+            positions = list(staged)
+            buffers = self._staging.buffers(tuple((len(inputs[i].shape), inputs[i].dtype) for i in positions),
+                                            [inputs[i].nbytes for i in positions])
+            for i, buffer in zip(positions, buffers):
+                handles[staged[i]] = buffer.handle
+            staged = dict(zip(positions, buffers))
+            write = _write_once(self._stager, [(buffer, as_value(inputs[i])) for i, buffer in staged.items()])
+        if into:
+            handles += [into[i].buffer.handle for i in sorted(into)]
+        head = _u64s(len(dims) + len(handles)).pack(*dims, *handles)
+        return _KeptForm(tuple(kinds_made) if kinds is None else kinds, head, inline, len(head) + nbytes, write,
+                         staged)
+
+
+    def _key(self, allocator: RemoteAllocator | None, kinds: tuple, into: Mapping[int, Tensor],
+             placed: tuple[int, ...]) -> tuple:
+        """What makes a kept Compute of this partition the same call (WorkerConnection.call_kept's key)."""
+        return (self.handle, allocator.handle if allocator is not None else 0, kinds,
+                tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())) if into else (), placed)
 
     def _compute_kept(self, conn, call: ComputeCall, into: Mapping[int, Tensor], form: _KeptForm) -> list[Any]:
         """A Compute as the transport keeps it (WorkerConnection.call_kept), so that a stream of them sends the
@@ -152,30 +217,18 @@ class RemoteComputeInfo(RemoteHandle):
         gets the other outputs' dimensions and bytes back (those in `keep` as handles to new buffers of the
         worker's), nothing else."""
         inputs, allocator = call.inputs, call.allocator
-        placed = tuple(i for i in call.keep if i not in into) if call.keep else ()
-        staged, write = {}, None
-        if form.staged:
-            kinds = tuple((len(inputs[i].shape), inputs[i].dtype) for i in form.staged)
-            buffers = self._staging.buffers(kinds, [inputs[i].nbytes for i in form.staged])
-            staged = dict(zip(form.staged, buffers))
-            write = _write_once(self._stager, [(buffer, inputs[i]) for i, buffer in staged.items()])
-        # The buffers it names go by handle in every frame: a loop whose input is the last step's output (a new
-        # buffer each step) repeats one kept call.
-        handles = [staged[i].handle if i in staged else inputs[i].buffer.handle for i in form.named]
-        if into:
-            handles += [into[i].buffer.handle for i in sorted(into)]
-        head = struct.pack(f"<{len(form.dims) + len(handles)}Q", *form.dims, *handles)
-        key = (self.handle, allocator.handle if allocator is not None else 0, form.kinds,
-               tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())) if into else (), placed)
+        placed = _placed(call.keep, into)
+        key = self._key(allocator, form.kinds, into, placed)
+        write = form.write
 
         def request_of() -> ep_pb2.ComputeRequest:
             if write is not None:
                 write()
-            return self._request(inputs, allocator, placed, into, [], staged)
+            return self._request(inputs, allocator, placed, into, [], form.staged)
 
         timeout = call.timeout
-        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, [head, *form.inline],
-                                                     len(head) + form.nbytes, request_of, timeout, write), conn=conn)
+        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, [form.head, *form.inline], form.nbytes,
+                                                     request_of, timeout, write), conn=conn)
         return self._outputs(result, call, conn, into)
 
     def _outputs(self, result, call: ComputeCall, conn, into: Mapping[int, Tensor]) -> list[Any]:
@@ -184,17 +237,20 @@ class RemoteComputeInfo(RemoteHandle):
         allocator, leave = call.allocator, call.leave
         if isinstance(result, list):
             if not into:
-                return [self._returned(value, allocator, conn, i, leave) for i, value in enumerate(result)]
+                for value in result:
+                    if type(value) is Placed:
+                        return [self._returned(value, allocator, conn, i, leave) for i, value in enumerate(result)]
+                return result  # (arrays over the reply, every one: the common case)
             returned = iter(result)
             return [into[i] if i in into else self._returned(next(returned), allocator, conn, i, leave)
                     for i in range(len(result) + len(into))]
         return [into[i] if i in into else self._output(v, allocator, conn, fetch=i not in leave)
                 for i, v in enumerate(result.outputs)]
 
-    def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Tensor:
-        """Output i of a kept call: a tensor over its reply, or one it left in a new buffer of the worker's."""
+    def _returned(self, value, allocator: RemoteAllocator | None, conn, i: int, leave: Sequence[int]) -> Any:
+        """Output i of a kept call: an array over its reply, or a tensor it left in a new buffer of the worker's."""
         if type(value) is not Placed:
-            return Tensor.trusted(value.shape, value.dtype, HOST_MEMORY, value.nbytes, host=value)
+            return value
         return self._in_buffer(value.shape, value.dtype, value.nbytes, value.handle, value if value.region else None,
                                allocator, conn, i not in leave)
 
@@ -206,6 +262,7 @@ class RemoteComputeInfo(RemoteHandle):
         request = ep_pb2.ComputeRequest(node_compute_info=self.handle, inline_limit=INLINE_LIMIT)
         for i, value in enumerate(inputs):
             message = request.inputs.add()
+            value = as_value(value)  # (an array of this process's memory: a tensor over it)
             if i in written:
                 desc_to_proto(value.shape, value.dtype, message.tensor.desc)
                 message.tensor.buffer = written[i].handle
@@ -248,6 +305,63 @@ class RemoteComputeInfo(RemoteHandle):
             allocator.read(buffer, host.reshape(-1).view(np.uint8))
         return Tensor.trusted(shape, dtype, allocator.memory_info, nbytes, buffer=buffer, host=host,
                               allocator=allocator)
+
+
+_U64S: dict[int, struct.Struct] = {}
+
+
+def _u64s(count: int) -> struct.Struct:
+    """The struct of `count` little-endian u64s (a repeat's head), made once per count."""
+    packer = _U64S.get(count)
+    if packer is None:
+        packer = _U64S[count] = struct.Struct(f"<{count}Q")
+    return packer
+
+
+def _placed(keep: Sequence[int], into: Mapping[int, Tensor]) -> tuple[int, ...]:
+    """The outputs a kept call leaves in new buffers of the worker's: those kept there, but those written into the
+    caller's tensors."""
+    return tuple(i for i in keep if i not in into) if keep else ()
+
+
+class KeptCompute:
+    """A partition's Compute as one thread's connection keeps it (RemoteComputeInfo.prepare): called with a
+    ComputeCall whose inputs are of the kinds it was kept with (types, ranks, how each travels: any shapes) and
+    whose outputs go where they went, it repeats the kept call with nothing looked up again. It no longer applies
+    (None, nothing sent) once the worker, the thread's connection or the kept call is another, or the call is not
+    one it repeats; the caller then goes through compute, which keeps the call anew."""
+
+    __slots__ = ("info", "_conn", "_kept", "_kinds", "_allocator", "_placed", "_into", "_recycles")
+
+    def __init__(self, info: RemoteComputeInfo, conn, kept, kinds: tuple, allocator, placed: tuple[int, ...],
+                 into: tuple):
+        self.info, self._conn, self._kept, self._kinds = info, conn, kept, kinds
+        self._allocator, self._placed, self._into = allocator, placed, into
+        self._recycles = info.link.recycles  # (a link's policy does not change)
+
+    def __call__(self, call: ComputeCall) -> list[Any] | None:
+        info = self.info
+        link, conn, into = info.link, self._conn, call.into
+        # link.conn first: it waits for a worker being replaced (a call of the dead one's is no longer this one)
+        if link.conn is not conn or call.allocator is not self._allocator or call.run_options is not None:
+            return None
+        if (call.keep or self._placed) and _placed(call.keep, into) != self._placed:
+            return None
+        if into or self._into:
+            if tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())) != self._into or \
+                    any(t.buffer is None or t.buffer.owner is not conn for t in into.values()):
+                return None
+        form = info.kept_form(call.inputs, into, self._kinds, conn)
+        if form is None:
+            return None
+        result = link.run(WorkerConnection.repeat, self._kept, [form.head, *form.inline], form.nbytes, call.timeout,
+                          form.write, conn=conn)
+        if result is None:
+            return None
+        outputs = info._outputs(result, call, conn, into)
+        if self._recycles:
+            link.between_calls()
+        return outputs
 
 
 class RemoteEp(RemoteHandle):

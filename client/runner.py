@@ -1,11 +1,17 @@
-"""One run of a session's partitions, in topological order: each partition's inputs made readable where it
-runs, its Compute under the failure policy, values let go of once no later partition reads them, and the
-outputs labelled as the Environment names their memory. Outputs an IOBinding places in an EP's memory are kept
-there by the partition that makes them (`placed`), written into bound tensors where the EP can (`targets`), and
-not brought to this process when nothing here reads them."""
+"""The run driver: one run of a session's partitions, in topological order, for plain runs, IOBinding runs and
+run_async alike. A run follows a RunPlan (its steps read their inputs from a list of the run's values by position,
+and each value goes once no later step reads it), makes each partition's Compute under the failure policy, and
+labels the outputs as the Environment names their memory. Outputs an IOBinding places in an EP's memory are kept
+there by the partition that makes them, written into bound tensors where the EP can, and not brought to this
+process when nothing here reads them.
+
+Where a partition's EP is reached through a transport that keeps calls (a worker's fast lane), the step holds the
+call as the transport keeps it on the calling thread (NodeComputeInfo.prepare), and the next runs repeat it
+straight; a held call that no longer applies says so, and the step makes the call through compute again."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import threading
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from onnx import numpy_helper
 
@@ -19,120 +25,198 @@ from ephost.eps.base import ComputeCall
 from ephost.client.handles import owned
 from ephost.client.planner import Partition
 
+MAX_PLANS = 16  # run plans a session keeps (by asked outputs and their placement); past it, made again
+
+
+class Step(NamedTuple):
+    """One partition in a run plan: where its inputs are among the run's values, where its outputs go (from
+    `first` on, in order), the outputs placed in its EP's memory for this run beyond its own `keep` (`placed`:
+    positions among its outputs; `leave`: those of them nothing in this process reads), and the values no one
+    reads after it (`drop`)."""
+    index: int
+    partition: Partition
+    sources: tuple[int, ...]
+    first: int
+    placed: tuple[int, ...]
+    leave: tuple[int, ...]
+    drop: tuple[int, ...]
+
+
+class RunPlan:
+    """How the partitions run for one set of asked outputs and placements (see the module's docstring); the
+    calls each thread's steps hold, in `held()`."""
+
+    def __init__(self, partitions: Sequence[Partition], feeds: Sequence[str], names: Sequence[str],
+                 owners: Mapping[str, Any], registration_of: Callable[[str], Any]):
+        position = {name: i for i, name in enumerate(feeds)}
+        self.feeds = dict(position)
+        read = {v for p in partitions for v in p.graph.inputs}
+        last = {v: k for k, p in enumerate(partitions) for v in p.graph.inputs}  # the last step reading a value
+        asked = set(names)
+        steps, made = [], {}
+        for k, p in enumerate(partitions):
+            sources = tuple(position[v] for v in p.graph.inputs)
+            first = len(position)
+            for v in p.graph.outputs:
+                position[v] = len(position)
+            registration = registration_of(p.registration) if owners else None
+            placed = tuple(i for i, v in enumerate(p.graph.outputs)
+                           if v in owners and owners[v] in (None, registration) and i not in p.keep)
+            leave = tuple(i for i in placed if p.graph.outputs[i] not in read)  # not brought to this process
+            drop = tuple(position[v] for v in dict.fromkeys(p.graph.inputs) if last[v] == k and v not in asked)
+            steps.append(Step(k, p, sources, first, placed, leave, drop))
+            made.update((v, p.registration) for v in p.graph.outputs)
+        self.steps = steps
+        self.size = len(position)
+        self.outputs = list(names)
+        self.picks = [position.get(n) for n in names]  # None: a constant (an initializer asked for)
+        self.makers = [made.get(n) for n in names]
+        self.local = threading.local()  # the calling thread's held calls (`held`)
+
+    def held(self) -> list:
+        """The calling thread's held calls, one place per step (None: none held)."""
+        held = getattr(self.local, "held", None)
+        if held is None:
+            held = self.local.held = [None] * len(self.steps)
+        return held
+
+
+def compute_held(info, call: ComputeCall, held: list, at: int) -> list[Any]:
+    """`info`'s outputs for `call`: the call held at `held[at]` repeated where it still applies, else made through
+    compute, after which the transport's kept call for it is held there (where there is one: info.prepare)."""
+    kept = held[at]
+    if kept is not None and kept.info is info:
+        outputs = kept(call)
+        if outputs is not None:
+            return outputs
+    outputs = info.compute(call)
+    prepare = getattr(info, "prepare", None)
+    held[at] = prepare(call) if prepare is not None else None
+    return outputs
+
 
 class PartitionRunner:
     """Runs the partitions of one session (set `partitions` whenever they are planned again)."""
 
     def __init__(self, env, failures, profiler, link_of: Callable[[str], Any], constants: Mapping[str, Any],
                  external: ExternalData | None = None):
-        """`constants`: initializers that are graph outputs; `external`: the files those kept outside name."""
+        """`constants`: the model's initializers (some may be asked for as outputs); `external`: the files those
+        kept outside name."""
         self._env, self._failures, self.profiler, self._link_of = env, failures, profiler, link_of
         self._constants, self._external = constants, external
         self._partitions: list[Partition] = []
-        self._read: frozenset[str] = frozenset()
-        self._made_by: dict[str, str] = {}
+        self._feeds: list[str] = []
+        self._plans: dict = {}
+        self._plans_lock = threading.Lock()  # guards changes to _plans (runs read it without the lock)
 
     @property
     def partitions(self) -> list[Partition]:
         return self._partitions
 
-    @partitions.setter
-    def partitions(self, partitions: list[Partition]) -> None:
-        self._partitions = partitions
-        self._read = frozenset(v for p in partitions for v in p.graph.inputs)  # values some partition reads
-        self._made_by = {v: p.registration for p in partitions for v in p.graph.outputs}  # value -> its maker
+    def plan_for(self, partitions: list[Partition], feeds: Sequence[str]) -> None:
+        """Run these partitions from now on, fed the graph inputs `feeds` (in this order)."""
+        with self._plans_lock:
+            self._partitions, self._feeds, self._plans = partitions, list(feeds), {}
 
-    def run(self, run: int, values: dict[str, Any], names: Sequence[str], timeout: float | None,
+    def _plan(self, names: Sequence[str], owners: Mapping[str, Any]) -> RunPlan:
+        key = (tuple(names), tuple((n, id(o)) for n, o in owners.items())) if owners else tuple(names)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = RunPlan(self._partitions, self._feeds, names, owners, self._registration)
+            with self._plans_lock:
+                if len(self._plans) >= MAX_PLANS:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
+
+    def _registration(self, name: str):
+        return self._env.registration(name) if self._env.is_registered(name) else None
+
+    def run(self, run: int, feeds: Mapping[str, Any], names: Sequence[str], timeout: float | None,
             placed: Mapping[str, MemoryInfo | None], targets: Mapping[str, Tensor],
             options: RunOptions | None = None) -> list[Any]:
-        """The values of `names` after one run from the feeds in `values`. `placed` names outputs to leave in an
-        EP's memory (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one
-        keeps it there rather than sending it back. `targets`: outputs to write into these tensors where the EP
-        that makes them can (a worker, into its own memory). `options`: the run's RunOptions
-        (its terminate flag is read before each partition; what an EP reads of them goes with each Compute)."""
-        keep = set(names)
+        """The values of `names` after one run from `feeds`. `placed` names outputs to leave in an EP's memory
+        (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps it there
+        rather than sending it back. `targets`: outputs to write into these tensors where the EP that makes them
+        can (a worker, into its own memory). `options`: the run's RunOptions (its terminate flag is read before
+        each partition; what an EP reads of them goes with each Compute)."""
         owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()} if placed else {}
+        plan = self._plan(names, owners)
+        values: list[Any] = [None] * plan.size
+        positions = plan.feeds
+        for name, value in feeds.items():
+            at = positions.get(name)
+            if at is not None:
+                values[at] = value
         if self.profiler.enabled:
             with self.profiler.span("Session", "model_run", run=run):
-                self._run_partitions(run, values, keep, owners, timeout, targets, options)
+                self._steps(run, plan, values, timeout, targets, options)
         else:
-            self._run_partitions(run, values, keep, owners, timeout, targets, options)
-        for n in names:
-            if n not in values and n in self._constants:
-                t = self._constants[n]
-                values[n] = as_value(self._external.array(t).copy() if external_ref(t) is not None
-                                     else numpy_helper.to_array(t))
-        made_by = self._made_by
-        if len(names) == 1:
-            return [self._labelled(values[names[0]], made_by.get(names[0]))]
-        labelled: dict[int, Any] = {}  # one relabelled tensor per value, whatever the names it goes by
-        for n in names:
-            value = values[n]
-            if id(value) not in labelled:
-                labelled[id(value)] = self._labelled(value, made_by.get(n))
-        return [labelled[id(values[n])] for n in names]
+            self._steps(run, plan, values, timeout, targets, options)
+        out = []
+        for name, at, maker in zip(plan.outputs, plan.picks, plan.makers):
+            if at is None:
+                out.append(self._constant(name))
+                continue
+            value = values[at]
+            if maker is not None and type(value) is Tensor and value.memory_info is not HOST_MEMORY:
+                self._label(value, maker)
+            out.append(value)
+        return out
 
-    def _run_partitions(self, run: int, values: dict[str, Any], keep: set[str], owners: Mapping[str, Any],
-                        timeout: float | None, targets: Mapping[str, Tensor], options: RunOptions | None) -> None:
+    def _steps(self, run: int, plan: RunPlan, values: list, timeout: float | None, targets: Mapping[str, Tensor],
+               options: RunOptions | None) -> None:
         profiling = self.profiler.enabled
         to_eps = options.for_eps() if options is not None else None
-        for p in self._partitions:
+        held = getattr(plan.local, "held", None) or plan.held()
+        for step in plan.steps:
             if options is not None and options.terminated:
                 raise EpCancelled(TERMINATED)
-            inputs = [self._reachable(values[v], p) for v in p.graph.inputs]
+            p = step.partition
+            inputs = [values[i] for i in step.sources]
+            for j, value in enumerate(inputs):
+                if type(value) is Tensor and not value.addressable:
+                    inputs[j] = self._reachable(value, p)
+            keep = p.keep
+            if step.placed and p.allocator is not None:
+                keep = keep + step.placed
+            call = ComputeCall(inputs, p.allocator, keep, run_options=to_eps, timeout=timeout)
+            if step.leave and p.allocator is not None:
+                call.leave = step.leave
+            if targets:
+                into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
+                if into:
+                    call.into = into
             if profiling:
-                call = "Compute" if self._link_of(p.registration) is not None else "in process"
+                kind = "Compute" if self._link_of(p.registration) is not None else "in process"
                 with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes),
-                                        ep=p.placement.ep_name, registration=p.registration, call=call):
-                    outputs = self._compute(run, p, inputs, owners, targets, timeout, to_eps)
+                                        ep=p.placement.ep_name, registration=p.registration, call=kind):
+                    outputs = self._compute(run, step, call, held)
             else:
-                outputs = self._compute(run, p, inputs, owners, targets, timeout, to_eps)
+                outputs = self._compute(run, step, call, held)
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
-            values.update(zip(p.graph.outputs, outputs))
-            for v in p.last_reads:  # let go of values no later partition reads
-                if v not in keep:
-                    values.pop(v, None)
+            values[step.first:step.first + len(outputs)] = outputs
+            for at in step.drop:  # let go of values no later partition reads
+                values[at] = None
 
-    def _compute(self, run: int, p: Partition, inputs: list, owners: Mapping[str, Any],
-                 targets: Mapping[str, Tensor], timeout: float | None, to_eps=None) -> list[Any]:
-        """Partition `p`'s outputs, under the failure policy."""
-        kept = self._kept(p, owners)
-        call = ComputeCall(inputs, p.allocator, kept, run_options=to_eps, timeout=timeout)
-        if targets:
-            into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
-            if into:
-                call.into = into
-        if len(kept) > len(p.keep):
-            # Placed outputs no partition reads need not come to this process at all.
-            call.leave = tuple(i for i in kept if i not in p.keep and p.graph.outputs[i] not in self._read)
+    def _compute(self, run: int, step: Step, call: ComputeCall, held: list) -> list[Any]:
+        """The step's outputs (compute_held), under the failure policy."""
         try:
-            return p.compute_info.compute(call)
+            return compute_held(step.partition.compute_info, call, held, step.index)
         except EpError as error:
-            return self.recover(run, p, call, error)
+            held[step.index] = None
+            return self.recover(run, step.partition, call, error)
 
     def recover(self, run: int, p: Partition, call: ComputeCall, error: EpError) -> list[Any]:
-        """Partition `p`'s outputs after its Compute (`call`) failed with `error`, as the failure policy says (a
-        session's steady run's too)."""
+        """Partition `p`'s outputs after its Compute (`call`) failed with `error`, as the failure policy says."""
         with self.profiler.span("Fallback", f"{p.graph.name} after {type(error).__name__}", run=run,
                                 policy=self._failures.policy):
             return self._failures.recover(run, p, self._partitions, call, error)
 
-    def _kept(self, p: Partition, owners: Mapping[str, Any]) -> tuple[int, ...]:
-        """Outputs of `p` to leave in its EP's memory: those a later partition there reads, and graph outputs
-        placed there for this run."""
-        if not owners or p.allocator is None:
-            return p.keep
-        registration = self._env.registration(p.registration) if self._env.is_registered(p.registration) else None
-        extra = [i for i, v in enumerate(p.graph.outputs)
-                 if v in owners and owners[v] in (None, registration) and i not in p.keep]
-        return p.keep + tuple(extra) if extra else p.keep
-
-    def _reachable(self, value: Any, p: Partition) -> Any:
-        """`value` as partition `p` can read it: a tensor in a worker's memory that neither this process nor
-        p's EP can address comes to the application first."""
-        if not isinstance(value, Tensor) or value.addressable:
-            return value
+    def _reachable(self, value: Tensor, p: Partition) -> Any:
+        """A tensor this process cannot address as partition `p` can read it: named by handle where it is in the
+        memory of p's worker, else brought to the application first."""
         link = self._link_of(p.registration)
         if link is not None and owned(value.buffer, link):
             return value
@@ -140,13 +224,15 @@ class PartitionRunner:
                                 src=value.memory_info.name, dst=HOST_MEMORY.name):
             return self._env.to_host(value)
 
-    def _labelled(self, value: Any, registration: str | None) -> Any:
+    def _constant(self, name: str) -> Any:
+        """An initializer asked for as an output, as a value of its own."""
+        t = self._constants[name]
+        return as_value(self._external.array(t).copy() if external_ref(t) is not None else numpy_helper.to_array(t))
+
+    def _label(self, value: Tensor, registration: str) -> None:
         """A tensor an EP made, labelled with the MemoryInfo users know its memory by (the Environment's)."""
-        if not isinstance(value, Tensor) or registration is None or value.memory_info is HOST_MEMORY \
-                or value.memory_info == HOST_MEMORY \
-                or not self._env.is_registered(registration):
-            return value
+        if value.memory_info == HOST_MEMORY or not self._env.is_registered(registration):
+            return
         label = self._env.registration(registration).qualified(value.memory_info)
         if label is not value.memory_info:
             value.relabel(label)
-        return value

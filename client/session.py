@@ -12,11 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument
 from ephost.run_options import ForeignOptions
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
-from ephost.values import to_python
+from ephost.values import as_value, to_python
 from ephost.client.failure_policy import FailurePolicy
 from ephost.client.fallback import CpuFallback
 from ephost.client.iobinding import IOBinding
@@ -77,7 +79,7 @@ class InferenceSession:
                                            self._plan.external)
             with self.profiler.span("Session", "session_initialization"):
                 self._plan.set_up(list(providers or []))
-            self._runner.partitions = self._plan.partitions
+            self._runner.plan_for(self._plan.partitions, self._io.input_names)
         except BaseException:
             self.close()
             raise
@@ -145,7 +147,7 @@ class InferenceSession:
             providers = [(p, dict(o)) for p, o in zip(providers, provider_options)]
         with self._lock:
             self._plan.replan(providers)
-            self._runner.partitions = self._plan.partitions
+            self._runner.plan_for(self._plan.partitions, self._io.input_names)
 
     def get_profiling_start_time_ns(self) -> int:
         """When profiling started, in time.monotonic_ns() terms (0 when SessionOptions.enable_profiling is off)."""
@@ -162,7 +164,8 @@ class InferenceSession:
         """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays,
         ephost.Tensors in any memory (a tensor in a worker's memory is read there by a partition of that worker), or
         lists (made into arrays of the input's element type, as ONNX Runtime makes them)."""
-        return [to_python(v) for v in self._execute(output_names, input_feed, run_options)]
+        return [v if type(v) is np.ndarray else to_python(v)
+                for v in self._execute(output_names, input_feed, run_options)]
 
     def run_async(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
                   callback: Callable[[list[Any] | None, Any, str], None], user_data: Any = None,
@@ -191,7 +194,7 @@ class InferenceSession:
         """ORT's run_with_ort_values: the outputs as ephost.Tensors, left where the partitions made them (in a
         worker's memory, not copied to the application; `numpy()` reads a worker's shared memory in place)."""
         names = self._io.output_names(output_names)
-        return self._execute(names, input_dict_ort_values, run_options, dict.fromkeys(names))
+        return [as_value(v) for v in self._execute(names, input_dict_ort_values, run_options, dict.fromkeys(names))]
 
     def io_binding(self) -> IOBinding:
         """An IOBinding of this session (ORT's session.io_binding())."""
@@ -209,7 +212,7 @@ class InferenceSession:
         targets = {n: b.tensor for n, b in outputs.items() if b.tensor is not None}
         names = list(outputs)
         results = self._execute(names, iobinding.bound_inputs(), run_options, placed, targets)
-        iobinding.set_results(dict(zip(names, results)))
+        iobinding.set_results({name: as_value(value) for name, value in zip(names, results)})
 
     def _execute(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any,
                  placed: Mapping[str, MemoryInfo | None] | None = None,

@@ -9,7 +9,7 @@ import onnx
 
 from ephost.errors import EpInvalidArgument
 from ephost.tensor import Tensor
-from ephost.values import as_value
+from ephost.values import host_value
 from ephost.client.feeds import FeedCheck, check_feed_names, shape_of, type_string
 
 
@@ -27,6 +27,7 @@ class ModelIO:
 
     def __init__(self, graph: onnx.GraphProto, constants: Mapping[str, Any]):
         self.inputs = [i for i in graph.input if i.name not in constants]
+        self.input_names = [i.name for i in self.inputs]
         self.outputs = list(graph.output)
         self._constants = constants
         # As ORT does: an input of optional type that is not fed is an empty optional (None).
@@ -66,8 +67,8 @@ class ModelIO:
                 if type(value) is list:
                     value = check.from_list(value)
                 check(value)
-            value = as_value(value)
-            if isinstance(value, Tensor) and not value.addressable and value.buffer.owner is None:
+            value = host_value(value)
+            if type(value) is Tensor and not value.addressable and value.buffer.owner is None:
                 value = to_host(value)
             values[name] = value
         return values

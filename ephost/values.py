@@ -1,7 +1,8 @@
 """Values on the edges of an ONNX graph, on both sides of the wire.
 
-A plain tensor (an element type numpy has natively) is an ephost.Tensor and travels by reference: a
-buffer, a shared-memory slice, or its raw bytes. Anything else ONNX passes along an edge (sequences,
+A plain tensor (an element type numpy has natively) is an ephost.Tensor, or, in this process's own memory, a
+C-contiguous numpy array (what a session's runs hand along where they can: no wrapper made and unmade per
+value), and travels by reference: a buffer, a shared-memory slice, or its raw bytes. Anything else ONNX passes along an edge (sequences,
 optionals, maps, tensors of strings or of bfloat16, float8, int4...) travels as its ONNX protobuf.
 """
 from __future__ import annotations
@@ -43,6 +44,15 @@ def as_value(value: Any) -> Any:
     if is_plain_array(value):
         return Tensor.from_numpy(value if value.flags.c_contiguous else value.copy(order="C"))
     return value
+
+
+def host_value(value: Any) -> Any:
+    """A value as a session's run carries it: a C-contiguous array of a plain type as it is, anything else as
+    as_value makes it."""
+    if type(value) is np.ndarray and value.flags.c_contiguous and value.ndim <= MAX_RANK \
+            and is_plain_dtype(value.dtype):
+        return value
+    return as_value(value)
 
 
 def to_python(value: Any) -> Any:

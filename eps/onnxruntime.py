@@ -332,8 +332,8 @@ def _plain_arrays(inputs: Sequence[Any]) -> list[np.ndarray] | None:
     process can address (what an IOBinding binds); else None."""
     arrays = []
     for value in inputs:
-        array = value.local_array() if type(value) is Tensor else None
-        if array is None or not is_plain_dtype(array.dtype):
+        array = value if type(value) is np.ndarray else value.local_array() if type(value) is Tensor else None
+        if array is None or not is_plain_dtype(array.dtype) or not array.flags.c_contiguous:
             return None
         arrays.append(array)
     return arrays

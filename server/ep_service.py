@@ -98,22 +98,20 @@ class EpService(Servicer):
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
         counts = call.counts = {"kept_calls": 1}
-        read = kept.read(payload)
-        handles = read[0]
-        inputs = kept.input_tensors(payload, read, client, counts)
+        inputs, handles = kept.input_tensors(payload, client, counts)
         into = kept.into_tensors(handles, client) if kept.into else None
         if written is not None:
             written()
         keep = kept.keep
         outputs = _run(info, ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, on_kernel_ran=call.ran),
                        call, counts)
-        parts = kept.reply_parts(outputs)
-        if parts is None:
+        reply = kept.reply(outputs)
+        if reply is None:
             return self._reply(client, outputs, allocator, keep, kept.inline_limit, into,
                                kept.into_refs(handles) if into else None, counts)
         if into:
             kept.write_into(client, handles, into, outputs, counts)
-        counts["bytes_inline_out"], nbytes = kept.sizes(parts)
+        parts, counts["bytes_inline_out"], nbytes = reply
         if not kept.placed:
             return KeptReply(parts, nbytes, [])
         records, regions = kept.place(client, allocator, outputs, counts)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -99,8 +99,8 @@ class KeptCompute:
 
     def __post_init__(self):
         named = sum(1 for *_, by_handle in self.inputs if by_handle) + len(self.into)
-        object.__setattr__(self, "_structs", (struct.Struct(f"<{sum(r for r, _, _ in self.inputs)}Q"),
-                                              struct.Struct(f"<{named}Q"),
+        ranks = sum(r for r, _, _ in self.inputs)
+        object.__setattr__(self, "_structs", (struct.Struct(f"<{ranks + named}Q"), ranks,
                                               struct.Struct(f"<{sum(r for r, _, _ in self.outputs)}Q")))
         object.__setattr__(self, "placed", tuple(i for i, (*_, left) in zip(self.returned, self.outputs) if left))
 
@@ -136,57 +136,51 @@ class KeptCompute:
                    dict(zip(positions, into)), tuple(returned), tuple(outputs),
                    tuple(i for i in dict.fromkeys(request.keep) if i not in request.output_buffers))
 
-    def read(self, payload) -> tuple[tuple[int, ...], list, int]:
-        """(the handles a repeat's payload names, each input's (shape, dtype, nbytes), where the inline inputs'
-        bytes start), its dimensions checked as a request's are and its length against the sizes they make."""
-        dims, handles = self._structs[0], self._structs[1]
-        head = KEPT_ID.size + dims.size + handles.size
-        if len(payload) < head:
-            raise EpInvalidArgument(f"a kept call takes at least {head - KEPT_ID.size} bytes (its inputs' "
-                                    f"dimensions, its buffers' handles), got {len(payload) - KEPT_ID.size}")
-        values = dims.unpack_from(payload, KEPT_ID.size)
-        descs, at, inline = [], 0, 0
-        for rank, dtype, by_handle in self.inputs:
+    def input_tensors(self, payload, client: ClientState, counts: dict[str, int]) -> tuple[list[Tensor], tuple]:
+        """A repeat's inputs, as tensors over its payload and over the client's buffers (no copy), and the handles
+        its payload names (its inputs' in buffers, then those outputs go into). Its dimensions are checked as a
+        request's are, and its length against the sizes they make, before any byte is read; what the inputs are
+        is counted in `counts` (resident: made here by an earlier Compute)."""
+        head, ranks = self._structs[0], self._structs[1]
+        start = KEPT_ID.size + head.size
+        size = len(payload)
+        if size < start:
+            raise EpInvalidArgument(f"a kept call takes at least {head.size} bytes (its inputs' dimensions, its "
+                                    f"buffers' handles), got {size - KEPT_ID.size}")
+        values = head.unpack_from(payload, KEPT_ID.size)
+        handles = values[ranks:]
+        tensors, at, named, offset = [], 0, 0, start
+        resident = resident_bytes = moved = moved_bytes = 0
+        for i, (rank, dtype, by_handle) in enumerate(self.inputs):
             shape = values[at:at + rank]
             at += rank
             nbytes = nbytes_of(shape, dtype)
-            descs.append((shape, dtype, nbytes))
-            if not by_handle:
-                inline += nbytes
-        if len(payload) != head + inline:
-            raise EpInvalidArgument(f"a kept call takes {dims.size + handles.size + inline} bytes (its inputs' "
-                                    f"dimensions, its buffers' handles, then its inline inputs), got "
-                                    f"{len(payload) - KEPT_ID.size}")
-        return handles.unpack_from(payload, KEPT_ID.size + dims.size), descs, head
-
-    def input_tensors(self, payload, read: tuple[tuple[int, ...], list, int], client: ClientState,
-                      counts: dict[str, int]) -> list[Tensor]:
-        """The inputs of a repeat (`read`: what read() made of its payload), as tensors over its payload and over
-        the client's buffers (no copy); what they are counted in `counts` (resident: made here by an earlier
-        Compute)."""
-        handles, descs, offset = read
-        tensors, named = [], iter(handles)
-        resident = resident_bytes = moved = moved_bytes = inline = 0
-        for i, ((shape, dtype, nbytes), (_, _, by_handle)) in enumerate(zip(descs, self.inputs)):
             if by_handle:
-                tensor, entry = self._views.tensor(i, client, next(named), shape, dtype, nbytes, "input")
+                tensor, entry = self._views.tensor(i, client, handles[named], shape, dtype, nbytes, "input")
+                named += 1
                 tensors.append(tensor)
                 if entry.produced:
                     resident += 1
                     resident_bytes += nbytes
                     continue
             else:
+                if offset + nbytes > size:
+                    break
                 # One constructor: frombuffer then reshape costs twice as much (the payload's length is checked).
                 tensors.append(Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes,
                                               host=np.ndarray(shape, dtype, payload, offset)))
                 offset += nbytes
-                inline += nbytes
             moved += 1
             moved_bytes += nbytes
+        if offset != size or len(tensors) != len(self.inputs):
+            inline = sum(nbytes_of(values[a:a + r], d) for a, (r, d, h) in zip(
+                itertools.accumulate([0, *(r for r, _, _ in self.inputs)]), self.inputs) if not h)
+            raise EpInvalidArgument(f"a kept call takes {head.size + inline} bytes (its inputs' dimensions, its "
+                                    f"buffers' handles, then its inline inputs), got {size - KEPT_ID.size}")
         counts.update(compute_inputs_resident=resident, compute_input_bytes_resident=resident_bytes,
                       compute_inputs_transferred=moved, compute_input_bytes_transferred=moved_bytes,
-                      bytes_inline_in=inline)
-        return tensors
+                      bytes_inline_in=offset - start)
+        return tensors, handles
 
     def into_tensors(self, handles: tuple[int, ...], client: ClientState) -> dict[int, Tensor]:
         """The client's buffers outputs are written into, by position."""
@@ -210,12 +204,13 @@ class KeptCompute:
         for (i, target), handle in zip(into.items(), self._into_handles(handles)):
             write_into(client, handle, target, outputs[i], counts)
 
-    def reply_parts(self, outputs: list[Any]) -> list | None:
-        """A KEPT reply's parts before its records: the returned outputs' dimensions, then those carried inline as
-        arrays; None where an output is not a tensor of its kept type and rank (the whole reply is sent then)."""
+    def reply(self, outputs: list[Any]) -> tuple[list, int, int] | None:
+        """A KEPT reply's parts before its records (the returned outputs' dimensions, then those carried inline,
+        as arrays), the inline outputs' bytes and the whole payload's length (a record for each output left in the
+        worker too); None where an output is not a tensor of its kept type and rank (the whole reply goes then)."""
         if len(outputs) != len(self.returned) + len(self.into):
             return None
-        dims, parts = [], [b""]
+        dims, parts, inline = [], [b""], 0
         for i, (rank, dtype, left) in zip(self.returned, self.outputs):
             value = outputs[i]
             if type(value) is not Tensor or len(value.shape) != rank or value.dtype != dtype:
@@ -226,16 +221,9 @@ class KeptCompute:
                 if array is None:
                     return None
                 parts.append(array)
+                inline += value.nbytes
         parts[0] = self._structs[2].pack(*dims)
-        return parts
-
-    def sizes(self, parts: list) -> tuple[int, int]:
-        """(the inline outputs' bytes, the KEPT reply's payload: those, the dimensions before them and a record for
-        each output left in the worker) of a repeat whose reply_parts are `parts`."""
-        inline = 0
-        for array in parts[1:]:
-            inline += array.nbytes
-        return inline, len(parts[0]) + inline + PLACED.size * len(self.placed)
+        return parts, inline, len(parts[0]) + inline + PLACED.size * len(self.placed)
 
     def place(self, client: ClientState, allocator, outputs: list[Any], counts: dict[str, int]) -> tuple[bytes, list]:
         """The outputs left in the allocator handed to the client: their PLACED records, and the shared regions

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from ctypes import c_size_t, c_void_p
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ephost.client.runner import compute_held
 from ephost.eps.base import ComputeCall, FusedGraph
 from ephost.errors import EpInvalidArgument, EpNotFound, EpWorkerDraining
 from ephost.graph import GraphIndex, cluster
@@ -181,6 +183,7 @@ class BridgeComputeInfo:
             "ReleaseState": lambda this, state: None,
         })
         self.address = keep(self, self.struct)
+        self._held = threading.local()  # each of ORT's threads' kept call for this partition (compute_held)
         self._output_count: int | None = None
 
     def _state(self, state_out) -> None:
@@ -195,6 +198,8 @@ class BridgeComputeInfo:
             return self.ep.guard.failed(self._what, e)
 
     def compute(self, context: int) -> None:
+        if not hasattr(self._held, "calls"):
+            self._held.calls = [None]
         try:
             self._run(context)
         except EpWorkerDraining:
@@ -223,11 +228,12 @@ class BridgeComputeInfo:
                 inputs.append(Tensor(array.shape, array.dtype, buffer.memory_info, buffer=buffer))
                 in_place += 1
             else:
-                inputs.append(Tensor.from_numpy(array))
+                inputs.append(array)  # ORT's memory, this process's: its bytes go
                 in_bytes += array.nbytes
         # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory); small
         # ones come back inline: a buffer per small output and its free cost more than the copy.
-        outputs = self.remote.compute(ComputeCall(inputs, factory.output_allocator()))
+        call = ComputeCall(inputs, factory.output_allocator())
+        outputs = compute_held(self.remote, call, self._held.calls, 0)
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
         self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place)
