@@ -106,8 +106,6 @@ class IOBinding:
         self._inputs: dict[str, Any] = {}
         self._outputs: dict[str, BoundOutput] = {}
         self._results: list[Any] = []
-        # Changes whenever an output is bound or let go (a session's steady runs of this binding check it).
-        self.output_generation = 0
 
     # --- inputs -----------------------------------------------------------------------------------
 
@@ -161,7 +159,6 @@ class IOBinding:
         memory = memory_of(self._env, device_type, device_id)
         if buffer_ptr is None:
             self._outputs[name] = BoundOutput(memory)
-            self.output_generation += 1
             return
         if element_type is None or shape is None:
             raise EpInvalidArgument("element_type and shape are to be given with a pre-allocated buffer_ptr")
@@ -177,14 +174,12 @@ class IOBinding:
         if not isinstance(ortvalue, Tensor):
             raise EpInvalidArgument(f"output {name!r}: bind an ephost.Tensor, not {type(ortvalue).__name__}")
         self._outputs[name] = BoundOutput(ortvalue.memory_info, ortvalue)
-        self.output_generation += 1
 
     def synchronize_outputs(self) -> None:
         """Wait for outputs to be in place: they are when run_with_iobinding returns."""
 
     def clear_binding_outputs(self) -> None:
         self._outputs.clear()
-        self.output_generation += 1
 
     def get_outputs(self) -> list[Any]:
         """The outputs of the last run, in the order they were bound: ephost.Tensors where they were bound

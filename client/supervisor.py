@@ -271,7 +271,7 @@ class WorkerLink:
     @property
     def conn(self) -> WorkerConnection:
         """The live connection; waits while a worker that died is being replaced."""
-        supervisor = self.supervisor  # (_dead inline: every call reads this, a steady run's too)
+        supervisor = self.supervisor  # (_dead inline: every call reads this)
         if self._failed is None and not self._restarting and (supervisor is None or not supervisor.dead):
             return self._conn  # the common case, read without the condition's lock (each read is atomic)
         if not self.wait_healthy(self.policy.connect_timeout_s + self.policy.max_backoff_s):
