@@ -8,6 +8,8 @@ EP; ephost adds to `notes` the form's kind and its SHA-256, so that a corrupted 
 Shared by the application (which writes and reads context models) and the EPs in workers (which restore)."""
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 from dataclasses import dataclass
@@ -91,6 +93,19 @@ def make_node(name: str, inputs: Iterable[str], outputs: Iterable[str], source: 
         notes=f"form={context.form};sha256={digest}")
 
 
+def as_text(node: onnx.NodeProto) -> onnx.NodeProto:
+    """A copy of an embedded node whose compiled form is base64 text, its notes saying so: for an API that copies
+    an attribute's string up to its first NUL byte (ONNX Runtime's CreateOpAttr). `read` decodes it."""
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    for a in out.attribute:
+        if a.name == "ep_cache_context":
+            a.s = base64.b64encode(a.s)
+        elif a.name == "notes":
+            a.s += b";encoding=base64"
+    return out
+
+
 def embed(node: onnx.NodeProto, model_dir: str | None) -> None:
     """Read a blob kept in a file beside the model into the node (which becomes embed_mode=1), so that a worker,
     which may be on another host, never reads the application's files. The file must lie inside `model_dir`."""
@@ -130,6 +145,12 @@ def read(node: onnx.NodeProto, expected_sdk_version: str | None = None) -> EpCon
     if not isinstance(blob, bytes):
         raise EpInvalidArgument(f"EPContext node {node.name!r}: attribute ep_cache_context must be a string")
     notes = dict(item.partition("=")[::2] for item in _text(attrs.get("notes", b"")).split(";") if item)
+    if notes.get("encoding") == "base64":
+        try:
+            blob = base64.b64decode(blob, validate=True)
+        except binascii.Error:
+            raise EpInvalidArgument(f"EPContext node {node.name!r}: its compiled form is not the base64 its notes "
+                                    "say") from None
     if "sha256" not in notes or "form" not in notes:
         raise EpInvalidArgument(f"EPContext node {node.name!r} was not written by ephost (no form and SHA-256 "
                                 "in its notes); its compiled form cannot be checked")

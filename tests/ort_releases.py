@@ -23,7 +23,8 @@ MATRIX = ("1.24.4", "1.25.1", "1.27.0", "1.30.0", "1.32.0")
 OLDER = "1.24.4"  # the older release `make test` covers besides the installed one
 # What the matrix runs: an unchanged ORT application (squeezenet, a worker crash and the next run, threads, control
 # flow, strings, the bridged device's memory) and the hosts without Python.
-TESTS = ("tests/test_ort_bridge.py", "tests/test_ort_bridge_memory.py", "tests/test_ort_bridge_hosts.py")
+TESTS = ("tests/test_ort_bridge.py", "tests/test_ort_bridge_memory.py", "tests/test_ort_bridge_hosts.py",
+         "tests/test_ort_bridge_context.py")
 # Tests of what an application can do only through a later release's Python API, left out on the releases before
 # it: an OrtValue made on a plugin EP's device (OrtValue.ortvalue_from_shape_and_type(..., memory_info=)) is 1.28's.
 NEEDS = {(1, 28): ("test_an_ortvalue_on_the_bridged_device_crosses_without_a_copy_either_way",

@@ -83,10 +83,13 @@ ORT_API: dict[str, tuple[int, Any, tuple]] = {
     "GetSequenceElementType": (107, _S, (_P, _PP)),
     "CastTypeInfoToOptionalTypeInfo": (250, _S, (_P, _PP)),
     "GetOptionalContainedTypeInfo": (251, _S, (_P, _PP)),
+    "CreateOpAttr": (211, _S, (c_char_p, _P, c_int, c_int, _PP)),
+    "ReleaseOpAttr": (212, None, (_P,)),
     "GetBuildInfoString": (254, c_char_p, ()),
     "ReadOpAttr": (272, _S, (_P, c_int, _P, c_size_t, _PSZ)),
     "GetValueInfoName": (289, _S, (_P, _STR)),
     "GetValueInfoTypeInfo": (290, _S, (_P, _PP)),
+    "GetModelEditorApi": (291, _P, ()),
     "CreateKeyValuePairs": (295, None, (_PP,)),
     "AddKeyValuePair": (296, None, (_P, c_char_p, c_char_p)),
     "GetKeyValue": (297, c_char_p, (_P, c_char_p)),
@@ -101,6 +104,7 @@ ORT_API: dict[str, tuple[int, Any, tuple]] = {
     "CreateMemoryInfo_V2": (320, _S, (c_char_p, c_int, c_uint32, ctypes.c_int32, c_int, c_size_t, c_int, _PP)),
     "ValueInfo_GetInitializerValue": (326, _S, (_P, _PP)),
     "Graph_GetName": (333, _S, (_P, _STR)),
+    "Graph_GetModelPath": (334, _S, (_P, _STR)),
     "Graph_GetOnnxIRVersion": (335, _S, (_P, POINTER(c_int64))),
     "Graph_GetNumOperatorSets": (336, _S, (_P, _PSZ)),
     "Graph_GetOperatorSets": (337, _S, (_P, _STR, POINTER(c_int64), c_size_t)),
@@ -144,6 +148,15 @@ EP_API: dict[str, tuple[int, Any, tuple]] = {
     "ReleaseProfilingEvent": (66, None, (_P,)),
     "ProfilingEventsContainer_AddEvents": (72, _S, (_P, _PP, c_size_t)),
 }
+
+# OrtModelEditorApi (onnxruntime_c_api.h): what makes the EPContext nodes Compile returns. Its first release is 1.22.
+MODEL_EDITOR_API: dict[str, tuple[int, Any, tuple]] = {
+    "CreateNode": (6, _S, (c_char_p, c_char_p, c_char_p, _STR, c_size_t, _STR, c_size_t, _PP, c_size_t, _PP)),
+}
+MODEL_EDITOR_API_SINCE = {name: 22 for name in MODEL_EDITOR_API}
+
+# OrtCompiledModelCompatibility, ValidateCompiledModelCompatibilityInfo's answer
+EP_NOT_APPLICABLE, EP_SUPPORTED_OPTIMAL, EP_SUPPORTED_PREFER_RECOMPILATION, EP_UNSUPPORTED = range(4)
 
 # --- the structs ephost fills ------------------------------------------------------------------------------
 
@@ -358,6 +371,15 @@ class OrtAbi:
     def claims(self, layout: Layout) -> int:
         """What `ort_version_supported` claims in a struct of this layout: what both sides know."""
         return min(self.minor, layout.version)
+
+    def model_editor(self) -> FunctionTable:
+        """The OrtModelEditorApi, loaded the first time it is needed (a minimal ORT build has none)."""
+        table = self.__dict__.get("_model_editor")
+        if table is None:
+            table = self.__dict__["_model_editor"] = FunctionTable(
+                "OrtModelEditorApi", self.api.GetModelEditorApi(), MODEL_EDITOR_API, {}, self.minor, self.version,
+                MODEL_EDITOR_API_SINCE)
+        return table
 
     def describe(self) -> str:
         """This copy of ORT in words, for errors: its version and where it was loaded from."""

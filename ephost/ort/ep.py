@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ephost import ep_context
 from ephost.client.runner import compute_held
 from ephost.eps.base import ComputeCall, FusedGraph
 from ephost.errors import EpInvalidArgument, EpNotFound, EpWorkerDraining
 from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
+from ephost.ort.context import ContextRequest, context_node
 from ephost.ort.graph_reader import GraphReader
 from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor
@@ -28,8 +30,9 @@ log = logging.getLogger(__name__)
 class BridgeEp:
     """OrtEp: one per ORT session that selected the bridged devices; an EP in the worker behind it."""
 
-    def __init__(self, factory: "BridgeFactory", remote):
+    def __init__(self, factory: "BridgeFactory", remote, context: ContextRequest):
         self.factory, self.remote = factory, remote
+        self.context = context  # what the session asks of EPContext nodes
         self.abi = factory.abi
         self.name = factory.name
         self.guard = Guard(self.abi, self.name)
@@ -44,13 +47,14 @@ class BridgeEp:
             "GetCapability": lambda this, graph, info: self.guard.status(
                 "GetCapability", lambda: self.get_capability(graph, info)),
             "Compile": lambda this, graphs, fused, count, infos, ctx_nodes: self.guard.status(
-                "Compile", lambda: self.compile(graphs, fused, count, infos)),
+                "Compile", lambda: self.compile(graphs, fused, count, infos, ctx_nodes)),
             "ReleaseNodeComputeInfos": lambda this, infos, count: self.guard.quiet(
                 "ReleaseNodeComputeInfos", lambda: self.release_node_compute_infos(infos, count)),
             "SetDynamicOptions": lambda this, keys, values, count: self.guard.status(
                 "SetDynamicOptions", lambda: self.remote.set_dynamic_options(
                     {keys[i].decode(): (values[i] or b"").decode() for i in range(count)})),
-            "GetCompiledModelCompatibilityInfo": lambda this, graph: self._strings(""),
+            "GetCompiledModelCompatibilityInfo": lambda this, graph: self.guard.quiet(
+                "GetCompiledModelCompatibilityInfo", lambda: self._strings(factory.compatibility_info())),
         })
         self.address = keep(self, self.struct)
 
@@ -60,6 +64,11 @@ class BridgeEp:
         if self.reader.is_nested(graph):
             return  # a control-flow node's body: the worker is asked about the whole node in its parent graph
         read = self.reader.read(graph)
+        if any(ep_context.is_ep_context(n) for n in read.model.graph.node):
+            model_dir = self.reader.model_dir(graph)  # forms kept beside a compiled model go to the worker inside it
+            for node in read.model.graph.node:
+                if ep_context.is_ep_context(node):
+                    ep_context.embed(node, model_dir)
         index = GraphIndex.of(read.model)
         g = read.model.graph
         self._capability = (read, index, {v.name: tensor_kind(v) for v in [*g.input, *g.output, *g.value_info]})
@@ -92,7 +101,7 @@ class BridgeEp:
 
     # --- Compile ---
 
-    def compile(self, graphs, fused_nodes, count: int, infos_out) -> None:
+    def compile(self, graphs, fused_nodes, count: int, infos_out, context_nodes=None) -> None:
         api = self.abi.api
         fused: list[FusedGraph] = []
         reused = 0
@@ -115,6 +124,10 @@ class BridgeEp:
         made = [BridgeComputeInfo(self, graph, info) for graph, info in zip(fused, compiled)]
         for i, info in enumerate(made):
             infos_out[i] = info.address
+        if self.context.enabled and context_nodes:  # ORT is writing a compiled model: each partition's EPContext node
+            source = self.factory.worker_ep()[0]
+            for i, (graph, info) in enumerate(zip(fused, compiled)):
+                context_nodes[i] = context_node(self.abi, graph, info, source, self.context)
 
     def _in_capability_model(self, graph: int) -> tuple[GraphIndex | None, tuple[str, ...]]:
         """The fused graph's nodes as names in the model GetCapability sent, which the worker already holds (so

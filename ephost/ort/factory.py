@@ -6,9 +6,11 @@ import logging
 from ctypes import c_void_p
 from typing import TYPE_CHECKING
 
+from ephost import ep_context
 from ephost.errors import EpNotFound
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, keep, owner_of
+from ephost.ort.context import ContextRequest, compatibility, compatibility_info
 from ephost.ort.ep import BridgeEp
 from ephost.ort.memory import BridgeMemory
 
@@ -58,7 +60,8 @@ class BridgeFactory:
                 "CreateEp", lambda: self.create_ep(hw, n, session_options, ep_out)),
             "ReleaseEp": lambda this, ep: self.guard.quiet("ReleaseEp", lambda: self.release_ep(ep)),
             "ValidateCompiledModelCompatibilityInfo": lambda this, hw, n, info, out: self.guard.status(
-                "ValidateCompiledModelCompatibilityInfo", lambda: self._set_int(out, 0)),  # EP_NOT_APPLICABLE
+                "ValidateCompiledModelCompatibilityInfo",
+                lambda: self._set_int(out, compatibility((info or b"").decode(errors="replace"), *self.worker_ep()))),
             "CreateAllocator": lambda this, memory_info, options, out: self.guard.status(
                 "CreateAllocator", lambda: self._allocator(memory_info, out)),
             "ReleaseAllocator": lambda this, allocator: None,  # one allocator, released with the factory
@@ -82,6 +85,16 @@ class BridgeFactory:
     @staticmethod
     def _set_int(out, value: int) -> None:
         out[0] = value
+
+    def worker_ep(self) -> tuple[str, str, str]:
+        """The worker's EP as a compiled model records it: its name (an EPContext node's `source`), its version,
+        and the worker's ONNX Runtime."""
+        factory, devices = self.registration.factory, self.registration.devices
+        onnxruntime = devices[0].ep_metadata.get("onnxruntime_version", "") if devices else ""
+        return factory.get_name(), factory.get_version(), onnxruntime
+
+    def compatibility_info(self) -> str:
+        return compatibility_info(*self.worker_ep())
 
     def output_allocator(self):
         """Where partitions leave their outputs: the worker's memory this process maps, read in place."""
@@ -142,9 +155,13 @@ class BridgeFactory:
             if hw_devices[i] not in self._device_of:
                 raise EpNotFound(f"{self.name} was given a device it did not offer")
             indices.append(self._device_of[hw_devices[i]])
-        options = provider_options(self._config_entries(session_options), self.name)
+        entries = self._config_entries(session_options)
+        options = provider_options(entries, self.name)
+        context = ContextRequest.of(entries)
+        if context.enabled:  # the worker's EP keeps each partition's compiled form, for Compile's EPContext nodes
+            options[ep_context.ENABLE] = "1"
         remote = self.registration.factory.create_ep(indices, options)
-        ep_out[0] = BridgeEp(self, remote).address
+        ep_out[0] = BridgeEp(self, remote, context).address
 
     def _config_entries(self, session_options: int) -> dict[str, str]:
         api = self.abi.api

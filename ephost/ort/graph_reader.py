@@ -4,6 +4,7 @@ each node of the model is."""
 from __future__ import annotations
 
 import ctypes
+import os
 from ctypes import c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
 from dataclasses import dataclass, field
 
@@ -52,6 +53,12 @@ class GraphReader:
         return list(items)
 
     # --- graphs ---
+
+    def model_dir(self, graph: int) -> str | None:
+        """The directory of the model file the graph was loaded from (None for a model given as bytes)."""
+        path = c_char_p()
+        self.abi.check(self.api.Graph_GetModelPath(graph, ctypes.byref(path)), "Graph_GetModelPath")
+        return os.path.dirname(os.path.abspath(path.value.decode())) if path.value else None
 
     def is_nested(self, graph: int) -> bool:
         parent = c_void_p()
