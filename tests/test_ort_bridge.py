@@ -118,6 +118,9 @@ def test_register_refuses_a_taken_name_and_a_bad_target_leaves_nothing(npu):
     assert "broken" not in {d.ep_name for d in ort.get_ep_devices()}
     with pytest.raises(ephost.EpNotFound, match="broken"):
         ephost.ort.unregister("broken")
+    with pytest.raises(ephost.EpInvalidArgument, match="runs the EP of 'here' in a worker.*not 'inproc:reference'"):
+        ephost.ort.register("here", "inproc:reference")
+    assert "here" not in {d.ep_name for d in ort.get_ep_devices()}
 
 
 def test_devices_are_the_workers_under_the_registration_name(npu):

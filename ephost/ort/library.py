@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ephost.client.environment import Environment
-from ephost.errors import EpAlreadyExists, EpError, EpFailedPrecondition, EpNotFound
+from ephost.client.targets import parse_target
+from ephost.errors import EpAlreadyExists, EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.ort import abi as A
 from ephost.ort import callbacks, config
 from ephost.ort.build import built_library
@@ -94,6 +95,10 @@ class Library:
 
     def bind(self, ort_name: str, target: str, options: dict[str, str], from_config: bool = False) -> Binding:
         """Bind the name to its target, the worker started; EpAlreadyExists where the name is bound."""
+        if parse_target(target).kind == "inproc":
+            raise EpInvalidArgument(f"ephost.ort runs the EP of {ort_name!r} in a worker: give an EP name, a plugin EP "
+                                    f"library or a worker's address, not {target!r} (an EP in this process is ORT's "
+                                    "own plugin EP library, registered with ORT directly)")
         binding = Binding(ort_name, target, options, from_config=from_config)
         with self._lock:
             if ort_name in self._bindings:
