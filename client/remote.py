@@ -11,7 +11,7 @@ import onnx
 
 from ephost import values
 from ephost.ep_context import EpContext
-from ephost.eps.base import ComputeCall, FusedGraph, NodeGroup
+from ephost.eps.base import ComputeCall, FusedGraph, NodeGroup, ProfilingEvent
 from ephost.errors import EpNotFound
 from ephost.external_data import ExternalData
 from ephost.memory import Buffer
@@ -435,6 +435,15 @@ class RemoteEp(RemoteHandle):
 
     def on_run_end(self, sync_stream: bool) -> None:
         self.call(lambda c: c.ep.OnRunEnd, lambda h: ep_pb2.RunEndRequest(ep=h, sync_stream=sync_stream))
+
+    def start_profiling(self) -> None:
+        self.call(lambda c: c.ep.StartProfiling, lambda h: common_pb2.Handle(id=h))
+
+    def end_profiling(self) -> list[ProfilingEvent]:
+        """What the worker's EP recorded since start_profiling (nothing of a worker that has since restarted)."""
+        reply = self.call(lambda c: c.ep.EndProfiling, lambda h: common_pb2.Handle(id=h))
+        return [ProfilingEvent(e.name, e.category, e.start_ns, e.duration_ns, dict(e.args), e.pid, e.tid)
+                for e in reply.events]
 
 
 class RemoteEpFactory:

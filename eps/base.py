@@ -233,6 +233,21 @@ class Ep(Protocol):
     def set_dynamic_options(self, options: Mapping[str, str]) -> None: ...
     def on_run_start(self, run_options: Mapping[str, str]) -> None: ...
     def on_run_end(self, sync_stream: bool) -> None: ...
+    def start_profiling(self) -> None: ...
+    def end_profiling(self) -> list["ProfilingEvent"]: ...
+
+
+@dataclass(frozen=True)
+class ProfilingEvent:
+    """What an EP measured while profiling (a Chrome trace event): times in nanoseconds since the Unix epoch."""
+
+    name: str
+    category: str
+    start_ns: int
+    duration_ns: int
+    args: Mapping[str, str] = field(default_factory=dict)
+    pid: int = 0
+    tid: int = 0
 
 
 class EpDefaults:
@@ -255,6 +270,12 @@ class EpDefaults:
 
     def on_run_end(self, sync_stream: bool) -> None:
         pass
+
+    def start_profiling(self) -> None:
+        pass  # an EP that measures nothing of its own: ORT's profile has its partitions' times
+
+    def end_profiling(self) -> list[ProfilingEvent]:
+        return []
 
 
 @runtime_checkable

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import weakref
@@ -26,7 +28,7 @@ from onnx import helper
 from ephost.eps import check_options
 from ephost import ep_context
 from ephost.ep_context import EpContext
-from ephost.eps.base import (EP_CONTEXT_ENABLE, ComputeCall, EpDefaults, FusedGraph, NodeGroup,
+from ephost.eps.base import (EP_CONTEXT_ENABLE, ComputeCall, EpDefaults, FusedGraph, NodeGroup, ProfilingEvent,
                              split_session_options)
 from ephost.eps.host import HostMemoryFactory, cpu_device, local_inputs
 from ephost.eps.library_paths import resolve_library
@@ -424,6 +426,19 @@ class OrtEp(EpDefaults):
         self._devices = devices
         self._provider_options, config = split_session_options(session_options)
         self._keep_context = config.get(EP_CONTEXT_ENABLE) == "1"
+        self._profile: _Profile | None = None  # while profiling: the partition sessions that record their runs
+
+    # --- profiling ---
+
+    def start_profiling(self) -> None:
+        """Partitions compiled from now on record each node's run (ORT's own session profiler)."""
+        if self._profile is None:
+            self._profile = _Profile()
+
+    def end_profiling(self) -> list[ProfilingEvent]:
+        """The node events the profiled partitions recorded, and profiling stops."""
+        profile, self._profile = self._profile, None
+        return profile.end() if profile is not None else []
 
     def get_name(self) -> str:
         return self._factory.get_name()
@@ -470,6 +485,10 @@ class OrtEp(EpDefaults):
                     options.add_session_config_entry(key, value)
         for library in f.custom_ops_libraries:
             options.register_custom_ops_library(library)
+        profile = self._profile if not capability else None
+        if profile is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = profile.prefix()
         if capability:
             options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
             options.log_severity_level = 4  # asking is allowed to fail; that is an answer, not an error
@@ -479,7 +498,10 @@ class OrtEp(EpDefaults):
         else:
             providers = [(f.provider, self._provider_options)]
         data = model if isinstance(model, bytes) else model.SerializeToString()
-        return ort.InferenceSession(data, options, providers=providers)
+        session = ort.InferenceSession(data, options, providers=providers)
+        if profile is not None:
+            profile.sessions.append(session)
+        return session
 
     def get_capability(self, model: onnx.ModelProto, claimed: frozenset[str],
                        external: ExternalData | None = None) -> list[NodeGroup]:
@@ -562,8 +584,8 @@ class OrtEp(EpDefaults):
                         path = os.path.join(tmp, "partition.onnx")
                         session = self._session(graph.model, context_path=path)
                         context, shared = self._context(path), False
-                else:
-                    session, shared = self._factory.compiled(self._compile_key(graph),
+                else:  # (a profiled partition is its own: its session records this EP's runs only)
+                    session, shared = self._factory.compiled(None if self._profile else self._compile_key(graph),
                                                              lambda: self._session(graph.model, graph.external))
                     context = None
             except EpError:
@@ -604,6 +626,36 @@ class OrtEp(EpDefaults):
             raise EpInvalidArgument(f"EPContext node {node.name!r}: ONNX Runtime cannot restore its compiled form: "
                                     f"{e}") from None
         return OrtComputeInfo(graph, session, context if self._keep_context else None, restored=True)
+
+
+class _Profile:
+    """An OrtEp's profiling: the partition sessions made with ORT's profiler on, their trace files in a private
+    directory until end() reads and removes them."""
+
+    def __init__(self):
+        self.directory = tempfile.mkdtemp(prefix="ephost-profile-")
+        self.sessions: list = []
+
+    def prefix(self) -> str:
+        return os.path.join(self.directory, f"partition{len(self.sessions)}")
+
+    def end(self) -> list[ProfilingEvent]:
+        events = []
+        try:
+            for session in self.sessions:
+                path = session.end_profiling()
+                start = session.get_profiling_start_time_ns()  # (ORT's trace: microseconds since then)
+                with open(path) as f:
+                    trace = json.load(f)
+                events += [ProfilingEvent(e["name"], e.get("cat", ""), start + int(e.get("ts", 0)) * 1000,
+                                          int(e.get("dur", 0)) * 1000,
+                                          {k: v if isinstance(v, str) else json.dumps(v)  # (JSON, as ORT writes)
+                                           for k, v in e.get("args", {}).items()},
+                                          int(e.get("pid", 0)), int(e.get("tid", 0)))
+                           for e in trace if e.get("cat") == "Node"]
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        return events
 
 
 class OrtEpFactory(HostMemoryFactory):

@@ -162,6 +162,18 @@ class EpService(Servicer):
         call.client.get("ep", request.ep).on_run_end(request.sync_stream)
         return common_pb2.Empty()
 
+    @rpc
+    def StartProfiling(self, request, call):
+        call.client.get("ep", request.id).start_profiling()
+        return common_pb2.Empty()
+
+    @rpc
+    def EndProfiling(self, request, call):
+        events = call.client.get("ep", request.id).end_profiling()
+        return ep_pb2.ProfilingEvents(events=[
+            ep_pb2.ProfilingEvent(name=e.name, category=e.category, start_ns=e.start_ns, duration_ns=e.duration_ns,
+                                  args=dict(e.args), pid=e.pid, tid=e.tid) for e in events])
+
 
 def _run(info, compute: ComputeCall, call, counts: dict[str, int]) -> list:
     """The EP's run of one Compute, whole or kept; its caller woken as it ends where it sleeps for the reply

@@ -252,7 +252,38 @@ def test_control_flow_goes_whole_with_its_subgraphs_and_profiling_names_the_brid
     assert owners(session) == {"relu": npu, "if": npu}
     with open(session.end_profiling()) as f:
         events = json.load(f)
-    assert {e["args"].get("provider") for e in events if e.get("cat") == "Node"} == {npu}
+    own = [e for e in events if e.get("cat") == "Node" and "ephost.ep" not in e["args"]]  # ORT's, not the worker's
+    assert {e["args"].get("provider") for e in own} == {npu}
+
+
+def test_the_workers_node_times_are_in_orts_own_profile(npu, tmp_path):
+    """ORT 1.25 on asks a plugin EP for a profiler: the worker's EP records each node it runs, and ORT's profile
+    has those events (in the worker's process) inside the fused node's own, beside ORT's. Before 1.25 ORT's
+    profile has the fused node alone."""
+    import json
+    options = ort.SessionOptions()
+    options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == npu], {})
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "profile")
+    session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+    session.disable_fallback()
+    x = np.ones((2, 3), np.float32)
+    for _ in range(2):
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x))
+    with open(session.end_profiling()) as f:
+        events = [e for e in json.load(f) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    fused = [e for e in events if "ephost.ep" not in e["args"]]
+    worker = [e for e in events if e["args"].get("ephost.ep") == npu]
+    assert len(fused) == 2 and {e["args"]["provider"] for e in fused} == {npu}
+    if int(ort.__version__.split(".")[1]) < 25:
+        assert worker == []
+        return
+    assert sorted(e["name"] for e in worker) == sorted(["add_kernel_time", "relu_kernel_time", "mul_kernel_time"] * 2)
+    assert {e["pid"] for e in worker} == {ephost.ort.environment(npu).registration(npu).process.pid}
+    assert {e["args"]["provider"] for e in worker} == {"CPUExecutionProvider"}
+    slack = 1000  # µs: the two processes' clocks read apart
+    for e in worker:  # each inside one of the fused node's runs
+        assert any(f["ts"] - slack <= e["ts"] <= e["ts"] + e["dur"] <= f["ts"] + f["dur"] + slack for f in fused), e
 
 
 def test_a_group_that_would_make_a_cycle_is_split_not_lost():

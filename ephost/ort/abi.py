@@ -244,6 +244,16 @@ COMPUTE_INFO = Layout("OrtNodeComputeInfo", tuple(_members(
     Compute=CFUNCTYPE(Status, c_void_p, c_void_p, c_void_p),
     ReleaseState=CFUNCTYPE(None, c_void_p, c_void_p))), 23)
 
+# OrtEpProfilerImpl (onnxruntime_ep_c_api.h): what OrtEp::CreateProfiler returns.
+PROFILER = Layout("OrtEpProfilerImpl", tuple(_members(
+    25,
+    Release=CFUNCTYPE(None, c_void_p),
+    StartProfiling=CFUNCTYPE(Status, c_void_p, c_int64),
+    StartEvent=CFUNCTYPE(Status, c_void_p, ctypes.c_uint64),
+    StopEvent=CFUNCTYPE(Status, c_void_p, ctypes.c_uint64, c_void_p),
+    EndProfiling=CFUNCTYPE(Status, c_void_p, c_void_p))), 25)
+PROFILING_NODE_EVENT = 1  # OrtProfilingEventCategory_NODE
+
 # OrtAllocator (onnxruntime_c_api.h): its `version` member is laid out like the others' ort_version_supported. The
 # shim's pool begins with exactly these members (shim.c, ephost_pool_t): no spare slots.
 ALLOCATOR = Layout("OrtAllocator", (
@@ -263,6 +273,7 @@ OrtEpFactory = FACTORY.struct
 OrtEp = EP.struct
 OrtNodeComputeInfo = COMPUTE_INFO.struct
 OrtAllocator = ALLOCATOR.struct
+OrtEpProfilerImpl = PROFILER.struct
 
 
 FUSION_OPTIONS_VERSION = 23  # OrtNodeFusionOptions as ORT 1.23 declared it (unchanged since)

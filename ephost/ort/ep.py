@@ -18,6 +18,7 @@ from ephost.graph import GraphIndex, cluster
 from ephost.ort import abi as A
 from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
 from ephost.ort.context import ContextRequest, context_node
+from ephost.ort.profiler import BridgeProfiler
 from ephost.ort.graph_reader import GraphReader
 from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor
@@ -53,10 +54,14 @@ class BridgeEp:
             "SetDynamicOptions": lambda this, keys, values, count: self.guard.status(
                 "SetDynamicOptions", lambda: self.remote.set_dynamic_options(
                     {keys[i].decode(): (values[i] or b"").decode() for i in range(count)})),
+            "CreateProfiler": lambda this, out: self.guard.status("CreateProfiler", lambda: self._profiler(out)),
             "GetCompiledModelCompatibilityInfo": lambda this, graph: self.guard.quiet(
                 "GetCompiledModelCompatibilityInfo", lambda: self._strings(factory.compatibility_info())),
         })
         self.address = keep(self, self.struct)
+
+    def _profiler(self, out) -> None:
+        out[0] = BridgeProfiler(self).address
 
     # --- GetCapability ---
 

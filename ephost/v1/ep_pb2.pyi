@@ -211,3 +211,34 @@ class RunEndRequest(_message.Message):
     ep: int
     sync_stream: bool
     def __init__(self, ep: _Optional[int] = ..., sync_stream: _Optional[bool] = ...) -> None: ...
+
+class ProfilingEvent(_message.Message):
+    __slots__ = ("name", "category", "start_ns", "duration_ns", "args", "pid", "tid")
+    class ArgsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    category: str
+    start_ns: int
+    duration_ns: int
+    args: _containers.ScalarMap[str, str]
+    pid: int
+    tid: int
+    def __init__(self, name: _Optional[str] = ..., category: _Optional[str] = ..., start_ns: _Optional[int] = ..., duration_ns: _Optional[int] = ..., args: _Optional[_Mapping[str, str]] = ..., pid: _Optional[int] = ..., tid: _Optional[int] = ...) -> None: ...
+
+class ProfilingEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[ProfilingEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[ProfilingEvent, _Mapping]]] = ...) -> None: ...

@@ -75,6 +75,16 @@ class EpStub:
                 request_serializer=ephost_dot_v1_dot_ep__pb2.RunEndRequest.SerializeToString,
                 response_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.StartProfiling = channel.unary_unary(
+                '/ephost.v1.Ep/StartProfiling',
+                request_serializer=ephost_dot_v1_dot_common__pb2.Handle.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.EndProfiling = channel.unary_unary(
+                '/ephost.v1.Ep/EndProfiling',
+                request_serializer=ephost_dot_v1_dot_common__pb2.Handle.SerializeToString,
+                response_deserializer=ephost_dot_v1_dot_ep__pb2.ProfilingEvents.FromString,
+                _registered_method=True)
 
 
 class EpServicer:
@@ -128,6 +138,20 @@ class EpServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfiling(self, request, context):
+        """Profiling, as ORT's session profiler asks a plugin EP's (OrtEpProfilerImpl): the EP records what it runs from
+        StartProfiling on (Handle: the ep), and EndProfiling hands the events over and stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndProfiling(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EpServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +194,16 @@ def add_EpServicer_to_server(servicer, server):
                     servicer.OnRunEnd,
                     request_deserializer=ephost_dot_v1_dot_ep__pb2.RunEndRequest.FromString,
                     response_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'StartProfiling': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfiling,
+                    request_deserializer=ephost_dot_v1_dot_common__pb2.Handle.FromString,
+                    response_serializer=ephost_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'EndProfiling': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndProfiling,
+                    request_deserializer=ephost_dot_v1_dot_common__pb2.Handle.FromString,
+                    response_serializer=ephost_dot_v1_dot_ep__pb2.ProfilingEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +422,60 @@ class Ep:
             '/ephost.v1.Ep/OnRunEnd',
             ephost_dot_v1_dot_ep__pb2.RunEndRequest.SerializeToString,
             ephost_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfiling(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Ep/StartProfiling',
+            ephost_dot_v1_dot_common__pb2.Handle.SerializeToString,
+            ephost_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndProfiling(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ephost.v1.Ep/EndProfiling',
+            ephost_dot_v1_dot_common__pb2.Handle.SerializeToString,
+            ephost_dot_v1_dot_ep__pb2.ProfilingEvents.FromString,
             options,
             channel_credentials,
             insecure,
