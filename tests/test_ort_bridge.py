@@ -227,7 +227,8 @@ def test_attributes_and_initializers_cross_the_bridge(npu):
     model = models.model(nodes, [models.tensor("x", [1, 3, 5, 5])], [models.tensor("y", [1, 4, 5, 5])],
                          [numpy_helper.from_array(w, "w")])
     x = rng.standard_normal((1, 3, 5, 5)).astype(np.float32)
-    (expected,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    alone = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (expected,) = alone.run(None, {"x": x})
     session = session_on(npu, model)
     (y,) = session.run(None, {"x": x})
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
