@@ -193,6 +193,32 @@ def test_a_second_copy_of_onnx_runtime_has_its_own_tables_and_unregister_leaves_
     assert "twice" not in {d.ep_name for d in ort.get_ep_devices()}
 
 
+def test_a_second_copy_that_registers_first_shares_its_worker_and_unregister_ends_it(tmp_path, monkeypatch):
+    """The other order: the second copy registers ephost's library first (its names' targets from EPHOST_CONFIG),
+    then the application's ephost.ort.register of the same target takes that worker over; one unregister ends it in
+    both copies. A name only the second copy registered is unregistered there alone."""
+    monkeypatch.setenv("EPHOST_CONFIG", str(toml(tmp_path, """
+        [registrations.first]
+        target = "reference"
+        [registrations.only]
+        target = "reference"
+    """)))
+    copy = SecondCopy(ORT_LIBRARY)
+    copy.register("first", ephost.ort.library_path())
+    copy.register("only", ephost.ort.library_path())
+    worker = ephost.ort.environment("first").registration("first").process
+    with pytest.raises(ephost.EpAlreadyExists, match="from EPHOST_CONFIG, with target 'reference'"):
+        ephost.ort.register("first", "onnxruntime")
+    ephost.ort.register("first", "reference")
+    assert ephost.ort.environment("first").registration("first").process is worker
+    assert "first" in {d.ep_name for d in ort.get_ep_devices()} and len(loaded_library().holding("first")) == 2
+    ephost.ort.unregister("first")
+    ephost.ort.unregister("only")
+    assert not {"first", "only"} & set(copy.device_names())
+    assert "first" not in {d.ep_name for d in ort.get_ep_devices()}
+    assert worker.exited.wait(10)
+
+
 def _module_library() -> str:
     from onnxruntime.capi import onnxruntime_pybind11_state
     return os.path.realpath(onnxruntime_pybind11_state.__file__)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ephost.client.environment import Environment
-from ephost.errors import EpError, EpFailedPrecondition, EpNotFound
+from ephost.errors import EpFailedPrecondition, EpNotFound
 from ephost.ort.abi import FLOOR, check_version
 from ephost.ort.build import built_library
 from ephost.ort.library import loaded_library
@@ -46,14 +46,19 @@ def register(ort_name: str, target: str, options: Mapping[str, str] | None = Non
     launch a worker for ("onnxruntime", "reference", ...), a path to an ORT plugin EP library, or a worker's
     address; options go to the EP, except the supervision options (restart, crash_limit, timeout_s, ...).
     The devices ORT then lists under `ort_name` are the worker's; the EP's name in ORT is `ort_name`. Another copy
-    of ORT in the process (onnxruntime-genai's) registers `library_path()` under the same name itself."""
+    of ORT in the process (onnxruntime-genai's) registers `library_path()` under the same name itself, before or
+    after this (before: the name's target in EPHOST_CONFIG, the same as given here, and the worker is shared)."""
     ort = _ort()
     lib = loaded_library()
-    lib.bind(ort_name, target, {str(k): str(v) for k, v in (options or {}).items()})
+    options = {str(k): str(v) for k, v in (options or {}).items()}
+    adopted = lib.adopt(ort_name, target, options)
+    if not adopted:
+        lib.bind(ort_name, target, options)
     try:
         ort.register_execution_provider_library(ort_name, str(lib.path))
     except BaseException:
-        lib.unbind(ort_name)
+        if not adopted:
+            lib.unbind(ort_name)
         raise
 
 
@@ -67,16 +72,14 @@ def unregister(ort_name: str) -> None:
     failures = []
     module = _module_origin(ort)
     for copy in lib.holding(ort_name):
-        if copy.abi.origin and copy.abi.origin != module:
-            try:
+        try:
+            if copy.abi.origin == module:  # through the module, which keeps its own record of the name
+                ort.unregister_execution_provider_library(ort_name)
+            else:
                 copy.unregister(ort_name)
-            except EpError as e:
-                failures.append(f"{copy.abi.describe()}: {e}")
-    try:
-        ort.unregister_execution_provider_library(ort_name)
-    except Exception as e:  # noqa: BLE001 - ORT's own exception type, named with the copy below
-        failures.append(f"ONNX Runtime {ort.__version__} (the onnxruntime module, {module}): {e}")
-    finally:
+        except Exception as e:  # noqa: BLE001 - each copy's own exception type, named with the copy
+            failures.append(f"{copy.abi.describe()}: {e}")
+    if lib.binding(ort_name) is not None:  # (one made from EPHOST_CONFIG ends with its last factory)
         lib.unbind(ort_name)
     if failures:
         raise EpFailedPrecondition(f"unregistering {ort_name!r} failed in " + "; in ".join(failures))

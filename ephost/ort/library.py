@@ -111,6 +111,21 @@ class Library:
             raise
         return binding
 
+    def adopt(self, ort_name: str, target: str, options: dict[str, str]) -> bool:
+        """Take over, for ephost.ort.register, the binding another copy of ORT made of this name from EPHOST_CONFIG
+        (its worker shared from now on, ended by ephost.ort.unregister); False where there is none.
+        EpAlreadyExists where the name is bound otherwise, or to another target."""
+        with self._lock:
+            binding = self._bindings.get(ort_name)
+            if binding is None:
+                return False
+            if not binding.from_config or (binding.target, binding.options) != (target, options):
+                raise EpAlreadyExists(f"{ort_name!r} is already registered with ephost.ort" + (
+                    f" (from EPHOST_CONFIG, with target {binding.target!r} and options {binding.options}: give the "
+                    "same)" if binding.from_config else ""))
+            binding.from_config = False
+            return True
+
     def unbind(self, ort_name: str) -> Binding:
         """Let go of the name and end its worker."""
         with self._lock:
