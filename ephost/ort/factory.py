@@ -98,7 +98,10 @@ class BridgeFactory:
 
     def output_allocator(self):
         """Where partitions leave their outputs: the worker's memory this process maps, read in place."""
-        return self.registration.session_allocator()
+        registration = self.registration  # (read once: release may set it to None on another thread)
+        if registration is None:
+            raise EpNotFound(f"{self.name} was unregistered: a session made with it can no longer run")
+        return registration.session_allocator()
 
     # --- devices ---
 

@@ -1,0 +1,246 @@
+"""LLMs through onnxruntime-genai, their decoder in an ephost worker: an unchanged genai application, with the
+recipe the docs give (docs/llm.md):
+
+    ephost.ort.register("npu", "onnxruntime")
+    og.register_execution_provider_library("npu", ephost.ort.library_path())
+    config = og.Config(folder); config.clear_providers(); config.append_provider("npu")
+
+genai loads its own copy of ORT's library (its own OrtEnv), so it registers the library itself. The decoder is
+the tiny one of llm_fixture (GroupQueryAttention, a KV cache shared between past and present); each test compares
+greedy tokens against genai with ORT's CPU EP in process.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+
+import pytest
+
+og = pytest.importorskip("onnxruntime_genai")  # in the test extras: skipped only where it is not installed
+
+import ephost.ort  # noqa: E402
+from ephost.errors import EpNotFound  # noqa: E402
+import llm_fixture as F  # noqa: E402
+
+PROMPT = F.prompt(8)
+NEW = 24  # tokens generated per generation: PROMPT and these fit max_length (32)
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    folder = F.write(tmp_path_factory.mktemp("decoder"), max_length=len(PROMPT) + NEW)
+    return folder, F.greedy(folder, PROMPT, NEW)
+
+
+@pytest.fixture(scope="module")
+def npu():
+    """'npu' for both ORT copies in the process: the onnxruntime module's (ephost.ort.register) and genai's."""
+    ephost.ort.register("npu", "onnxruntime")
+    og.register_execution_provider_library("npu", ephost.ort.library_path())
+    yield "npu"
+    og.unregister_execution_provider_library("npu")
+    ephost.ort.unregister("npu")
+
+
+def on(folder, provider: str):
+    config = og.Config(os.fspath(folder))
+    config.clear_providers()
+    config.append_provider(provider)
+    return og.Model(config)
+
+
+def test_the_fixture_is_genais_layout_and_decodes_through_its_kv_cache(tmp_path):
+    """The fixture is what the builder makes (names, GQA, shared KV), is quick to make, and its tokens depend on
+    the KV cache: genai's greedy tokens equal a full recompute of the sequence by ORT alone each step."""
+    import time
+    import numpy as np
+    import onnxruntime as ort
+    started = time.perf_counter()
+    folder = F.write(tmp_path, max_length=len(PROMPT) + NEW)
+    assert time.perf_counter() - started < 1.0
+    model = F.model()
+    assert [i.name for i in model.graph.input][:5] == ["input_ids", "attention_mask", "position_ids",
+                                                      "past_key_values.0.key", "past_key_values.0.value"]
+    assert [o.name for o in model.graph.output][:3] == ["logits", "present.0.key", "present.0.value"]
+    assert sum(n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft" for n in model.graph.node) == 2
+    with open(os.path.join(folder, "genai_config.json")) as f:
+        assert json.load(f)["search"]["past_present_share_buffer"] is True
+
+    session, shape, sequence, recomputed = ort.InferenceSession(F.model().SerializeToString()), F.Shape(), \
+        list(PROMPT), []
+    for _ in range(NEW):
+        n = len(sequence)
+        feeds = {"input_ids": np.array([sequence], np.int64), "attention_mask": np.ones((1, n), np.int64),
+                 "position_ids": np.arange(n, dtype=np.int64)[None]}
+        for i in range(shape.layers):
+            for kind in ("key", "value"):
+                feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, shape.kv_heads, 0, shape.head_size), np.float32)
+        recomputed.append(int(session.run(["logits"], feeds)[0][0, -1].argmax()))
+        sequence.append(recomputed[-1])
+    tokens = F.greedy(folder, PROMPT, NEW)
+    assert tokens == recomputed
+    assert len(set(tokens)) > 4, "the tokens are not one short cycle"
+
+
+def test_genai_decodes_through_the_bridge_token_for_token(decoder, npu):
+    folder, expected = decoder
+    before = ephost.ort.stats(npu)
+    model = on(folder, npu)
+    assert F.greedy(model, PROMPT, NEW) == expected
+    crossed = ephost.ort.stats(npu)
+    # one Compute per model run (the whole decoder is one partition in the worker): the prompt, then a token each
+    assert crossed.computes - before.computes == NEW
+    del model
+
+
+def test_a_model_without_position_ids_rotates_inside_attention(tmp_path, npu):
+    folder = F.write(tmp_path, F.Shape(position_ids=False), max_length=len(PROMPT) + NEW)
+    expected = F.greedy(folder, PROMPT, NEW)
+    model = on(folder, npu)
+    assert F.greedy(model, PROMPT, NEW) == expected
+    del model
+
+
+def test_provider_options_in_genai_config_select_the_bridge_and_reach_the_workers_ep(tmp_path, decoder, npu,
+                                                                                     monkeypatch):
+    """"provider_options": [{"npu": {...}}] in genai_config.json, no code: genai appends the registered
+    devices named "npu", and ORT hands the options to the bridge, which creates the worker's EP with them."""
+    folder = F.write(tmp_path, max_length=len(PROMPT) + NEW,
+                     provider_options=[{npu: {"intra_op_num_threads": "1"}}])
+    factory = ephost.ort.environment(npu).registration(npu).factory
+    seen = []
+    create_ep = factory.create_ep
+    monkeypatch.setattr(factory, "create_ep", lambda indices, options: seen.append(dict(options)) or
+                        create_ep(indices, options))
+    before = ephost.ort.stats(npu).computes
+    model = og.Model(og.Config(folder))
+    assert F.greedy(model, PROMPT, NEW) == decoder[1]
+    assert seen == [{"intra_op_num_threads": "1"}]
+    assert ephost.ort.stats(npu).computes - before == NEW
+    del model
+
+
+def test_genai_registering_before_ephost_is_told_what_to_do_and_can_register_after(decoder):
+    """The library serves names bound by ephost.ort.register; genai registering one first gets ORT's error
+    saying so, and registering again after ephost.ort.register works."""
+    path = ephost.ort.library_path()
+    with pytest.raises(Exception, match=r"ephost\.ort\.register"):
+        og.register_execution_provider_library("early", path)
+    ephost.ort.register("early", "onnxruntime")
+    try:
+        og.register_execution_provider_library("early", path)
+        model = on(decoder[0], "early")
+        assert F.greedy(model, PROMPT, NEW) == decoder[1]
+        del model
+        og.unregister_execution_provider_library("early")
+    finally:
+        ephost.ort.unregister("early")
+
+
+def test_ephost_unregister_lets_go_in_both_copies_and_genai_may_go_first(decoder):
+    """ephost.ort.unregister unregisters the name in every ORT copy that holds it (genai's too) and ends the
+    worker; genai unregistering first leaves the worker to the onnxruntime module's copy until then. Either way the
+    name can be registered again."""
+    import helpers
+
+    def registered() -> int:
+        before = helpers.worker_pids()
+        ephost.ort.register("both", "onnxruntime")
+        og.register_execution_provider_library("both", ephost.ort.library_path())
+        [worker] = helpers.worker_pids() - before
+        model = on(decoder[0], "both")
+        assert F.greedy(model, PROMPT, NEW) == decoder[1]
+        del model
+        gc.collect()
+        return worker
+
+    worker = registered()
+    ephost.ort.unregister("both")
+    assert worker not in helpers.worker_pids()
+    with pytest.raises(Exception, match="not registered"):
+        og.unregister_execution_provider_library("both")  # genai's registration went with it
+
+    worker = registered()
+    og.unregister_execution_provider_library("both")
+    assert worker in helpers.worker_pids(), "the onnxruntime module's copy still holds it"
+    assert ephost.ort.stats("both").computes == NEW
+    ephost.ort.unregister("both")
+    assert worker not in helpers.worker_pids()
+    with pytest.raises(EpNotFound):
+        ephost.ort.stats("both")
+    ephost.ort.register("both", "onnxruntime")
+    ephost.ort.unregister("both")
+
+
+def test_a_model_used_after_its_ep_was_unregistered_fails_with_a_clear_error(decoder):
+    ephost.ort.register("gone", "onnxruntime")
+    og.register_execution_provider_library("gone", ephost.ort.library_path())
+    model = on(decoder[0], "gone")
+    og.unregister_execution_provider_library("gone")
+    ephost.ort.unregister("gone")
+    with pytest.raises(Exception, match="gone.*was unregistered") as failure:
+        F.greedy(model, PROMPT, NEW)
+    assert "AttributeError" not in str(failure.value)
+    del model, failure
+
+
+def test_a_worker_crash_mid_step_is_that_steps_error_and_a_new_generation_is_right(decoder):
+    """The worker segfaults inside the decoder's sixth run. genai raises ORT's error naming the EP and the
+    signal; genai advanced that generator's state before the step, so the application starts a new one, which
+    runs on the restarted worker (recompiled from what the bridge recorded) and is right. (The chaos EP counts
+    from 1 in each worker: the new generation stays under six runs.)"""
+    ephost.ort.register("crashy", "chaos", {"wrap": "onnxruntime", "fault": "segfault", "at": "compute",
+                                            "after": "6"})
+    og.register_execution_provider_library("crashy", ephost.ort.library_path())
+    try:
+        model = on(decoder[0], "crashy")
+        pid = ephost.ort.environment("crashy").registration("crashy").process.pid
+        with pytest.raises(Exception, match=r"crashy: Compute of .*(SIGSEGV|signal 11)"):
+            F.greedy(model, PROMPT, NEW)
+        assert F.greedy(model, PROMPT, 5) == decoder[1][:5]
+        assert ephost.ort.environment("crashy").registration("crashy").process.pid != pid
+        del model
+    finally:
+        gc.collect()
+        og.unregister_execution_provider_library("crashy")
+        ephost.ort.unregister("crashy")
+
+
+def test_a_worker_killed_between_generations_or_between_steps_costs_nothing(decoder):
+    """SIGKILL the worker between two generations, and between two steps of one: no step fails and every token
+    is right (genai's own memory holds the KV cache; the next run recompiles on the restarted worker)."""
+    import helpers
+    ephost.ort.register("victim", "onnxruntime")
+    og.register_execution_provider_library("victim", ephost.ort.library_path())
+    try:
+        registration = ephost.ort.environment("victim").registration("victim")
+        model = on(decoder[0], "victim")
+        assert F.greedy(model, PROMPT, NEW) == decoder[1]
+
+        def kill() -> int:
+            process = registration.process
+            os.kill(process.pid, signal.SIGKILL)
+            assert process.exited.wait(10)
+            return process.pid
+
+        killed = [kill()]
+        assert F.greedy(model, PROMPT, NEW) == decoder[1]
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(PROMPT) + NEW)
+        generator = og.Generator(model, params)
+        generator.append_tokens(PROMPT)
+        tokens = []
+        while not generator.is_done():
+            if len(tokens) == NEW // 2:
+                killed.append(kill())
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        assert tokens == decoder[1]
+        assert registration.process.pid not in killed and not set(killed) & helpers.worker_pids()
+        del generator, params, model
+    finally:
+        gc.collect()
+        og.unregister_execution_provider_library("victim")
+        ephost.ort.unregister("victim")
