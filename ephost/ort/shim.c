@@ -431,3 +431,25 @@ EXPORT size_t ephost_pool_idle_bytes(void *self, size_t *idle_blocks) {
 
 /* The next Alloc of `pool` on this thread goes to Python (NULL: none does). */
 EXPORT void ephost_pool_offer(const ephost_pool_t *pool) { g_offered = pool; }
+
+/* A copy of a tensor kept in the worker's memory (ephost/ort/resident.py) made equal to ORT's, or ORT's to it:
+ * each 64-byte chunk of src that differs from dst's is copied; the bytes copied. Both are read whole (memory
+ * speed); only what changed is written (a decoder step's new token in a KV cache). */
+EXPORT size_t ephost_ort_sync(unsigned char *dst, const unsigned char *src, size_t nbytes) {
+  size_t copied = 0, i = 0;
+  for (; i + 64 <= nbytes; i += 64) {
+    uint64_t a[8], b[8], differ = 0;
+    memcpy(a, dst + i, 64);
+    memcpy(b, src + i, 64);
+    for (int k = 0; k < 8; k++) differ |= a[k] ^ b[k];
+    if (differ) {
+      memcpy(dst + i, src + i, 64);
+      copied += 64;
+    }
+  }
+  if (i < nbytes && memcmp(dst + i, src + i, nbytes - i)) {
+    memcpy(dst + i, src + i, nbytes - i);
+    copied += nbytes - i;
+  }
+  return copied;
+}

@@ -1,0 +1,94 @@
+"""Copies of ORT's tensors kept in the worker's memory between Computes (ephost/ort/resident.py): what keeps a
+decoder's KV cache from crossing the bridge whole every token. Against a real worker's shared memory."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import ephost
+import ephost.ort
+from ephost.ort.resident import KeptCopies, Sync
+
+
+@pytest.fixture(scope="module")
+def sync():
+    return Sync(ctypes.CDLL(ephost.ort.library_path()))
+
+
+@pytest.fixture
+def worker():
+    env = ephost.Environment()
+    env.register_execution_provider_library("w", "onnxruntime")
+    yield env.registration("w")
+    env.close()
+
+
+def result_in_worker(registration, values: np.ndarray):
+    """A worker buffer holding `values` (what a Compute leaves there), as the bridge gets it."""
+    buffer = registration.session_allocator().alloc(values.nbytes)
+    np.copyto(buffer.host_view(), values.reshape(-1).view(np.uint8))
+    return buffer
+
+
+def test_sync_copies_only_the_chunks_that_differ(sync):
+    dst = np.zeros(1000, np.float32)
+    src = dst.copy()
+    assert sync(dst, src) == 0
+    src[17] = 1.0       # in chunk 1 (floats 16-31)
+    src[999] = 2.0      # in the tail (4000 bytes: 62 whole chunks, then 32 bytes)
+    assert sync(dst, src) == 64 + 32
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_a_kept_copy_is_brought_in_with_only_what_changed(worker, sync):
+    copies = KeptCopies(lambda: worker, sync)
+    kv = np.random.default_rng(0).standard_normal((2, 256, 16)).astype(np.float32)  # ORT's tensor, 32 KiB
+    address = kv.ctypes.data
+    assert copies.bring_in(address, kv) is None, "nothing kept yet"
+    step = kv.copy()
+    step[:, 5] = 7.0  # the worker's result: one new row per head
+    copied = copies.bring_out(address, kv, result_in_worker(worker, step))
+    assert copied == 2 * 64, "the two changed rows, one chunk each"
+    np.testing.assert_array_equal(kv, step)
+    buffer, copied = copies.bring_in(address, kv)
+    assert copied == 0, "nobody but the bridge wrote ORT's tensor"
+    kv[1, 200, 3] = -1.0  # the application writes it
+    buffer2, copied = copies.bring_in(address, kv)
+    assert buffer2 is buffer and copied == 64
+    np.testing.assert_array_equal(buffer.host_view().view(np.float32).reshape(kv.shape), kv)
+    assert copies.bring_in(address, kv[:1]) is None, "another size at that address: not a copy of it"
+    assert len(copies) == 0
+
+
+def test_copies_of_a_worker_that_died_are_dropped(worker, sync):
+    copies = KeptCopies(lambda: worker, sync)
+    tensors = [np.full(2048, float(i), np.float32) for i in range(3)]
+    for t in tensors:
+        copies.bring_out(t.ctypes.data, t, result_in_worker(worker, t))
+    assert len(copies) == 3 and copies.nbytes == 3 * 8192
+    process = worker.process
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.exited.wait(10)
+    worker.link.wait_noticed(10)
+    worker.link.wait_replaced()
+    assert copies.bring_in(tensors[0].ctypes.data, tensors[0]) is None
+    assert len(copies) == 0 and copies.nbytes == 0, "every copy of the dead worker went"
+
+
+def test_the_least_recently_used_copies_go_past_the_limit(worker, sync):
+    copies = KeptCopies(lambda: worker, sync, limit=3 * 8192)
+    tensors = [np.full(2048, float(i), np.float32) for i in range(4)]
+    for t in tensors[:3]:
+        copies.bring_out(t.ctypes.data, t, result_in_worker(worker, t))
+    assert copies.bring_in(tensors[0].ctypes.data, tensors[0]) is not None  # used again: the newest now
+    copies.bring_out(tensors[3].ctypes.data, tensors[3], result_in_worker(worker, tensors[3]))
+    assert copies.nbytes == 3 * 8192
+    assert copies.bring_in(tensors[1].ctypes.data, tensors[1]) is None, "the least recently used went"
+    for t in (tensors[0], tensors[2], tensors[3]):
+        assert copies.bring_in(t.ctypes.data, t)[1] == 0
+    copies.forget()
+    assert len(copies) == 0 and copies.nbytes == 0
