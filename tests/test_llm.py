@@ -244,3 +244,17 @@ def test_a_worker_killed_between_generations_or_between_steps_costs_nothing(deco
         gc.collect()
         og.unregister_execution_provider_library("victim")
         ephost.ort.unregister("victim")
+
+
+def test_the_llm_bench_prints_genai_in_process_beside_the_bridge_per_token_at_two_contexts():
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "bench", "--quick", "llm"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0][:4] == ["context (max_length)", "KV cache", "genai in process", "genai + bridge"]
+    assert [r[0] for r in rows[1:]] == ["128", "1024"]
+    for row in rows[1:]:
+        assert row[2].endswith("µs") and row[3].endswith("µs") and row[6].endswith(" B") and row[7].endswith(" B")
