@@ -83,7 +83,8 @@ def test_an_entry_newer_than_the_running_onnx_runtime_is_never_called(npu):
     """The tables as an older ORT would have them: an OrtEpApi entry of 1.25 is absent under 1.24, and calling it is
     a typed error naming both versions, not a jump through a slot that older release does not have."""
     from ephost.ort.library import loaded_library
-    (copy,) = [c for c in loaded_library().copies() if c.abi.version == ort.__version__]
+    # (genai's copy of the same release may be loaded too, by tests/test_llm.py: either has the running tables)
+    copy = next(c for c in loaded_library().copies() if c.abi.version == ort.__version__)
     running = copy.abi
     address = running.api.GetEpApi()
     older = abi.FunctionTable("OrtEpApi", address, abi.EP_API, abi.EP_API_ENDS, 24, "1.24.4")
