@@ -10,6 +10,7 @@ out (the worker's outputs into genai's tensors), and the share of Computes the w
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -80,8 +81,10 @@ def main(quick: bool = False) -> None:
     import onnxruntime_genai as og
     from tests import llm_fixture
     logging.getLogger("ephost").setLevel(logging.WARNING)
-    ephost.ort.register(NAME, "onnxruntime",
-                        {"session_config": ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())})
+    # The worker's ORT with the threads genai gives its own session (half the cores, at most 16), as in process
+    threads = min(max(1, (os.cpu_count() or 2) // 2), 16)
+    config = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
+    ephost.ort.register(NAME, "onnxruntime", {"intra_op_num_threads": str(threads), "session_config": config})
     og.register_execution_provider_library(NAME, ephost.ort.library_path())
     try:
         rows = []

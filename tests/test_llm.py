@@ -246,6 +246,84 @@ def test_a_worker_killed_between_generations_or_between_steps_costs_nothing(deco
         ephost.ort.unregister("victim")
 
 
+def decode_steps(model, prompt: list[int], max_length: int, name: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """The tokens of one generation, and the bytes the bridge copied in and out on each decoding step."""
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max_length)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    tokens, crossed = [], []
+    while not generator.is_done():
+        before = ephost.ort.stats(name)
+        generator.generate_next_token()
+        after = ephost.ort.stats(name)
+        tokens.append(int(generator.get_next_tokens()[0]))
+        if after.computes > before.computes:
+            crossed.append((after.bytes_in_copied - before.bytes_in_copied,
+                            after.bytes_out_copied - before.bytes_out_copied))
+    del generator, params
+    return tokens, crossed
+
+
+def test_the_kv_cache_stays_in_the_worker_a_token_costs_its_own_bytes_at_any_context(tmp_path, npu):
+    """genai hands every step its whole KV cache (allocated at max_length, past and present in one memory). The
+    worker keeps a copy of it: each step copies only the chunks that changed (the new token's rows) in and out,
+    so the bytes per token are about the same at a context of 128 and of 1,024, and far below the cache's."""
+    folder = F.write(tmp_path, max_length=1024)
+    model = on(folder, npu)
+    per_token = {}
+    for context in (128, 1024):
+        prompt = F.prompt(context - 8)
+        tokens, crossed = decode_steps(model, prompt, context, npu)
+        assert tokens == F.greedy(folder, prompt, 8, max_length=context)
+        steady = crossed[2:]  # the first steps make the worker's copies
+        per_token[context] = max(i + o for i, o in steady)
+        assert per_token[context] < F.Shape().kv_bytes(context) / 16, (context, steady)
+    assert per_token[1024] <= 1.5 * per_token[128], per_token
+    del model
+
+
+def test_genais_kv_cache_after_a_generation_through_the_bridge_is_its_own_byte_for_byte(decoder, npu):
+    """The worker writes the present into its copy of genai's memory in place and the bridge brings out what
+    changed: genai's shared KV cache ends as it would in process, to the last row past the sequence."""
+    import numpy as np
+
+    def cache_after(model) -> list:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(PROMPT) + NEW)
+        generator = og.Generator(model, params)
+        generator.append_tokens(PROMPT)
+        while not generator.is_done():
+            generator.generate_next_token()
+        cache = [generator.get_output(f"present.{i}.{kind}") for i in range(F.Shape().layers)
+                 for kind in ("key", "value")]
+        del generator, params
+        return cache
+
+    alone, bridged = og.Model(og.Config(decoder[0])), on(decoder[0], npu)
+    for expected, got in zip(cache_after(alone), cache_after(bridged)):
+        assert expected.shape == (1, F.Shape().kv_heads, len(PROMPT) + NEW, F.Shape().head_size)
+        np.testing.assert_array_equal(got, expected)
+    del alone, bridged
+
+
+def test_without_the_shared_buffer_the_past_stays_in_the_worker(tmp_path, npu):
+    """Without past_present_share_buffer genai makes a new present every step (its memory, its length) and passes
+    it as the next past: the present must reach genai's memory (what differs from what that memory held), but the
+    past is the worker's copy of that same memory (nothing copied in but what changed)."""
+    folder = F.write(tmp_path, max_length=256)
+    config = json.load(open(os.path.join(folder, "genai_config.json")))
+    config["search"]["past_present_share_buffer"] = False
+    json.dump(config, open(os.path.join(folder, "genai_config.json"), "w"))
+    model = on(folder, npu)
+    prompt = F.prompt(200)
+    tokens, crossed = decode_steps(model, prompt, 256, npu)
+    assert tokens == F.greedy(folder, prompt, 56, max_length=256)
+    kv = F.Shape().kv_bytes(230)
+    assert all(i < kv / 16 for i, _ in crossed[2:]), crossed[:5]
+    del model
+
+
 def test_the_llm_bench_prints_genai_in_process_beside_the_bridge_per_token_at_two_contexts():
     import subprocess
     import sys

@@ -34,13 +34,18 @@ def result_in_worker(registration, values: np.ndarray):
     return buffer
 
 
+def bring_in(copies, t: np.ndarray):
+    """The copy kept for ORT's tensor `t` (by its address), brought up to date."""
+    return copies.bring_in(t.ctypes.data, t.ctypes.data, t.nbytes)
+
+
 def test_sync_copies_only_the_chunks_that_differ(sync):
     dst = np.zeros(1000, np.float32)
     src = dst.copy()
-    assert sync(dst, src) == 0
+    assert sync(dst.ctypes.data, src.ctypes.data, dst.nbytes) == 0
     src[17] = 1.0       # in chunk 1 (floats 16-31)
     src[999] = 2.0      # in the tail (4000 bytes: 62 whole chunks, then 32 bytes)
-    assert sync(dst, src) == 64 + 32
+    assert sync(dst.ctypes.data, src.ctypes.data, dst.nbytes) == 64 + 32
     np.testing.assert_array_equal(dst, src)
 
 
@@ -48,34 +53,52 @@ def test_a_kept_copy_is_brought_in_with_only_what_changed(worker, sync):
     copies = KeptCopies(lambda: worker, sync)
     kv = np.random.default_rng(0).standard_normal((2, 256, 16)).astype(np.float32)  # ORT's tensor, 32 KiB
     address = kv.ctypes.data
-    assert copies.bring_in(address, kv) is None, "nothing kept yet"
+    assert copies.bring_in(address, address, kv.nbytes) is None, "nothing kept yet"
     step = kv.copy()
     step[:, 5] = 7.0  # the worker's result: one new row per head
-    copied = copies.bring_out(address, kv, result_in_worker(worker, step))
+    copied = copies.bring_out(address, kv.nbytes, result_in_worker(worker, step))
     assert copied == 2 * 64, "the two changed rows, one chunk each"
     np.testing.assert_array_equal(kv, step)
-    buffer, copied = copies.bring_in(address, kv)
+    buffer, copied = copies.bring_in(address, address, kv.nbytes)
     assert copied == 0, "nobody but the bridge wrote ORT's tensor"
     kv[1, 200, 3] = -1.0  # the application writes it
-    buffer2, copied = copies.bring_in(address, kv)
+    buffer2, copied = copies.bring_in(address, address, kv.nbytes)
     assert buffer2 is buffer and copied == 64
     np.testing.assert_array_equal(buffer.host_view().view(np.float32).reshape(kv.shape), kv)
-    assert copies.bring_in(address, kv[:1]) is None, "another size at that address: not a copy of it"
+    assert copies.bring_in(address, address, 4) is None, "another size at that address: not a copy of it"
     assert len(copies) == 0
+
+
+def test_a_growing_input_copies_what_it_grew_by_into_a_copy_with_room(worker, sync):
+    """A decoder's attention mask is a token longer every step, in new memory of ORT's every time: its copy is
+    kept by the partition's input position with room to double, and each step copies what it grew by."""
+    copies = KeptCopies(lambda: worker, sync)
+    key = ("partition", 1)
+    mask = np.ones((1, 1000), np.int64)
+    buffer, copied = copies.bring_in_growing(key, mask.ctypes.data, mask.nbytes)
+    assert copied == mask.nbytes and buffer.nbytes == 2 * mask.nbytes
+    for n in range(1001, 1010):
+        mask = np.ones((1, n), np.int64)
+        again, copied = copies.bring_in_growing(key, mask.ctypes.data, mask.nbytes)
+        assert again is buffer and copied <= 64, "the new token's chunk"
+    np.testing.assert_array_equal(buffer.host_view()[:mask.nbytes].view(np.int64), mask.reshape(-1))
+    mask = np.ones((1, 2001), np.int64)  # past its room: a new copy, whole
+    bigger, copied = copies.bring_in_growing(key, mask.ctypes.data, mask.nbytes)
+    assert bigger is not buffer and copied == mask.nbytes and len(copies) == 1
 
 
 def test_copies_of_a_worker_that_died_are_dropped(worker, sync):
     copies = KeptCopies(lambda: worker, sync)
     tensors = [np.full(2048, float(i), np.float32) for i in range(3)]
     for t in tensors:
-        copies.bring_out(t.ctypes.data, t, result_in_worker(worker, t))
+        copies.bring_out(t.ctypes.data, t.nbytes, result_in_worker(worker, t))
     assert len(copies) == 3 and copies.nbytes == 3 * 8192
     process = worker.process
     os.kill(process.pid, signal.SIGKILL)
     assert process.exited.wait(10)
     worker.link.wait_noticed(10)
     worker.link.wait_replaced()
-    assert copies.bring_in(tensors[0].ctypes.data, tensors[0]) is None
+    assert bring_in(copies, tensors[0]) is None
     assert len(copies) == 0 and copies.nbytes == 0, "every copy of the dead worker went"
 
 
@@ -83,12 +106,27 @@ def test_the_least_recently_used_copies_go_past_the_limit(worker, sync):
     copies = KeptCopies(lambda: worker, sync, limit=3 * 8192)
     tensors = [np.full(2048, float(i), np.float32) for i in range(4)]
     for t in tensors[:3]:
-        copies.bring_out(t.ctypes.data, t, result_in_worker(worker, t))
-    assert copies.bring_in(tensors[0].ctypes.data, tensors[0]) is not None  # used again: the newest now
-    copies.bring_out(tensors[3].ctypes.data, tensors[3], result_in_worker(worker, tensors[3]))
+        copies.bring_out(t.ctypes.data, t.nbytes, result_in_worker(worker, t))
+    assert bring_in(copies, tensors[0]) is not None  # used again: the newest now
+    copies.bring_out(tensors[3].ctypes.data, tensors[3].nbytes, result_in_worker(worker, tensors[3]))
     assert copies.nbytes == 3 * 8192
-    assert copies.bring_in(tensors[1].ctypes.data, tensors[1]) is None, "the least recently used went"
+    assert bring_in(copies, tensors[1]) is None, "the least recently used went"
     for t in (tensors[0], tensors[2], tensors[3]):
-        assert copies.bring_in(t.ctypes.data, t)[1] == 0
+        assert bring_in(copies, t)[1] == 0
     copies.forget()
     assert len(copies) == 0 and copies.nbytes == 0
+
+
+def test_a_released_partition_lets_go_of_its_inputs_copies(worker, sync):
+    from ephost.ort.resident import PartitionCopies
+    copies = KeptCopies(lambda: worker, sync)
+    first, second = PartitionCopies(copies, 1), PartitionCopies(copies, 2)
+    mask = np.ones((1, 1000), np.int64)
+    kv = np.zeros(4096, np.float32)
+    assert first.bring_in(0, mask.ctypes.data, mask.nbytes)[1] == mask.nbytes
+    assert second.bring_in(0, mask.ctypes.data, mask.nbytes)[1] == mask.nbytes
+    copies.bring_out(kv.ctypes.data, kv.nbytes, result_in_worker(worker, kv))
+    assert len(copies) == 3
+    first.release()
+    assert len(copies) == 2, "the other partition's input and the copy of ORT's memory stay"
+    assert second.bring_in(0, mask.ctypes.data, mask.nbytes)[1] == 0

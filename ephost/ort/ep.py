@@ -20,6 +20,7 @@ from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
 from ephost.ort.context import ContextRequest, context_node
 from ephost.ort.profiler import BridgeProfiler
 from ephost.ort.graph_reader import GraphReader
+from ephost.ort.resident import Learned, PartitionCopies
 from ephost.ort.values import tensor_view, write_strings
 from ephost.tensor import Tensor
 
@@ -158,8 +159,11 @@ class BridgeEp:
         return index, tuple(names)
 
     def release_node_compute_infos(self, infos, count: int) -> None:
-        owners = [forget(infos[i]) for i in range(count)]
-        remote = [o.remote for o in owners if isinstance(o, BridgeComputeInfo)]
+        owners = [o for o in (forget(infos[i]) for i in range(count)) if isinstance(o, BridgeComputeInfo)]
+        for owner in owners:
+            if owner.copies is not None:
+                owner.copies.release()
+        remote = [o.remote for o in owners]
         if remote:
             try:
                 self.remote.release_node_compute_infos(remote)
@@ -203,6 +207,9 @@ class BridgeComputeInfo:
         self.address = keep(self, self.struct)
         self._held = threading.local()  # each of ORT's threads' kept call for this partition (compute_held)
         self._output_count: int | None = None
+        kept = ep.factory.kept
+        # what its Computes keep in the worker's memory (resident.py)
+        self.copies = PartitionCopies(kept, self.address) if kept is not None else None
 
     def _state(self, state_out) -> None:
         state_out[0] = self.address
@@ -232,9 +239,10 @@ class BridgeComputeInfo:
         transport repeats the call with only what changes where it keeps calls)."""
         factory = self.ep.factory
         arrays, addresses = factory.kernel_io.inputs(context)
-        memory = factory.memory
+        memory, copies = factory.memory, self.copies
         inputs: list[Any] = []
         in_place = in_bytes = 0
+        brought: dict[int, Tensor] = {}  # inputs sent as the worker's kept copy of ORT's tensor
         for i, (array, address) in enumerate(zip(arrays, addresses)):
             if array is None:
                 raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
@@ -245,22 +253,33 @@ class BridgeComputeInfo:
             if buffer is not None:  # in the worker's memory already: named by handle
                 inputs.append(Tensor(array.shape, array.dtype, buffer.memory_info, buffer=buffer))
                 in_place += 1
+            elif copies is not None and (made := copies.bring_in(i, address, array.nbytes)) is not None:
+                buffer, copied = made  # the worker's copy of it, brought up to date: named by handle
+                inputs.append(brought.setdefault(i, Tensor(array.shape, array.dtype, buffer.memory_info,
+                                                           buffer=buffer)))
+                in_bytes += copied
             else:
                 inputs.append(array)  # ORT's memory, this process's: its bytes go
                 in_bytes += array.nbytes
-        # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory); small
-        # ones come back inline: a buffer per small output and its free cost more than the copy.
-        call = ComputeCall(inputs, factory.output_allocator())
+        into = copies.targets(brought, addresses, lambda o, shape: factory.kernel_io.output(context, o, shape)[1]) \
+            if brought else {}
+        # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory, or kept
+        # as the copy of ORT's memory they are brought out into); small ones come back inline: a buffer per
+        # small output and its free cost more than the copy.
+        call = ComputeCall(inputs, factory.output_allocator(), keep=copies.keep(into) if copies else (), into=into)
         outputs = compute_held(self.remote, call, self._held.calls, 0)
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
-        self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place)
+        self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place, addresses=addresses)
 
-    def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0) -> None:
+    def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0,
+                       addresses: list[int] = ()) -> None:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
-        output tensor is the worker's buffer), the others' bytes copied into ORT's."""
+        output tensor is the worker's buffer), or brought out of it into ORT's memory, where ORT had that
+        allocated, as the worker's kept copy of it (resident.py); the others' bytes copied into ORT's."""
         factory = self.ep.factory
-        memory, io = factory.memory, factory.kernel_io
+        memory, io, copies = factory.memory, factory.kernel_io, self.copies
+        learned = Learned()
         if self._output_count is None:  # the fused node's, the same every Compute
             n = c_size_t()
             self.abi.check(self.abi.api.KernelContext_GetOutputCount(context, ctypes.byref(n)),
@@ -283,6 +302,11 @@ class BridgeComputeInfo:
                 out.detach_buffer()
                 out_place += 1
                 continue
+            if copies is not None and address and array.dtype != object:
+                copied = copies.bring_out(learned, i, address, array.nbytes, out, addresses)
+                if copied is not None:  # only what changed, from the worker's buffer, now the copy of ORT's
+                    out_bytes += copied
+                    continue
             if array.dtype == object:
                 write_strings(self.abi, value, array)
             elif array.size:
@@ -290,4 +314,6 @@ class BridgeComputeInfo:
                 out_bytes += array.nbytes
             if isinstance(out, Tensor):
                 out.release()
+        if copies is not None:
+            copies.done(learned)
         factory.stats.count(in_bytes, out_bytes, in_place, out_place)

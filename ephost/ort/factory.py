@@ -13,11 +13,13 @@ from ephost.ort.callbacks import Guard, Strings, fill, keep, owner_of
 from ephost.ort.context import ContextRequest, compatibility, compatibility_info
 from ephost.ort.ep import BridgeEp
 from ephost.ort.memory import BridgeMemory
+from ephost.ort.resident import KeptCopies
 
 if TYPE_CHECKING:
     from ephost.ort.kernel_io import KernelIO
     from ephost.ort.library import Binding
     from ephost.ort.pool import PoolFunctions
+    from ephost.ort.resident import Sync
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,8 @@ def provider_options(config_entries: dict[str, str], ep_name: str) -> dict[str, 
 
 
 class BridgeFactory:
-    def __init__(self, binding: "Binding", abi: A.OrtAbi, kernel_io: "KernelIO", pools: "PoolFunctions"):
+    def __init__(self, binding: "Binding", abi: A.OrtAbi, kernel_io: "KernelIO", pools: "PoolFunctions",
+                 sync: "Sync"):
         self.binding, self.abi = binding, abi
         self.kernel_io = kernel_io  # what Compute reads its inputs and makes its outputs with
         self.stats = binding.stats
@@ -45,6 +48,8 @@ class BridgeFactory:
         # the EP's device memory: the worker's shared memory, where it shares this process's host
         self.memory = BridgeMemory(abi, self.name, self.registration, pools) \
             if BridgeMemory.available(self.registration) else None
+        # copies of ORT's tensors kept in that memory between Computes (a decoder's KV cache)
+        self.kept = KeptCopies(lambda: self.registration, sync) if self.memory is not None else None
         # (the worker's factory read through the registration every call: none is kept past release)
         text = lambda what, fn: lambda this: self.guard.quiet(what, lambda: self._strings(fn()))  # noqa: E731
         self.struct = A.OrtEpFactory()
@@ -188,6 +193,8 @@ class BridgeFactory:
         (BridgeMemory.release): ORT calls it after this where the application still holds tensors of its allocator
         (ReleaseAllocator, as the last of them goes) or a session its EP (ReleaseEp); had its callbacks gone with
         it, that call crashed the application. What goes is the registration (its closed worker's objects)."""
+        if self.kept is not None:
+            self.kept.forget()
         if self.memory is not None:
             self.memory.release()
         self.registration = None

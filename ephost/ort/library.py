@@ -19,6 +19,7 @@ from ephost.ort.build import built_library
 from ephost.ort.factory import BridgeFactory
 from ephost.ort.kernel_io import KernelIO
 from ephost.ort.pool import PoolFunctions
+from ephost.ort.resident import Sync
 from ephost.ort.stats import BridgeStats
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Library:
         self._copies: dict[int, OrtCopy] = {}  # OrtApiBase* -> that copy of ORT
         self._lock = threading.Lock()  # guards _bindings and _copies
         self._pools = PoolFunctions(self._cdll)
+        self._sync = Sync(self._cdll)
         self._create = A.CreateEpFactoriesFn(self._create_factories)
         self._release = A.ReleaseEpFactoryFn(self._release_factory)
         self._cdll.ephost_ort_set_callbacks.argtypes = [c_void_p, c_void_p]
@@ -178,7 +180,7 @@ class Library:
             copy = self.copy_of(api_base)
             ort_name = (name or b"").decode()
             binding = self.binding(ort_name) or self._configured(ort_name)
-            factory = BridgeFactory(binding, copy.abi, copy.kernel_io, self._pools)
+            factory = BridgeFactory(binding, copy.abi, copy.kernel_io, self._pools, self._sync)
             binding.factories.append(factory)
             factories[0] = factory.address
             num_factories[0] = 1

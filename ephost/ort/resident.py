@@ -18,14 +18,16 @@ import ctypes
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from ctypes import c_size_t, c_void_p
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import numpy as np
 
 from ephost.client.handles import owned
 from ephost.errors import EpError
 from ephost.memory import Buffer
+from ephost.tensor import Tensor
 
 if TYPE_CHECKING:
     from ephost.client.environment import Registration
@@ -44,21 +46,34 @@ class Sync:
         self._sync.restype = c_size_t
         self._sync.argtypes = [c_void_p, c_void_p, c_size_t]
 
-    def __call__(self, dst: np.ndarray, src: np.ndarray) -> int:
-        """The bytes copied; both of one size, C-contiguous."""
-        return self._sync(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+    def __call__(self, dst: int, src: int, nbytes: int) -> int:
+        """The bytes copied, of the `nbytes` at each address."""
+        return self._sync(dst, src, nbytes)
+
+
+@dataclass(eq=False)
+class _Copy:
+    buffer: Buffer
+    view: np.ndarray  # the buffer's bytes, mapped here (the view keeps the mapping)
+    size: int  # the bytes of the tensor it copies (the buffer may have room for more)
+    address: int = 0  # where the view's bytes lie
+
+    def __post_init__(self) -> None:
+        self.address = self.view.ctypes.data
 
 
 class KeptCopies:
-    """One registration's copies, by the address of ORT's tensor they copy. Thread-safe; a Compute brings in and
-    out the tensors of its own call (two calls at once on one tensor would race in ORT already)."""
+    """One registration's copies, each under one key: the address of ORT's tensor it copies, or a partition's
+    input position. Thread-safe; a Compute brings in and out the tensors of its own call (two calls at once on one
+    tensor would race in ORT already)."""
 
     def __init__(self, registration: Callable[[], "Registration | None"], sync: Sync,
                  limit: int = LIMIT_BYTES):
         self._registration, self._sync, self.limit = registration, sync, limit
-        self._copies: OrderedDict[int, Buffer] = OrderedDict()  # least recently used first
+        self._copies: OrderedDict[Hashable, _Copy] = OrderedDict()  # least recently used first
+        self._keys: dict[int, Hashable] = {}  # id(buffer) -> the key its copy is under
         self._bytes = 0
-        self._lock = threading.Lock()  # guards _copies and _bytes
+        self._lock = threading.Lock()  # guards _copies, _keys and _bytes
 
     @property
     def nbytes(self) -> int:
@@ -68,69 +83,126 @@ class KeptCopies:
     def __len__(self) -> int:
         return len(self._copies)
 
-    def bring_in(self, address: int, array: np.ndarray) -> tuple[Buffer, int] | None:
-        """The worker's copy of ORT's tensor at `address` (its bytes: `array`), made equal to it, and the bytes
-        that took; None where there is none (or it is a dead worker's, or of another size)."""
-        buffer = self._take(address, array.nbytes)
-        if buffer is None:
+    def bring_in(self, key: Hashable, address: int, nbytes: int, exact: bool = True) -> tuple[Buffer, int] | None:
+        """The worker's copy kept under `key`, its first bytes made equal to ORT's `nbytes` at `address`, and the
+        bytes that took; None where there is none (or it is a dead worker's, or copies a tensor of another size:
+        `exact`, or has no room)."""
+        with self._lock:
+            copy = self._copies.get(key)
+            if copy is not None:
+                self._copies.move_to_end(key)  # the most recently used
+        if copy is None:
             return None
-        copied = self._sync(buffer.host_view(), _bytes_of(array))
-        self._put(address, buffer)
-        return buffer, copied
+        if not self._usable(copy, nbytes, exact):
+            self._take(key, None)
+            return None
+        copied = self._sync(copy.address, address, nbytes)
+        copy.size = nbytes
+        return copy.buffer, copied
 
-    def bring_out(self, address: int, array: np.ndarray, buffer: Buffer) -> int:
-        """ORT's tensor at `address` (`array`, writable) made equal to the worker's result in `buffer` (mapped
-        here), which becomes the copy of it; the bytes copied."""
-        copied = self._sync(_bytes_of(array), buffer.host_view())
+    def bring_in_growing(self, key: Hashable, address: int, nbytes: int) -> tuple[Buffer, int] | None:
+        """As bring_in, for an input that grows from Compute to Compute (a decoder's attention mask, a token
+        longer every step): where there is no copy with room for it, a new one with room to double, the whole
+        tensor copied in. None where the worker gives no buffer."""
+        made = self.bring_in(key, address, nbytes, exact=False)
+        if made is not None:
+            return made
+        registration = self._registration()
+        try:
+            buffer = registration.session_allocator().alloc(2 * nbytes)
+        except (AttributeError, EpError) as e:  # closing, restarting or out of memory: sent as it is
+            log.debug("no buffer for a growing input's copy: %s", e)
+            return None
+        view = buffer.host_view()
+        if view is None:
+            self._free([buffer])
+            return None
+        copy = _Copy(buffer, view, nbytes)
+        ctypes.memmove(copy.address, address, nbytes)
+        self._put(key, copy)
+        return buffer, nbytes
+
+    def bring_out(self, address: int, nbytes: int, buffer: Buffer) -> int:
+        """ORT's `nbytes` at `address` made equal to the worker's result in `buffer` (mapped here), which becomes
+        the copy of them (under that key alone); the bytes copied."""
+        with self._lock:
+            copy = self._copies.get(address)
+            if copy is not None and copy.buffer is buffer:  # written in place: the copy it is already
+                self._copies.move_to_end(address)
+        if copy is not None and copy.buffer is buffer:
+            copy.size = nbytes
+            return self._sync(address, copy.address, nbytes)
+        copy = _Copy(buffer, buffer.host_view(), nbytes)
+        copied = self._sync(address, copy.address, nbytes)
         old = self._take(address, None)
-        if old is not None and old is not buffer:
-            self._free([old])
-        self._put(address, buffer)
+        if old is not None and old.buffer is not buffer:
+            self._free([old.buffer])
+        self._put(address, copy)
         return copied
 
-    def forget(self) -> None:
-        """Every copy freed (the registration closing, say)."""
+    def forget(self, which: Callable[[Hashable], bool] | None = None) -> None:
+        """The copies under the keys `which` says (every copy: the registration closing, say) freed."""
         with self._lock:
-            gone = list(self._copies.values())
-            self._copies.clear()
-            self._bytes = 0
-        self._free(gone)
+            keys = [k for k in self._copies if which is None or which(k)]
+            gone = [self._copies.pop(k) for k in keys]
+            for copy in gone:
+                self._keys.pop(id(copy.buffer), None)
+                self._bytes -= copy.buffer.nbytes
+        self._free([c.buffer for c in gone])
 
     # --- bookkeeping ---
 
-    def _take(self, address: int, nbytes: int | None) -> Buffer | None:
-        """The copy at `address`, out of the table (put back by the caller), where it can still be used."""
+    def _usable(self, copy: _Copy, nbytes: int, exact: bool) -> bool:
+        """Whether the copy is the running worker's and fits `nbytes` (a tensor of that size, or room for it: not
+        `exact`). A worker that died is waited for while it is replaced (the call would wait for it too)."""
         link = self._link()
-        with self._lock:
-            buffer = self._copies.pop(address, None)
-            if buffer is None:
-                return None
-            self._bytes -= buffer.nbytes
-        if link is None or not owned(buffer, link):
-            self._drop_dead(link)
-            return None
-        if nbytes is not None and buffer.nbytes != nbytes:
-            self._free([buffer])
-            return None
-        return buffer
+        if link is None or copy.buffer.owner is not link.conn:
+            return False
+        return copy.size == nbytes if exact else copy.buffer.nbytes >= nbytes
 
-    def _put(self, address: int, buffer: Buffer) -> None:
+    def _take(self, key: Hashable, nbytes: int | None, exact: bool = True) -> _Copy | None:
+        """The copy under `key`, out of the table (put back by the caller), where it can still be used for
+        `nbytes` (a tensor of that size, or room for it: not `exact`); one that cannot is freed."""
+        link = self._link()
+        current = link.current if link is not None else None
+        with self._lock:
+            copy = self._copies.pop(key, None)
+            if copy is None:
+                return None
+            self._keys.pop(id(copy.buffer), None)
+            self._bytes -= copy.buffer.nbytes
+        if current is None or copy.buffer.owner is not current:
+            self._drop_dead(current)
+            return None
+        if nbytes is not None and (copy.size != nbytes if exact else copy.buffer.nbytes < nbytes):
+            self._free([copy.buffer])
+            return None
+        return copy
+
+    def _put(self, key: Hashable, copy: _Copy) -> None:
         evicted = []
         with self._lock:
-            self._copies[address] = buffer
-            self._bytes += buffer.nbytes
+            other = self._keys.get(id(copy.buffer))
+            if other is not None and other != key:  # one key per copy: it moves (a partition's input became
+                self._bytes -= self._copies.pop(other).buffer.nbytes  # the copy of ORT's tensor it wrote)
+            self._copies[key] = copy
+            self._keys[id(copy.buffer)] = key
+            self._bytes += copy.buffer.nbytes
             while self._bytes > self.limit and len(self._copies) > 1:
                 _, old = self._copies.popitem(last=False)
-                self._bytes -= old.nbytes
-                evicted.append(old)
+                self._keys.pop(id(old.buffer), None)
+                self._bytes -= old.buffer.nbytes
+                evicted.append(old.buffer)
         self._free(evicted)
 
-    def _drop_dead(self, link) -> None:
-        """A copy found in a worker gone (restarted): the others of that worker go too."""
+    def _drop_dead(self, current) -> None:
+        """A copy found in a worker gone (restarted): the others of that worker go too (its memory with it)."""
         with self._lock:
-            dead = [a for a, b in self._copies.items() if link is None or not owned(b, link)]
-            for a in dead:
-                self._bytes -= self._copies.pop(a).nbytes
+            dead = [k for k, c in self._copies.items() if current is None or c.buffer.owner is not current]
+            for k in dead:
+                copy = self._copies.pop(k)
+                self._keys.pop(id(copy.buffer), None)
+                self._bytes -= copy.buffer.nbytes
 
     def _link(self):
         registration = self._registration()
@@ -149,5 +221,82 @@ class KeptCopies:
             log.debug("freeing kept copies: %s", e)
 
 
-def _bytes_of(array: np.ndarray) -> np.ndarray:
-    return array.reshape(-1).view(np.uint8)
+class Learned:
+    """What one Compute's outputs showed (PartitionCopies.bring_out), for the partition's next Compute."""
+
+    __slots__ = ("aliases", "large")
+
+    def __init__(self):
+        self.aliases: dict[int, int] = {}  # output -> input ORT gave the same memory
+        self.large: set[int] = set()  # outputs brought out of the worker's memory
+
+
+class PartitionCopies:
+    """What one partition's Computes keep in the worker, for the bridge's Compute (ephost/ort/ep.py): which inputs
+    go as a kept copy, which outputs the worker writes into an input's copy in place, which it leaves in its memory
+    to keep. What one Compute's outputs show (an output ORT gave an input's memory, a large output) the next uses:
+    the same partition is called the same way step after step."""
+
+    def __init__(self, kept: KeptCopies, partition: int):
+        self.kept, self._partition = kept, partition
+        self._last = Learned()
+        self._changing: set[int] = set()  # inputs mostly new every Compute: sent as they are
+
+    def bring_in(self, i: int, address: int, nbytes: int) -> tuple[Buffer, int] | None:
+        """Input `i` (ORT's `nbytes` at `address`) as a copy in the worker, brought up to date: the copy of what an
+        earlier Compute wrote there (a KV cache), else of what this input was the last time (a mask a token longer
+        every step); None (sent as it is) for a small one, or one mostly new every time."""
+        if nbytes < MIN_BYTES:
+            return None
+        made = self.kept.bring_in(address, address, nbytes)
+        if made is not None or i in self._changing:
+            return made
+        key = (self._partition, i)
+        made = self.kept.bring_in(key, address, nbytes, exact=False)
+        if made is None:
+            return self.kept.bring_in_growing(key, address, nbytes)
+        if made[1] > nbytes // 2:
+            self._changing.add(i)
+        return made
+
+    def targets(self, brought: dict[int, Tensor], addresses: list[int], output_at: Callable[[int, tuple], int]) \
+            -> dict[int, Tensor]:
+        """The outputs the worker writes into an input's copy, in place: those ORT gave that input's memory the
+        Compute before and gives it again (`output_at(o, shape)` makes ORT's output o, of the input's shape, and
+        says where it lies), as ORT's own kernel would write them (genai's shared past/present)."""
+        into = {}
+        for o, i in self._last.aliases.items():
+            tensor = brought.get(i)
+            if tensor is not None and output_at(o, tensor.shape) == addresses[i]:
+                into[o] = tensor
+        return into
+
+    def keep(self, into: dict[int, Tensor]) -> tuple[int, ...]:
+        """The outputs the worker leaves in its memory, to be brought out (and kept) rather than sent."""
+        return tuple(sorted(self._last.large - set(into)))
+
+    def bring_out(self, learned: Learned, o: int, address: int, nbytes: int, out, addresses: list[int]) \
+            -> int | None:
+        """Output `o` into ORT's memory at `address`: brought out of the worker's buffer (only what changed) and
+        kept as the copy of that memory; the bytes copied, or None where it is not one to keep (small, or not in
+        the worker's memory: written the plain way)."""
+        if address in addresses:
+            learned.aliases[o] = addresses.index(address)
+        if nbytes < MIN_BYTES:
+            return None
+        learned.large.add(o)
+        if not isinstance(out, Tensor) or out.buffer is None:
+            return None
+        copied = self.kept.bring_out(address, nbytes, out.buffer)
+        out.detach_buffer()  # the kept copy's now
+        return copied
+
+    def done(self, learned: Learned) -> None:
+        """A Compute's outputs are all in ORT's memory: what they showed is what the next Compute goes by."""
+        self._last = learned
+
+    def release(self) -> None:
+        """The partition is released: the copies of its inputs go (those of ORT's memory stay: another partition
+        may be given that memory)."""
+        partition = self._partition
+        self.kept.forget(lambda key: type(key) is tuple and key[0] == partition)
