@@ -228,8 +228,9 @@ class OrtComputeInfo:
         buffer of the allocator (kept, or large), or into memory kept with the binding and copied out; the others
         allocated by ORT. Only what moved is bound again."""
         io, allocator, keep, into = binding.io, call.allocator, call.keep, call.into
+        aliased = _aliased(into, arrays) if into else {}
         for k, array in enumerate(arrays):
-            if array.nbytes <= COPY_BYTES:
+            if array.nbytes <= COPY_BYTES and k not in aliased.values():
                 # Small inputs (inline bytes of a request, new memory every call) are copied into memory kept with
                 # the binding and bound once: a copy of a few bytes costs less than binding anew.
                 copy = binding.copies[k]
@@ -251,8 +252,8 @@ class OrtComputeInfo:
                 io.bind_output(name, "cpu")
                 binding.outputs[i] = None
                 continue
-            target = _writable_target(into, i, static, arrays) if into else None
-            if target is not None and static[2] > COPY_BYTES:
+            target = into[i] if i in aliased else _writable_target(into, i, static, arrays) if into else None
+            if target is not None and (static[2] > COPY_BYTES or i in aliased):
                 written[i] = target
                 address = target.local_array().ctypes.data
             elif allocator is not None and (i in keep and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES) and \
@@ -350,6 +351,20 @@ def _ort_run_options(options) -> Any:
     for key, value in options.config.items():
         ro.add_run_config_entry(key, value)
     return ro
+
+
+def _aliased(into, inputs: Sequence[np.ndarray]) -> dict[int, int]:
+    """Outputs (by position) whose target IS an input's memory (same start, same size), and that input: the caller
+    gave them one memory as ORT's kernel context did (onnxruntime-genai's shared KV cache), so ORT here sees them
+    so too and its kernels write in place (GroupQueryAttention with past == present)."""
+    where = {(a.ctypes.data, a.nbytes): k for k, a in enumerate(inputs) if a.nbytes}
+    out = {}
+    for i, target in into.items():
+        array = target.local_array()
+        k = where.get((array.ctypes.data, array.nbytes)) if array is not None else None
+        if k is not None:
+            out[i] = k
+    return out
 
 
 def _writable_target(into, i: int, static, inputs: Sequence[np.ndarray]) -> Tensor | None:
