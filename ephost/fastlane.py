@@ -1,43 +1,6 @@
-"""The fast lane's frames: the same protobuf messages as the gRPC methods it carries, behind a small fixed
-header, on an AF_UNIX SOCK_SEQPACKET socket between a client thread and a worker thread on one host.
-
-gRPC stays the control plane; the lane carries only the hot calls (one contract, two transports). A frame is
-one header and the message's bytes. The header says which method (its id is its place in `METHODS`, whose
-request and reply classes come from the proto descriptors), the status of a reply (0 = OK; otherwise the gRPC
-status code, and the payload is the error message), the time the caller still gives the call, and the
-payload's length. A frame larger than one packet continues in plain packets until `length` bytes arrived
-(SEQPACKET keeps each packet whole, so no packet boundary is ever guessed). Where the client asked for them, a
-frame that fits one packet passes instead through the connection's shared slots (ephost/lane_slots.py), and the
-socket only wakes a reader asleep in the kernel.
-
-Kept calls, the one fixed frame: a Compute sent with `keep_call` whose inputs travel inline or in buffers of the
-caller's (large ones, which the caller writes again before each repeat, or values the worker made: an IOBinding's
-bound inputs) and whose outputs travel inline, into buffers of the caller's (`output_buffers`: an IOBinding's bound
-outputs) or into new buffers of the call's allocator (`keep`: an output bound to a device; or one too large to go
-inline, over the request's `inline_limit`) is kept by the worker for that connection (the reply's `kept_call` names
-it). The caller repeats it as a KEPT frame, whose payload is the kept call's id (KEPT_ID), every input's dimensions
-(little-endian u64 each, input by input), the handles of the buffers it names (little-endian u64 each: its inputs in
-buffers, in order, then the buffers outputs go into, by position; each repeat may name others: a loop feeding back
-the last step's output names a new one each step) and the inline inputs' bytes, in order, and nothing else. The
-inputs' shapes may change from repeat to repeat (their types and ranks may not): a loop whose shapes grow repeats
-one kept call. The worker checks the dimensions as it checks a request's, then the payload's length against the
-sizes they make. It answers a KEPT frame with the returned outputs' dimensions (those not written into the caller's
-buffers, in order), the inline outputs' bytes, in order, then a PLACED record for each output it left in a new
-buffer (a region a record names is handed over before the reply, as for any reply), where every output has the type
-and rank the kept call's first reply gave it, and otherwise with a whole ComputeResponse (method Ep/Compute).
-Errors are error frames, as for any method. A steady stream of runs thus builds, parses and checks no message on
-either side: the types were checked once, when the call was kept, and every handle is looked up again on every
-repeat. A kept CopyTensors (its sources and destinations all buffers of the caller's) is repeated with their
-handles only, and answered with an empty KEPT frame.
-
-A repeat whose large inputs the caller still has to write into the buffers it names may go first, as a
-KEPT_WRITING frame (the same payload), through the connection's slots only: the caller then writes those inputs
-and sets its request slot's READY word to the frame's count (ephost/lane_slots.py), so that its copy overlaps the
-worker's reading and checking of the call (a CNN's 600 KB input: a copy as long as that reading). The worker
-reads no buffer the call names before READY says so: just before the EP runs it waits for READY, or until the
-call's deadline (DEADLINE_EXCEEDED) or the connection's end. A caller that cannot write them closes its
-connection.
-"""
+"""The fast lane's frames: the header, the methods the lane carries and their ids, kept calls' KEPT frames and
+PLACED records, and the functions that send and read frames on a SOCK_SEQPACKET socket or through a connection's
+shared slots (ephost/lane_slots.py). The protocol is described in docs/wire-protocol.md."""
 from __future__ import annotations
 
 import math
@@ -69,8 +32,8 @@ REGION = struct.Struct("<QQ")
 # A one-byte packet that wakes a reader asleep in the kernel for a frame put in its slot (ephost/lane_slots.py).
 DOORBELL = b"\0"
 FIRST_SLEEP_S = 0.001  # a reader about to sleep looks at its slot again after this long (ephost/lane_slots.py)
-KEPT = 0xFF00                  # a kept call repeated (see above)
-KEPT_WRITING = 0xFF01          # the same, sent before the caller wrote the large inputs it names (see above)
+KEPT = 0xFF00                  # a kept call repeated (docs/wire-protocol.md)
+KEPT_WRITING = 0xFF01          # the same, before the caller wrote the large inputs it names
 KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
 # In a KEPT reply, after the inline outputs' bytes, each output left in the worker: its buffer's handle, and
 # where it lies in shared memory (region, offset, nbytes; region 0: not mapped)

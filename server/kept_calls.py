@@ -1,5 +1,5 @@
 """Kept calls: the prepared form of a Compute or a CopyTensors that one fast-lane connection repeats with nothing
-but what changes (the frames are described in ephost/fastlane.py).
+but what changes (the frames are described in docs/wire-protocol.md).
 
 A kept Compute keeps what its first request and reply said and the worker checked then: the partition and the
 output allocator, each input's type and rank and whether it comes in a buffer of the client's (by handle) or
