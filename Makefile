@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PROTOS := $(wildcard protos/ephost/v1/*.proto)
 
-.PHONY: run test fuzz conformance compat bench proto clean
+.PHONY: run test fuzz conformance compat bench proto docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ bench: $(VENV)/.installed-test
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+
+# docs/options.md, made from the code's definitions of every option (a test fails when it no longer matches them)
+docs: $(VENV)/.installed-test
+	$(BIN)/python tools/options_doc.py
 
 clean:
 	rm -rf $(VENV) .compat build *.egg-info ephost/ort/*.so

@@ -21,6 +21,22 @@ class SessionOptions:
     EP takes fails the session's creation). `enable_profiling` / `profile_file_prefix`: as ORT's (see
     InferenceSession.end_profiling)."""
 
+    # ephost's own attributes and what each means (docs/options.md is made from this and the defaults below)
+    OPTIONS = {
+        "ep_failure_policy": "what a failed partition call does: raise (its typed error), retry (once, on the "
+                             "restarted worker, compiled again) or fallback (on the CPU fallback; all the EP's "
+                             "partitions once it is marked failed)",
+        "compute_timeout_s": "the deadline of every Compute, in seconds (a worker past it is ended, then the policy "
+                             "applies); none: the EP's call deadline (timeout_s); 0: no deadline",
+        "fallback": "what runs the nodes no EP takes: onnxruntime (ORT's CPU EP in process, the reference evaluator "
+                    "for what it cannot run; the default where onnxruntime is installed), reference, or none (such a "
+                    "node fails the session's creation)",
+        "keep_compiled": "keep each partition's compiled form in this process, so that a restarted worker restores "
+                         "it instead of compiling it (ep.context_enable=1 implies it)",
+        "enable_profiling": "record every run as a Chrome trace, written by InferenceSession.end_profiling()",
+        "profile_file_prefix": "the start of the profile file's name",
+    }
+
     def __init__(self):
         self._providers: list[tuple[list[EpDevice], dict[str, str]]] = []
         self.ep_failure_policy = "raise"

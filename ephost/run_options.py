@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from ephost.errors import EpInvalidArgument, EpNotFound
 from ephost.v1 import ep_pb2
@@ -45,6 +45,17 @@ class RunOptions:
     the deadline of each of the run's partition calls (None: the session's; 0: none); in ORT's RunOptions it is
     the entry `ephost.compute_timeout_s`. `only_execute_path_to_fetches` is taken and changes nothing: every
     partition runs (ORT's default)."""
+
+    # What each attribute means (docs/options.md is made from this and the defaults below)
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "compute_timeout_s": "the deadline of each of the run's partition calls, in seconds; none: the session's; "
+                             "0: none (ORT's RunOptions: the entry ephost.compute_timeout_s)",
+        "logid": "the run's log id, passed to the EPs",
+        "log_severity_level": "the run's log severity, passed to the EPs; -1: the session's",
+        "log_verbosity_level": "the run's log verbosity, passed to the EPs",
+        "terminate": "set true (from another thread) to stop the run before its next partition call (EpCancelled)",
+        "only_execute_path_to_fetches": "taken, and changes nothing: every partition runs (ORT's default)",
+    }
 
     compute_timeout_s: float | None = None
     logid: str = ""
