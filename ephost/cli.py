@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(func=cmd_env_create)
     env_sub.add_parser("list", help="the environments made").set_defaults(func=cmd_env_list)
     r = env_sub.add_parser("remove", help="remove environments (workers running in them are not stopped)")
-    r.add_argument("keys", nargs="*", metavar="KEY", help="keys as `ephost env list` shows them")
+    r.add_argument("keys", nargs="*", metavar="KEY", help="keys as 'ephost env list' shows them")
     r.add_argument("--all", action="store_true", help="remove every environment")
     r.set_defaults(func=cmd_env_remove)
 

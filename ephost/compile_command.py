@@ -16,7 +16,7 @@ from ephost.run_command import (AddEnvironmentOption, AddEp, AddOption, add_envi
 
 def add_parser(sub) -> None:
     p = sub.add_parser("compile", help="compile a model and write it with each compiled partition as an EPContext "
-                                       "node (ep.context_enable)", description=__doc__)
+                                       "node (ep.context_enable)", description=__doc__.replace("`", ""))
     p.add_argument("model", help="an .onnx file")
     p.add_argument("--ep", action=AddEp, default=[], metavar="TARGET", required=True,
                    help="an EP to compile on (EP name, worker address, inproc:NAME), in order; repeatable")

@@ -102,7 +102,7 @@ def environment_options(args) -> dict[str, str]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a model across EPs and show who ran what",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.replace("`", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help=f"an .onnx file (default: the onnx package's {DEFAULT_MODEL})")
     p.add_argument("--ep", action=AddEp, default=[], metavar="TARGET",
                    help="an EP name, worker address or inproc:NAME; repeat to add EPs in order of preference")
@@ -135,7 +135,7 @@ def bundled_input(arg) -> np.ndarray:
 
 def random_input(arg, rng: np.random.Generator) -> np.ndarray:
     if not arg.type.startswith("tensor("):
-        raise EpInvalidArgument(f"input {arg.name!r} is a {arg.type}; give it with --input")
+        raise EpInvalidArgument(f"input {arg.name!r} is of type {arg.type}; give it with --input")
     shape = [d if isinstance(d, int) and d > 0 else 1 for d in (arg.shape or [])]
     elem = onnx.TensorProto.DataType.Value(arg.type[len("tensor("):-1].upper())
     dtype = dtype_of(elem)
@@ -156,7 +156,7 @@ def format_table(rows: list[list[str]]) -> str:
 
 def _ops(nodes) -> str:
     counts = Counter(n.op_type for n in nodes).most_common()
-    text = " ".join(f"{op}x{k}" for op, k in counts[:6])
+    text = ", ".join(f"{op} x{k}" for op, k in counts[:6])
     return text + (f" +{len(counts) - 6} more" if len(counts) > 6 else "")
 
 
@@ -174,7 +174,7 @@ def main(args) -> int:
         options.compute_timeout_s = args.timeout
         eps = args.ep or default_eps(env)
         add_eps(env, options, eps)
-        with _progress(path):
+        with _progress(path) as shown:
             session = InferenceSession(path, options, env=env)
         with session:
             rng = np.random.default_rng(0)
@@ -187,7 +187,8 @@ def main(args) -> int:
                     feeds[arg.name] = bundled_input(arg)
                 else:
                     feeds[arg.name] = random_input(arg, rng)
-            print(f"model: {path}")
+            if not shown:  # (the progress began with it)
+                print(f"model: {path}")
             rows = [["partition", "registration", "EP", "nodes", "ops"]]
             assigned = session.get_provider_graph_assignment_info()
             for i, sub in enumerate(assigned[:MAX_ROWS]):
@@ -235,7 +236,8 @@ BIG_MODEL_BYTES = 256 << 20
 
 @contextlib.contextmanager
 def _progress(path: str):
-    """For a big model: the session's steps (read the graph, ask each EP, compile) as they happen, timed."""
+    """For a big model: the session's steps (read the graph, ask each EP, compile) as they happen, timed. Yields
+    whether it shows them."""
     from ephost.external_data import external_refs
     try:
         total = os.path.getsize(path)
@@ -247,21 +249,23 @@ def _progress(path: str):
     except Exception:  # the session itself says what is wrong with the model
         total = 0
     if total < BIG_MODEL_BYTES:
-        yield
+        yield False
         return
     print(f"model: {path} ({total / (1 << 30):.2f} GiB with its external data); making the session:", flush=True)
     start = time.perf_counter()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_Elapsed(start))
     logger = logging.getLogger("ephost.client.session_plan")  # the session says how its making goes
-    level = logger.level
+    level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # each step once, here, not again in the log
     try:
-        yield
+        yield True
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.propagate = propagate
     print(f"  [{time.perf_counter() - start:6.2f} s] session ready", flush=True)
 
 

@@ -83,7 +83,7 @@ def encode(value: Any) -> pb.OnnxValue:
     try:
         data = _CODECS[kind][2](value).SerializeToString()
     except Exception as e:
-        raise EpInvalidArgument(f"cannot encode a {type(value).__name__} as an ONNX value: {e}") from None
+        raise EpInvalidArgument(f"cannot encode a value of type {type(value).__name__} as an ONNX value: {e}") from None
     return pb.OnnxValue(kind=kind, data=data)
 
 

@@ -124,7 +124,7 @@ class ClientRegistry:
             try:
                 self._release(kind, obj)
             except Exception:
-                log.exception("releasing a %s of client %r failed", kind, client.name)
+                log.exception("client %r: releasing its %s failed", client.name, kind)
 
     def all(self) -> list[ClientState]:
         with self._lock:

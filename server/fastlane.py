@@ -47,7 +47,7 @@ Dispatch = Callable[..., object]
 def _deadline(frame, name: str) -> float | None:
     """The call's deadline (time.monotonic()) from its frame's timeout; None: none."""
     if not (math.isfinite(frame.timeout_s) and frame.timeout_s >= 0):
-        raise EpInvalidArgument(f"a {name} frame whose timeout is not a finite number of seconds >= 0")
+        raise EpInvalidArgument(f"a frame of {name} whose timeout is not a finite number of seconds >= 0")
     return time.monotonic() + frame.timeout_s if frame.timeout_s > 0 else None
 
 
@@ -168,7 +168,7 @@ class LaneServer:
                 request = method.request.FromString(frame.payload)
             except Exception:  # DecodeError, and RuntimeError from the upb parser on deep nesting
                 self._error(peer, frame.method, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"a {method.name} frame whose message cannot be parsed")
+                            f"a frame of {method.name} whose message cannot be parsed")
                 continue
 
             # (A Compute with run options is never kept: a kept call's repeats carry none.)

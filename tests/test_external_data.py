@@ -438,6 +438,8 @@ def test_ephost_run_shows_progress_for_a_big_model(tmp_path):
     assert "external data file(s), 2.50 GiB, mapped where used, not read" in out
     assert "asking onnxruntime which nodes it takes" in out and "compiling 1 partition(s) on onnxruntime" in out
     assert "session ready" in out and out.index("session ready") < out.index("time per run")
+    # Each step once: not again in the log, nor the model's name after the steps
+    assert "asking onnxruntime which nodes it takes" not in done.stderr and out.count("model: ") == 1
 
 
 @pytest.mark.timeout(300)
