@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 # Pages other streams of work write; a link to one of them may be there before the page is.
-WRITTEN_ELSEWHERE = {"docs/operations.md", "docs/security.md", "docs/llm.md", "docs/ort-api.md"}
+WRITTEN_ELSEWHERE = {"docs/operations.md", "docs/security.md", "docs/ort-api.md"}
 
 
 def readme() -> str:
