@@ -206,7 +206,7 @@ def test_ephost_compile_then_ephost_run(tmp_path):
     np.save(tmp_path / "x.npy", x)
     result = ephost_cli("run", out, "--ep", "onnxruntime", "--input", f"x={tmp_path / 'x.npy'}", "--runs", "1")
     assert result.returncode == 0, result.stderr
-    assert "EPContextx1" in result.stdout
+    assert "EPContext x1" in result.stdout
     with ephost.Environment() as env:
         env.register_execution_provider_library("ort", "onnxruntime")
         outputs = []
