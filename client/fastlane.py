@@ -124,7 +124,6 @@ class _Kept:
         return arrays
 
 
-_UNKEPT = object()
 _FULL = object()
 LOOKS = 8  # kept calls a new call looks at for one unused long enough to take the place of (_room)
 
@@ -295,8 +294,8 @@ class FastLane:
         key = (method.id, key)
         kept = conn.kept.get(key)
         if kept is not None:
-            result = self._repeat(conn, kept, parts, nbytes, timeout, write)
-            if result is not _UNKEPT:
+            result = self.repeat(kept, parts, nbytes, timeout, write)
+            if result is not None:
                 return result
         conn.clock += 1  # a new call (a repeat only reads the clock)
         return self._keep(conn, key, method, request_of(), timeout)
@@ -314,21 +313,14 @@ class FastLane:
         conn = kept.conn
         if not kept.live or getattr(self._local, "conn", None) is not conn or conn.busy:
             return None
-        result = self._repeat(conn, kept, parts, nbytes, timeout, write)
-        return None if result is _UNKEPT else result
-
-    def _repeat(self, conn: _Connection, kept: _Kept, parts: list, nbytes: int, timeout: float,
-                write: Callable[[], None] | None):
-        """A kept call repeated: what came back (see call_kept), or _UNKEPT where the worker let it go (then it
-        is forgotten here too, and the caller sends the whole request again, asking to keep it)."""
         kept.used = conn.clock
         method = kept.method
         try:
             frame = self._exchange(conn, KEPT, method.name, [kept.id_bytes, *parts], KEPT_ID.size + nbytes,
                                    timeout, kept.key, write)
-        except EpUnknownKeptCall:
+        except EpUnknownKeptCall:  # the worker let it go: forgotten here too (the caller sends the whole call)
             conn.forget(kept)
-            return _UNKEPT
+            return None
         if frame.method == KEPT:
             return kept.arrays(frame.payload)
         return method.reply.FromString(frame.payload)  # outputs of other types or ranks: the whole reply

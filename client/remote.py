@@ -39,13 +39,13 @@ def _compute_of(conn):
 _INLINE, _NAMED, _STAGED = 0, 1, 2  # how an input of a kept Compute travels: its bytes, its handle, staged
 
 
-def _write_once(stager: Stager, pending: list[tuple[Buffer, Tensor]]) -> Callable[[], None]:
-    """Writing large inputs into their staging buffers (buffer, tensor), once, whichever path asks first (the lane
+def _write_once(stager: Stager, pending: list[tuple[Buffer, np.ndarray]]) -> Callable[[], None]:
+    """Writing large inputs into their staging buffers (buffer, array), once, whichever path asks first (the lane
     overlaps it with the worker's reading the call)."""
     def write() -> None:
         while pending:
-            buffer, tensor = pending.pop()
-            stager.write(buffer, tensor.local_bytes())
+            buffer, array = pending.pop()
+            stager.write(buffer, array.reshape(-1).view(np.uint8))
     return write
 
 
@@ -137,50 +137,38 @@ class RemoteComputeInfo(RemoteHandle):
         return {i: t for i, t in targets.items() if owned(t.buffer, self.link)}
 
     def kept_form(self, inputs: Sequence[Any], into: Mapping[int, Tensor], kinds: tuple | None = None,
-                  conn=None) -> _KeptForm | None:
+                  conn=None, head: struct.Struct | None = None) -> _KeptForm | None:
         """How the inputs go as a kept call, where every input is a tensor the worker has (named by handle) or
         this process can read: small ones inline, large ones through buffers this thread keeps for this call
-        (named by handle too); with `kinds`, only where they go so (a held kept call's). Else None."""
+        (named by handle too); with `kinds`, only where they go so (a held kept call's, whose `head` packs the
+        dimensions and handles they make). Else None."""
         current = conn or self.link.current
         kinds_made, dims, handles, inline, nbytes, staged = [], [], [], [], 0, {}
         for i, value in enumerate(inputs):
-            kind_of = type(value)
-            if kind_of is np.ndarray:  # the application's memory (a run's feed, an output that came back)
-                if not value.flags.c_contiguous or not is_plain_dtype(value.dtype):
-                    return None
-                shape = value.shape
-                if value.nbytes < INLINE_LIMIT:
-                    kind = (len(shape), value.dtype, _INLINE)
-                    inline.append(value)
-                    nbytes += value.nbytes
-                elif self._staging is not None:
-                    kind = (len(shape), value.dtype, _STAGED)
-                    staged[i] = len(handles)
-                    handles.append(0)  # the staging buffer's, once it is known
-                else:
-                    return None
-                if kinds is not None and kinds[i] != kind:
-                    return None
-                kinds_made.append(kind)
-                dims += shape
-                continue
-            if kind_of is not Tensor:
+            if type(value) is Tensor:
+                buffer = value.buffer
+                if buffer is not None and buffer.owner is current:  # a bound input, a value the worker made
+                    kind = (len(value.shape), value.dtype, _NAMED)
+                    if kinds is not None and kinds[i] != kind:
+                        return None
+                    kinds_made.append(kind)
+                    handles.append(buffer.handle)
+                    dims += value.shape
+                    continue
+                value = value.local_array()  # (None: memory neither this process nor the worker reads)
+            elif type(value) is not np.ndarray or not is_plain_dtype(value.dtype):
                 return None
+            if value is None or not value.flags.c_contiguous:
+                return None
+            # An array of this process's memory: its bytes go inline where small, else through a staging buffer
             shape = value.shape
-            buffer = value.buffer
-            if buffer is not None and buffer.owner is current:  # an IOBinding's bound input, a value the worker made
-                kind = (len(shape), value.dtype, _NAMED)
-                handles.append(buffer.handle)
-            elif value.nbytes < INLINE_LIMIT:
-                array = value.local_array()
-                if array is None:
-                    return None
+            if value.nbytes < INLINE_LIMIT:
                 kind = (len(shape), value.dtype, _INLINE)
-                inline.append(array)
+                inline.append(value)
                 nbytes += value.nbytes
-            elif self._staging is not None and value.addressable:
+            elif self._staging is not None:
                 kind = (len(shape), value.dtype, _STAGED)
-                staged[i] = len(handles)
+                staged[i] = (len(handles), value)
                 handles.append(0)  # the staging buffer's, once it is known
             else:
                 return None
@@ -190,17 +178,16 @@ class RemoteComputeInfo(RemoteHandle):
             dims += shape
         write = None
         if staged:
-            positions = list(staged)
-            buffers = self._staging.buffers(tuple((len(inputs[i].shape), inputs[i].dtype) for i in positions),
-                                            [inputs[i].nbytes for i in positions])
-            for i, buffer in zip(positions, buffers):
-                handles[staged[i]] = buffer.handle
-            staged = dict(zip(positions, buffers))
-            write = _write_once(self._stager, [(buffer, as_value(inputs[i])) for i, buffer in staged.items()])
+            arrays = [array for _, array in staged.values()]
+            buffers = self._staging.buffers(tuple((len(a.shape), a.dtype) for a in arrays), [a.nbytes for a in arrays])
+            for (at, _), buffer in zip(staged.values(), buffers):
+                handles[at] = buffer.handle
+            write = _write_once(self._stager, list(zip(buffers, arrays)))
+            staged = dict(zip(staged, buffers))
         if into:
             handles += [into[i].buffer.handle for i in sorted(into)]
-        head = _u64s(len(dims) + len(handles)).pack(*dims, *handles)
-        return _KeptForm(tuple(kinds_made) if kinds is None else kinds, head, inline, len(head) + nbytes, write,
+        packed = (head or _u64s(len(dims) + len(handles))).pack(*dims, *handles)
+        return _KeptForm(tuple(kinds_made) if kinds is None else kinds, packed, inline, len(packed) + nbytes, write,
                          staged)
 
 
@@ -331,13 +318,16 @@ class KeptCompute:
     (None, nothing sent) once the worker, the thread's connection or the kept call is another, or the call is not
     one it repeats; the caller then goes through compute, which keeps the call anew."""
 
-    __slots__ = ("info", "_conn", "_kept", "_kinds", "_allocator", "_placed", "_into", "_recycles")
+    __slots__ = ("info", "_conn", "_kept", "_kinds", "_allocator", "_placed", "_into", "_recycles", "_head")
 
     def __init__(self, info: RemoteComputeInfo, conn, kept, kinds: tuple, allocator, placed: tuple[int, ...],
                  into: tuple):
         self.info, self._conn, self._kept, self._kinds = info, conn, kept, kinds
         self._allocator, self._placed, self._into = allocator, placed, into
         self._recycles = info.link.recycles  # (a link's policy does not change)
+        # The head of its repeats: every input's dimensions, then the handles named (inputs', then `into`'s)
+        self._head = _u64s(sum(rank for rank, _, _ in kinds) + sum(1 for *_, way in kinds if way != _INLINE)
+                           + len(into))
 
     def __call__(self, call: ComputeCall) -> list[Any] | None:
         info = self.info
@@ -351,7 +341,7 @@ class KeptCompute:
             if tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())) != self._into or \
                     any(t.buffer is None or t.buffer.owner is not conn for t in into.values()):
                 return None
-        form = info.kept_form(call.inputs, into, self._kinds, conn)
+        form = info.kept_form(call.inputs, into, self._kinds, conn, self._head)
         if form is None:
             return None
         result = link.run(WorkerConnection.repeat, self._kept, [form.head, *form.inline], form.nbytes, call.timeout,

@@ -31,8 +31,10 @@ MAX_PLANS = 16  # run plans a session keeps (by asked outputs and their placemen
 class Step(NamedTuple):
     """One partition in a run plan: where its inputs are among the run's values, where its outputs go (from
     `first` on, in order), the outputs placed in its EP's memory for this run beyond its own `keep` (`placed`:
-    positions among its outputs; `leave`: those of them nothing in this process reads), and the values no one
-    reads after it (`drop`)."""
+    positions among its outputs; `leave`: those of them nothing in this process reads), the values no one
+    reads after it (`drop`), and the outputs it keeps in its EP's memory for a later partition there that the run
+    does not hand out, of a shape known before it runs (`scratch`: (position, shape, dtype) each): they are
+    written into tensors there that the plan holds for each thread, the same every run."""
     index: int
     partition: Partition
     sources: tuple[int, ...]
@@ -40,6 +42,8 @@ class Step(NamedTuple):
     placed: tuple[int, ...]
     leave: tuple[int, ...]
     drop: tuple[int, ...]
+    scratch: tuple[tuple[int, tuple[int, ...], Any], ...]
+    link: Any  # the partition's worker's (None: in this process)
 
 
 class RunPlan:
@@ -47,7 +51,8 @@ class RunPlan:
     calls each thread's steps hold, in `held()`."""
 
     def __init__(self, partitions: Sequence[Partition], feeds: Sequence[str], names: Sequence[str],
-                 owners: Mapping[str, Any], registration_of: Callable[[str], Any]):
+                 owners: Mapping[str, Any], registration_of: Callable[[str], Any],
+                 shapes: Mapping[str, tuple[tuple[int, ...], Any]], link_of: Callable[[str], Any]):
         position = {name: i for i, name in enumerate(feeds)}
         self.feeds = dict(position)
         read = {v for p in partitions for v in p.graph.inputs}
@@ -64,7 +69,9 @@ class RunPlan:
                            if v in owners and owners[v] in (None, registration) and i not in p.keep)
             leave = tuple(i for i in placed if p.graph.outputs[i] not in read)  # not brought to this process
             drop = tuple(position[v] for v in dict.fromkeys(p.graph.inputs) if last[v] == k and v not in asked)
-            steps.append(Step(k, p, sources, first, placed, leave, drop))
+            scratch = tuple((i, *shapes[p.graph.outputs[i]]) for i in p.keep
+                            if p.graph.outputs[i] not in asked and p.graph.outputs[i] in shapes)
+            steps.append(Step(k, p, sources, first, placed, leave, drop, scratch, link_of(p.registration)))
             made.update((v, p.registration) for v in p.graph.outputs)
         self.steps = steps
         self.size = len(position)
@@ -78,7 +85,21 @@ class RunPlan:
         held = getattr(self.local, "held", None)
         if held is None:
             held = self.local.held = [None] * len(self.steps)
+            self.local.scratch = [None] * len(self.steps)
         return held
+
+    def scratch(self, step: Step, link) -> dict[int, Tensor]:
+        """The calling thread's tensors its step writes its scratch outputs into, in the memory of the worker of
+        `link` that runs now (made again for a new one)."""
+        p = step.partition
+        made = self.local.scratch[step.index]
+        if made is None or any(not owned(t.buffer, link) for t in made.values()):
+            try:
+                made = {i: Tensor.empty(shape, dtype, p.allocator) for i, shape, dtype in step.scratch}
+            except EpError:  # the worker is away: its outputs go to new buffers this run, under the policy
+                return {}
+            self.local.scratch[step.index] = made
+        return made
 
 
 def compute_held(info, call: ComputeCall, held: list, at: int) -> list[Any]:
@@ -106,6 +127,7 @@ class PartitionRunner:
         self._constants, self._external = constants, external
         self._partitions: list[Partition] = []
         self._feeds: list[str] = []
+        self._shapes: Mapping[str, tuple[tuple[int, ...], Any]] = {}
         self._plans: dict = {}
         self._plans_lock = threading.Lock()  # guards changes to _plans (runs read it without the lock)
 
@@ -113,16 +135,19 @@ class PartitionRunner:
     def partitions(self) -> list[Partition]:
         return self._partitions
 
-    def plan_for(self, partitions: list[Partition], feeds: Sequence[str]) -> None:
-        """Run these partitions from now on, fed the graph inputs `feeds` (in this order)."""
+    def plan_for(self, partitions: list[Partition], feeds: Sequence[str],
+                 shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> None:
+        """Run these partitions from now on, fed the graph inputs `feeds` (in this order); `shapes`: the values
+        whose shape and type are known before a run (shape, dtype)."""
         with self._plans_lock:
-            self._partitions, self._feeds, self._plans = partitions, list(feeds), {}
+            self._partitions, self._feeds, self._shapes, self._plans = partitions, list(feeds), shapes, {}
 
     def _plan(self, names: Sequence[str], owners: Mapping[str, Any]) -> RunPlan:
         key = (tuple(names), tuple((n, id(o)) for n, o in owners.items())) if owners else tuple(names)
         plan = self._plans.get(key)
         if plan is None:
-            plan = RunPlan(self._partitions, self._feeds, names, owners, self._registration)
+            plan = RunPlan(self._partitions, self._feeds, names, owners, self._registration, self._shapes,
+                           self._link_of)
             with self._plans_lock:
                 if len(self._plans) >= MAX_PLANS:
                     self._plans.clear()
@@ -168,7 +193,7 @@ class PartitionRunner:
                options: RunOptions | None) -> None:
         profiling = self.profiler.enabled
         to_eps = options.for_eps() if options is not None else None
-        held = getattr(plan.local, "held", None) or plan.held()
+        held = plan.held()
         for step in plan.steps:
             if options is not None and options.terminated:
                 raise EpCancelled(TERMINATED)
@@ -183,30 +208,28 @@ class PartitionRunner:
             call = ComputeCall(inputs, p.allocator, keep, run_options=to_eps, timeout=timeout)
             if step.leave and p.allocator is not None:
                 call.leave = step.leave
+            if step.scratch and p.allocator is not None and step.link is not None:
+                call.into = plan.scratch(step, step.link)
             if targets:
                 into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
                 if into:
-                    call.into = into
-            if profiling:
-                kind = "Compute" if self._link_of(p.registration) is not None else "in process"
-                with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes),
-                                        ep=p.placement.ep_name, registration=p.registration, call=kind):
-                    outputs = self._compute(run, step, call, held)
-            else:
-                outputs = self._compute(run, step, call, held)
+                    call.into = {**call.into, **into}
+            try:
+                if profiling:
+                    kind = "Compute" if self._link_of(p.registration) is not None else "in process"
+                    with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes),
+                                            ep=p.placement.ep_name, registration=p.registration, call=kind):
+                        outputs = compute_held(p.compute_info, call, held, step.index)
+                else:
+                    outputs = compute_held(p.compute_info, call, held, step.index)
+            except EpError as error:  # the failure policy's to answer
+                held[step.index] = None
+                outputs = self.recover(run, p, call, error)
             if len(outputs) != len(p.graph.outputs):
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
             values[step.first:step.first + len(outputs)] = outputs
             for at in step.drop:  # let go of values no later partition reads
                 values[at] = None
-
-    def _compute(self, run: int, step: Step, call: ComputeCall, held: list) -> list[Any]:
-        """The step's outputs (compute_held), under the failure policy."""
-        try:
-            return compute_held(step.partition.compute_info, call, held, step.index)
-        except EpError as error:
-            held[step.index] = None
-            return self.recover(run, step.partition, call, error)
 
     def recover(self, run: int, p: Partition, call: ComputeCall, error: EpError) -> list[Any]:
         """Partition `p`'s outputs after its Compute (`call`) failed with `error`, as the failure policy says."""

@@ -24,7 +24,7 @@ from ephost.client.fallback import CpuFallback
 from ephost.client.iobinding import IOBinding
 from ephost.client.profiler import Profiler
 from ephost.client.runner import PartitionRunner
-from ephost.client.session_io import ModelIO, NodeArg
+from ephost.client.session_io import ModelIO, NodeArg, static_shapes
 from ephost.client.session_options import SessionOptions
 from ephost.client.session_plan import AssignedSubgraph, SessionPlan
 
@@ -75,11 +75,12 @@ class InferenceSession:
         try:
             self._plan = SessionPlan(model, env, options, self._failures, fallback)
             self._io = ModelIO(self._plan.model.graph, self._plan.constants)
+            self._shapes = static_shapes(self._plan.model.graph)
             self._runner = PartitionRunner(env, self._failures, self.profiler, self._link_of, self._plan.constants,
                                            self._plan.external)
             with self.profiler.span("Session", "session_initialization"):
                 self._plan.set_up(list(providers or []))
-            self._runner.plan_for(self._plan.partitions, self._io.input_names)
+            self._runner.plan_for(self._plan.partitions, self._io.input_names, self._shapes)
         except BaseException:
             self.close()
             raise
@@ -147,7 +148,7 @@ class InferenceSession:
             providers = [(p, dict(o)) for p, o in zip(providers, provider_options)]
         with self._lock:
             self._plan.replan(providers)
-            self._runner.plan_for(self._plan.partitions, self._io.input_names)
+            self._runner.plan_for(self._plan.partitions, self._io.input_names, self._shapes)
 
     def get_profiling_start_time_ns(self) -> int:
         """When profiling started, in time.monotonic_ns() terms (0 when SessionOptions.enable_profiling is off)."""

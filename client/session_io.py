@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import onnx
 
-from ephost.errors import EpInvalidArgument
+from ephost.errors import EpError, EpInvalidArgument
+from ephost.types import dtype_of, is_plain_dtype
 from ephost.tensor import Tensor
 from ephost.values import host_value
 from ephost.client.feeds import FeedCheck, check_feed_names, shape_of, type_string
@@ -20,6 +22,25 @@ class NodeArg:
     name: str
     type: str
     shape: list
+
+
+def static_shapes(graph: onnx.GraphProto) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The values of a (shape-inferred) graph whose shape and plain element type are known before it runs."""
+    out = {}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        t = value.type.tensor_type
+        if value.type.WhichOneof("value") != "tensor_type" or not t.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+        if min(dims, default=0) < 0:
+            continue
+        try:
+            dtype = dtype_of(t.elem_type)
+        except EpError:
+            continue
+        if is_plain_dtype(dtype):
+            out[value.name] = (tuple(dims), dtype)
+    return out
 
 
 class ModelIO:

@@ -346,8 +346,9 @@ def test_a_value_kept_in_process_is_read_by_a_worker_between(workers):
 @pytest.mark.parametrize("relu", ["relu", None])
 def test_a_kept_value_the_run_does_not_hand_out_stays_in_the_worker(workers, relu):
     """The same plan, the sum not asked for: it stays in the worker for the second partition, which names it by
-    handle; nothing of it comes to the application, the buffers go back as the runs end, and every result is
-    right."""
+    handle; it is written into a tensor of the worker's that the run's plan holds (its shape is known before the
+    run), the same every run: no run after the first leaves a buffer in the worker or frees one, nothing of it
+    comes to the application, and every result is right."""
     rng = np.random.default_rng(10)
     names = ("am", relu) if relu else ("am",)
     with InferenceSession(models.diamond(), options_for(workers, *names), env=workers) as s:
@@ -370,6 +371,8 @@ def test_a_kept_value_the_run_does_not_hand_out_stays_in_the_worker(workers, rel
         assert (calls.kept(), calls.repeats()) == (2, 2 * 12)
         assert after.compute_inputs_resident - before.compute_inputs_resident == 10
         assert after.buffers_live == before.buffers_live
+        assert after.methods["Allocator/Free"].calls == before.methods["Allocator/Free"].calls, \
+            "the runs left buffers in the worker, freed since"
 
 
 LARGE = (1, 1 << 17)  # 512 KiB of floats: not under the inline limit, so a worker leaves them in its memory
