@@ -30,6 +30,7 @@ from ephost.v1 import common_pb2, ep_pb2, factory_pb2
 
 _EMPTY = common_pb2.Empty()
 _NO_TARGETS: Mapping[int, Tensor] = {}  # never written to
+_NO_STAGING: Mapping[int, Buffer] = {}  # never written to
 
 
 def _compute_of(conn):
@@ -143,15 +144,18 @@ class RemoteComputeInfo(RemoteHandle):
         (named by handle too); with `kinds`, only where they go so (a held kept call's, whose `head` packs the
         dimensions and handles they make). Else None."""
         current = conn or self.link.current
-        kinds_made, dims, handles, inline, nbytes, staged = [], [], [], [], 0, {}
+        made = [] if kinds is None else None  # the kinds found, where none were given
+        dims, handles, inline, nbytes, staged = [], [], [], 0, None
         for i, value in enumerate(inputs):
             if type(value) is Tensor:
                 buffer = value.buffer
                 if buffer is not None and buffer.owner is current:  # a bound input, a value the worker made
                     kind = (len(value.shape), value.dtype, _NAMED)
-                    if kinds is not None and kinds[i] != kind:
-                        return None
-                    kinds_made.append(kind)
+                    if made is None:
+                        if kinds[i] != kind:
+                            return None
+                    else:
+                        made.append(kind)
                     handles.append(buffer.handle)
                     dims += value.shape
                     continue
@@ -168,13 +172,17 @@ class RemoteComputeInfo(RemoteHandle):
                 nbytes += value.nbytes
             elif self._staging is not None:
                 kind = (len(shape), value.dtype, _STAGED)
+                if staged is None:
+                    staged = {}
                 staged[i] = (len(handles), value)
                 handles.append(0)  # the staging buffer's, once it is known
             else:
                 return None
-            if kinds is not None and kinds[i] != kind:
-                return None
-            kinds_made.append(kind)
+            if made is None:
+                if kinds[i] != kind:
+                    return None
+            else:
+                made.append(kind)
             dims += shape
         write = None
         if staged:
@@ -187,9 +195,8 @@ class RemoteComputeInfo(RemoteHandle):
         if into:
             handles += [into[i].buffer.handle for i in sorted(into)]
         packed = (head or _u64s(len(dims) + len(handles))).pack(*dims, *handles)
-        return _KeptForm(tuple(kinds_made) if kinds is None else kinds, packed, inline, len(packed) + nbytes, write,
-                         staged)
-
+        return _KeptForm(kinds if made is None else tuple(made), packed, inline, len(packed) + nbytes, write,
+                         staged or _NO_STAGING)
 
     def _key(self, allocator: RemoteAllocator | None, kinds: tuple, into: Mapping[int, Tensor],
              placed: tuple[int, ...]) -> tuple:
