@@ -244,6 +244,8 @@ class InferenceSession:
             return
         if self._async is not None:
             self._async.shutdown(wait=True)  # runs asked for before close still run, and call back
+        if getattr(self, "_runner", None) is not None:
+            self._runner.plan_for([], [], {})  # the runs' plans go, and the tensors they hold in workers
         if self._plan is not None:
             self._plan.release()
 
