@@ -33,8 +33,9 @@ class Step(NamedTuple):
     `first` on, in order), the outputs placed in its EP's memory for this run beyond its own `keep` (`placed`:
     positions among its outputs; `leave`: those of them nothing in this process reads), the values no one
     reads after it (`drop`), and the outputs it keeps in its EP's memory for a later partition there that the run
-    does not hand out, of a shape known before it runs (`scratch`: (position, shape, dtype) each): they are
-    written into tensors there that the plan holds for each thread, the same every run."""
+    does not hand out, of a shape known before it runs (`scratch`: (position, shape, dtype, whether a partition
+    elsewhere reads it too) each): they are written into tensors there that the plan holds for each thread, the
+    same every run, where this process maps that memory or only partitions of that EP read them."""
     index: int
     partition: Partition
     sources: tuple[int, ...]
@@ -42,7 +43,7 @@ class Step(NamedTuple):
     placed: tuple[int, ...]
     leave: tuple[int, ...]
     drop: tuple[int, ...]
-    scratch: tuple[tuple[int, tuple[int, ...], Any], ...]
+    scratch: tuple[tuple[int, tuple[int, ...], Any, bool], ...]
     link: Any  # the partition's worker's (None: in this process)
 
 
@@ -56,6 +57,10 @@ class RunPlan:
         position = {name: i for i, name in enumerate(feeds)}
         self.feeds = dict(position)
         read = {v for p in partitions for v in p.graph.inputs}
+        readers: dict[str, list[Partition]] = {}
+        for p in partitions:
+            for v in p.graph.inputs:
+                readers.setdefault(v, []).append(p)
         last = {v: k for k, p in enumerate(partitions) for v in p.graph.inputs}  # the last step reading a value
         asked = set(names)
         steps, made = [], {}
@@ -69,8 +74,8 @@ class RunPlan:
                            if v in owners and owners[v] in (None, registration) and i not in p.keep)
             leave = tuple(i for i in placed if p.graph.outputs[i] not in read)  # not brought to this process
             drop = tuple(position[v] for v in dict.fromkeys(p.graph.inputs) if last[v] == k and v not in asked)
-            scratch = tuple((i, *shapes[p.graph.outputs[i]]) for i in p.keep
-                            if p.graph.outputs[i] not in asked and p.graph.outputs[i] in shapes)
+            scratch = tuple((i, *shapes[v], any(q.registration != p.registration for q in readers[v]))
+                            for i, v in ((i, p.graph.outputs[i]) for i in p.keep) if v not in asked and v in shapes)
             steps.append(Step(k, p, sources, first, placed, leave, drop, scratch, link_of(p.registration)))
             made.update((v, p.registration) for v in p.graph.outputs)
         self.steps = steps
@@ -94,8 +99,10 @@ class RunPlan:
         p = step.partition
         made = self.local.scratch[step.index]
         if made is None or any(not owned(t.buffer, link) for t in made.values()):
+            mapped = p.allocator.memory_info.host_accessible  # (read here by partitions elsewhere)
             try:
-                made = {i: Tensor.empty(shape, dtype, p.allocator) for i, shape, dtype in step.scratch}
+                made = {i: Tensor.empty(shape, dtype, p.allocator) for i, shape, dtype, elsewhere in step.scratch
+                        if mapped or not elsewhere}
             except EpError:  # the worker is away: its outputs go to new buffers this run, under the policy
                 return {}
             self.local.scratch[step.index] = made
