@@ -1,5 +1,6 @@
 """Fault isolation: a crashing, hanging, raising or leaking EP never takes the application down, loses no
 data, and under each failure policy gives a correct result or the typed error. Every test here is bounded."""
+import contextlib
 import os
 import signal
 import threading
@@ -427,14 +428,27 @@ def test_eight_threads_while_the_worker_is_killed_from_outside(policy):
                     except ephost.EpError as e:
                         results.append(e)
 
+            def at_work(killed) -> object:
+                """The worker process once it is another than `killed` and has served the threads' runs eight
+                Computes (the next kill hits a worker at work)."""
+                deadline = time.monotonic() + 60
+                while True:
+                    process = env.registration("victim").process
+                    if process is not killed and process.returncode is None:
+                        with contextlib.suppress(ephost.EpError):  # (the worker may be dying or starting)
+                            if env.get_worker_stats("victim").methods["Ep/Compute"].calls >= 8:
+                                return process
+                    assert time.monotonic() < deadline, "no worker served the runs"
+                    time.sleep(0.01)
+
             threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
             for t in threads:
                 t.start()
+            killed = None
             for _ in range(3):
-                time.sleep(0.7)
-                assert env.registration("victim").link.wait_healthy(10)  # the next kill hits a running worker
-                os.kill(env.registration("victim").process.pid, signal.SIGKILL)
-            time.sleep(1.0)
+                killed = at_work(killed)
+                os.kill(killed.pid, signal.SIGKILL)
+            at_work(killed)  # and a successor serves again
             stop.set()
             for t in threads:
                 t.join(60)
