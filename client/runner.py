@@ -26,6 +26,7 @@ from ephost.client.handles import owned
 from ephost.client.planner import Partition
 
 MAX_PLANS = 16  # run plans a session keeps (by asked outputs and their placement); past it, made again
+_NONE: Mapping[str, Any] = {}  # never written to
 
 
 class Step(NamedTuple):
@@ -165,14 +166,14 @@ class PartitionRunner:
         return self._env.registration(name) if self._env.is_registered(name) else None
 
     def run(self, run: int, feeds: Mapping[str, Any], names: Sequence[str], timeout: float | None,
-            placed: Mapping[str, MemoryInfo | None], targets: Mapping[str, Tensor],
+            placed: Mapping[str, MemoryInfo | None] | None = None, targets: Mapping[str, Tensor] | None = None,
             options: RunOptions | None = None) -> list[Any]:
         """The values of `names` after one run from `feeds`. `placed` names outputs to leave in an EP's memory
         (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps it there
         rather than sending it back. `targets`: outputs to write into these tensors where the EP that makes them
         can (a worker, into its own memory). `options`: the run's RunOptions (its terminate flag is read before
         each partition; what an EP reads of them goes with each Compute)."""
-        owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()} if placed else {}
+        owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()} if placed else _NONE
         plan = self._plan(names, owners)
         values: list[Any] = [None] * plan.size
         positions = plan.feeds

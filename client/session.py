@@ -229,7 +229,7 @@ class InferenceSession:
             else self._timeout
         self._failures.counters["runs"] += 1
         return self._runner.run(next(self._runs), values, names, NO_DEADLINE_S if timeout == 0 else timeout,
-                                placed or {}, targets or {}, options=options)
+                                placed, targets, options=options)
 
     # --- lifetime ---------------------------------------------------------------------------------
 

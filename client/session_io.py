@@ -55,6 +55,7 @@ class ModelIO:
         self._empty_optionals = {i.name: None for i in self.inputs if i.type.WhichOneof("value") == "optional_type"}
         self._checks = {i.name: FeedCheck.of(i.name, i.type) for i in self.inputs}
         self._output_names = dict.fromkeys(o.name for o in self.outputs)  # in order
+        self._all_outputs = tuple(self._output_names)
 
     def input_args(self) -> list[NodeArg]:
         return [NodeArg(i.name, type_string(i.type), shape_of(i.type)) for i in self.inputs]
@@ -62,11 +63,11 @@ class ModelIO:
     def output_args(self) -> list[NodeArg]:
         return [NodeArg(o.name, type_string(o.type), shape_of(o.type)) for o in self.outputs]
 
-    def output_names(self, asked: Sequence[str] | None) -> list[str]:
+    def output_names(self, asked: Sequence[str] | None) -> Sequence[str]:
         """The outputs a run asks for (None or empty: all of them, in the model's order)."""
         known = self._output_names
         if not asked:
-            return list(known)
+            return self._all_outputs
         names = list(asked)
         unknown = [n for n in names if n not in known]
         if unknown:
