@@ -130,7 +130,6 @@ def test_a_c_program_runs_squeezenet_in_a_worker_survives_its_sigkill_and_runs_o
         while (line := host.answer()) == "ok":
             pass
         assert line.startswith("error ") and "npu" in line and ("SIGKILL" in line or "signal 9" in line), line
-        print(line)
         for _ in range(2):
             assert host.ask(f"run {feed} {out}") == f"ok {expected.nbytes}"
             np.testing.assert_allclose(np.fromfile(out, np.float32).reshape(expected.shape), expected, rtol=1e-4,
