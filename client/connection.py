@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpWorkerUnavailable, error_for_status,
+from ephost.errors import (EpError, EpFailedPrecondition, EpWorkerUnavailable, error_for_status,
                            reason_of)
 from ephost.client.fastlane import FastLane, LaneUnavailable
+from ephost.client.reach import unreachable
 from ephost.fastlane import MAX_KEPT, METHODS as LANE_METHODS
 from ephost.wire import SPIN_S
 from ephost.fdshare import fetch_descriptor, prove_sharing
@@ -61,7 +62,7 @@ class Credentials:
 
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
+                 wait_s: float = 0.0, process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
                  fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S, kept_calls: bool = True,
                  fast_lane_slots: bool = True, kept_calls_max: int = MAX_KEPT):
         self.address = address
@@ -82,6 +83,9 @@ class WorkerConnection:
             # Several replicas behind one name: one channel talks to one replica, the one that compiled this
             # client's partitions, and moves to another only when that one is gone.
             ("grpc.lb_policy_name", "pick_first"),
+            # Its own connections: a new connection tries the address now, not after the backoff another channel
+            # to the same address is in (a worker that has just come back is found at once).
+            ("grpc.use_local_subchannel_pool", 1),
             # A worker that comes back is found again quickly.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
@@ -100,13 +104,10 @@ class WorkerConnection:
         self.lane: FastLane | None = None
         self.kept_calls = kept_calls  # repeat Computes and copies as kept calls on the lane (FastLane.call_kept)
         self._lane_methods: dict = {}
+        # A first connection fails at once where nothing listens (one attempt); one to a worker that answered
+        # before waits up to `wait_s` for it, or a successor, to answer again.
         try:
-            hello = self.call(self.worker.Hello, worker_pb2.HelloRequest(client_name=name, protocol=PROTOCOL,
-                                                                        ephost_version=EPHOST_VERSION),
-                              timeout=connect_timeout_s, wait_for_ready=True)
-        except EpDeadlineExceeded:
-            self.channel.close()
-            raise EpWorkerUnavailable(f"no worker answered at {address} within {connect_timeout_s:g} s") from None
+            hello = self._hello(wait_s, connect_timeout_s)
         except BaseException:
             self.channel.close()
             raise
@@ -135,6 +136,22 @@ class WorkerConnection:
                          "Allocator": self.allocator, "Worker": self.worker}
                 self._lane_methods = {getattr(stubs[key.split("/")[0]], key.split("/")[1]): method
                                       for key, method in LANE_METHODS.items()}
+
+    def _hello(self, wait_s: float, connect_timeout_s: float) -> worker_pb2.HelloResponse:
+        request = worker_pb2.HelloRequest(client_name=self.name, protocol=PROTOCOL, ephost_version=EPHOST_VERSION)
+        try:
+            return self.worker.Hello(request, timeout=wait_s or connect_timeout_s, metadata=self._metadata,
+                                     wait_for_ready=wait_s > 0)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise self._error(e, self.worker.Hello) from None
+            if wait_s > 0:
+                raise EpWorkerUnavailable(f"no worker answered at {self.address} again within {wait_s:g} s "
+                                          f"({e.details()})") from None
+            said = e.details() if code == grpc.StatusCode.UNAVAILABLE else \
+                f"no answer within {connect_timeout_s:g} s"
+            raise unreachable(self.address, self.credentials, said) from None
 
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
         """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
                            EpInternal, EpInvalidArgument, EpNotFound, EpOutOfRange, EpPermissionDenied,
                            EpResourceExhausted, EpUnauthenticated, EpUnimplemented, EpWorkerCrashed,
-                           EpUnknownClient, EpWorkerDraining, EpWorkerEnvironmentFailed, EpWorkerFailed,
-                           EpWorkerUnavailable)
+                           EpTlsError, EpUnknownClient, EpWorkerDraining, EpWorkerEnvironmentFailed,
+                           EpWorkerFailed, EpWorkerReplaced, EpWorkerUnavailable)
 from ephost.tensor import Tensor
 from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, HardwareDevice, HardwareDeviceType,
                           MemoryInfo)
@@ -75,5 +75,5 @@ __all__ = [
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",
     "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
     "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed",
-    "EpWorkerEnvironmentFailed", "EpUnknownClient", "EpWorkerDraining",
+    "EpWorkerEnvironmentFailed", "EpUnknownClient", "EpWorkerDraining", "EpWorkerReplaced", "EpTlsError",
 ]

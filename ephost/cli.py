@@ -185,29 +185,50 @@ def cmd_env_remove(args) -> int:
     return 0
 
 
+# `ephost health` exit codes beside 0 (SERVING): scripts and probes can tell the causes apart.
+HEALTH_EXIT = {"NOT_SERVING": 1, "NOT_LISTENING": 3, "UNREACHABLE": 3, "TLS_MISMATCH": 4}
+
+
 def cmd_health(args) -> int:
-    """Exit 0 when the worker at ADDRESS reports SERVING on grpc.health.v1 (a container health check)."""
+    """Exit 0 when the worker at ADDRESS reports SERVING on grpc.health.v1 (a container health check). Otherwise
+    one line says why: NOT_SERVING (it answers, and says so), NOT_LISTENING (no socket, or nothing listens),
+    UNREACHABLE (no answer), TLS_MISMATCH (it answers, but TLS does not match)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from ephost.client.connection import Credentials
+    from ephost.client.reach import diagnose
     from ephost.client.targets import parse_target
 
     spec = parse_target(args.address)
     if spec.kind != "connect":
         raise SystemExit(f"ephost health: {args.address} is not a worker address")
-    credentials = Credentials(tls=spec.tls, tls_ca=args.tls_ca)
+    credentials = Credentials(tls=spec.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
     channel = (grpc.secure_channel(spec.address, credentials.channel_credentials()) if spec.tls
                else grpc.insecure_channel(spec.address))
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                              timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"NOT_SERVING ({e.code().name})")
-            return 1
+            code = e.code()
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return _health("NOT_SERVING", f"{code.name}: {e.details()}")
+            reach = diagnose(spec.address, credentials, min(1.0, args.timeout))
+            if reach is None or reach.answers:
+                return _health("UNREACHABLE", e.details() or code.name)
+            word = {"tls": "TLS_MISMATCH", "no socket": "NOT_LISTENING", "refused": "NOT_LISTENING"}
+            return _health(word.get(reach.kind, "UNREACHABLE"), reach.detail)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(status)
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+        print(status)
+        return 0
+    return _health("NOT_SERVING", status)
+
+
+def _health(word: str, why: str) -> int:
+    print(f"{word}: {why}")
+    return HEALTH_EXIT[word]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,9 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--all", action="store_true", help="remove every environment")
     r.set_defaults(func=cmd_env_remove)
 
-    h = sub.add_parser("health", help="check a worker's grpc.health.v1 status (exit 0 when SERVING)")
+    h = sub.add_parser("health", help="check a worker's grpc.health.v1 status (exit 0 when SERVING; else 1 "
+                                      "NOT_SERVING, 3 NOT_LISTENING or UNREACHABLE, 4 TLS_MISMATCH)")
     h.add_argument("address", help="unix:///path.sock, host:port, grpc://host:port or grpcs://host:port")
     h.add_argument("--tls-ca", help="PEM CA to trust for grpcs://")
+    h.add_argument("--tls-cert", help="PEM client certificate, for a worker that asks for one (mutual TLS)")
+    h.add_argument("--tls-key", help="PEM client key (mutual TLS)")
+    h.add_argument("--service", default="", help="the service to ask about (default: the whole worker)")
     h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     h.set_defaults(func=cmd_health)
 

@@ -94,6 +94,18 @@ class EpWorkerDraining(EpWorkerUnavailable):
     reason = wire.REASON_DRAINING
 
 
+class EpWorkerReplaced(EpWorkerUnavailable):
+    """The worker at the address is not the one this client knew (it restarted, or another replica took its
+    place) and does not know this client: nothing of the call ran there. The client makes its handles again on
+    the new worker; make the call again."""
+
+
+class EpTlsError(EpWorkerUnavailable):
+    """The worker's address answers, but TLS between it and this client does not match: plain text to a TLS
+    worker (or TLS to a plain one), a certificate this client does not trust or that names another host, or a
+    client certificate the worker asks for. The message names which."""
+
+
 class EpWorkerCrashed(EpWorkerUnavailable):
     """A worker this process launched has died. Names the EP, the exit code or signal and the call."""
 

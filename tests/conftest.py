@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ephost import DeviceMemoryType
-from helpers import RawClient, Worker, device_of, make_env, worker_pids
+from helpers import RawClient, Worker, device_of, make_env, make_pki, worker_pids
 
 
 # Every process this test run starts inherits this mark, so that workers of other runs on the same machine
@@ -90,6 +90,14 @@ def worker():
     yield start
     for w in started:
         w.stop()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for localhost, a client certificate and a token file (helpers.make_pki)."""
+    directory = tmp_path_factory.mktemp("pki")
+    make_pki(directory)
+    return directory
 
 
 @pytest.fixture(scope="module")

@@ -209,3 +209,41 @@ def killed_while_replaced(env, name: str) -> None:
     link = env.registration(name).link
     link.wait_noticed(10)
     assert link.current.process is process, "the successor was up already"
+
+
+def make_pki(directory) -> None:
+    """A CA, a server certificate for localhost (not 127.0.0.1: a name it does not carry), a client certificate (PEM: ca.pem, server.pem,
+    server.key, client.pem, client.key) and a bearer token file (token), written into `directory`."""
+    import datetime
+    import pathlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject, key, issuer_key, *, ca=False, san=None):
+        now = datetime.datetime.now(datetime.timezone.utc)
+        builder = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name("ephost test CA"))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    d = pathlib.Path(directory)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    files = {"ca": cert("ephost test CA", ca_key, ca_key, ca=True)}
+    for who, san in (("server", [x509.DNSName("localhost")]), ("client", None)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        files[who] = cert(who, key, ca_key, san=san)
+        (d / f"{who}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    for who, c in files.items():
+        (d / f"{who}.pem").write_bytes(c.public_bytes(serialization.Encoding.PEM))
+    (d / "token").write_text("s3cret-token\n")

@@ -69,7 +69,7 @@ def test_the_entry_command_starts_a_worker_that_reports_healthy():
     assert code == 0
     down = subprocess.run([sys.executable, "-m", "ephost", "health", address, "--timeout", "1"],
                           capture_output=True, text=True, timeout=60)
-    assert down.returncode == 1 and down.stdout.startswith("NOT_SERVING")
+    assert down.returncode == 3 and down.stdout.startswith("NOT_LISTENING"), down.stdout
 
 
 def test_reflection_lists_the_services(worker):

@@ -113,3 +113,99 @@ def test_replicas_behind_one_name_pin_partitions_and_move_on_when_one_goes(worke
             for y in results:
                 np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
             assert env.registration("pool").link.conn.info.pid == other.proc.pid
+
+
+# --- a first connection fails at once, naming its cause -----------------------------------------------------
+
+def _refused(target: str, options: dict | None = None) -> tuple[ephost.EpError, float]:
+    """The error registering `target` raises, and how long it took, with a connect timeout far above it."""
+    with ephost.Environment() as env:
+        start = time.monotonic()
+        with pytest.raises(ephost.EpWorkerUnavailable) as info:
+            env.register_execution_provider_library("x", target, {"connect_timeout_s": "60", **(options or {})})
+        return info.value, time.monotonic() - start
+
+
+def test_a_closed_port_or_a_missing_socket_fails_at_once_naming_it(tmp_path):
+    for target, cause in ((f"127.0.0.1:{free_port()}", "nothing listens there (connection refused)"),
+                          (f"dns:///localhost:{free_port()}", "connection refused"),
+                          (f"unix://{tmp_path}/none.sock", "no socket file there")):
+        error, seconds = _refused(target)
+        assert type(error) is ephost.EpWorkerUnavailable and cause in str(error) and target in str(error)
+        assert seconds < 30, "no wait for a worker that never answered (the connect timeout is 60 s)"
+
+
+def test_a_socket_file_nobody_listens_on_is_named_as_such(tmp_path):
+    path = tmp_path / "left.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))  # bound, never listened on: what a killed worker leaves
+    error, _ = _refused(f"unix://{path}")
+    assert "left by a worker that is gone" in str(error)
+
+
+@pytest.fixture(scope="module")
+def tls_workers(pki):
+    """A TLS worker, a mutual-TLS one and a plain-text one on localhost: {kind: port}."""
+    from helpers import Worker
+    certs = ("--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))
+    ports = {kind: free_port() for kind in ("tls", "mtls", "plain")}
+    workers = [Worker("--ep", "reference", "--listen", f"localhost:{ports['tls']}", *certs),
+               Worker("--ep", "reference", "--listen", f"localhost:{ports['mtls']}", *certs,
+                      "--tls-client-ca", str(pki / "ca.pem")),
+               Worker("--ep", "reference", "--listen", f"127.0.0.1:{ports['plain']}", "--insecure")]
+    yield ports
+    for w in workers:
+        w.stop()
+
+
+def test_tls_mistakes_name_tls_and_the_reason(tls_workers, pki):
+    ca = {"tls_ca": str(pki / "ca.pem")}
+    cases = [(f"grpc://localhost:{tls_workers['tls']}", {}, "it speaks TLS: connect with grpcs://"),
+             (f"grpcs://localhost:{tls_workers['tls']}", {}, "its certificate is not trusted"),
+             (f"grpcs://127.0.0.1:{tls_workers['tls']}", ca, "its certificate does not name '127.0.0.1'"),
+             (f"grpcs://localhost:{tls_workers['plain']}", ca, "it speaks plain text, not TLS"),
+             (f"grpcs://localhost:{tls_workers['mtls']}", ca, "it asks for a client certificate")]
+    for target, options, reason in cases:
+        error, seconds = _refused(target, options)
+        assert isinstance(error, ephost.EpTlsError), (target, error)
+        assert str(error).startswith("TLS with the worker at") and reason in str(error), (target, error)
+        assert seconds < 30
+    with ephost.Environment() as env:  # and with TLS right, it works
+        env.register_execution_provider_library("ok", f"grpcs://localhost:{tls_workers['tls']}", ca)
+        assert env.get_ep_devices()[0].ep_name == "reference"
+
+
+def _health(*args: str):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "ephost", "health", *args, "--timeout", "10"], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_health_tells_nothing_listening_tls_mismatch_and_not_serving_apart(tls_workers, pki, tmp_path):
+    import grpc
+    from concurrent import futures
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    closed = _health(f"127.0.0.1:{free_port()}")
+    assert closed.returncode == 3 and closed.stdout.startswith("NOT_LISTENING: nothing listens"), closed.stdout
+    missing = _health(f"unix://{tmp_path}/none.sock")
+    assert missing.returncode == 3 and missing.stdout.startswith("NOT_LISTENING: no socket file"), missing.stdout
+    plain = _health(f"grpc://localhost:{tls_workers['tls']}")
+    assert plain.returncode == 4 and plain.stdout.startswith("TLS_MISMATCH: it speaks TLS"), plain.stdout
+    untrusted = _health(f"grpcs://localhost:{tls_workers['tls']}")
+    assert untrusted.returncode == 4 and "not trusted" in untrusted.stdout, untrusted.stdout
+    serving = _health(f"grpcs://localhost:{tls_workers['tls']}", "--tls-ca", str(pki / "ca.pem"))
+    assert serving.returncode == 0 and serving.stdout.strip() == "SERVING", serving.stdout
+    # Any gRPC server with a health service that says NOT_SERVING (here, one made in this process)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        down = _health(f"127.0.0.1:{port}")
+        assert down.returncode == 1 and down.stdout.strip() == "NOT_SERVING: NOT_SERVING", down.stdout
+    finally:
+        server.stop(0)

@@ -1,52 +1,11 @@
 """Workers on TCP: TLS, mutual TLS and bearer tokens, with certificates made here."""
-import datetime
 import socket
 
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 import ephost
 from ephost import DeviceMemoryType, Tensor
-
-
-def _name(cn):
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _cert(subject, issuer, key, issuer_key, *, ca=False, san=None):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if san:
-        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A CA, a server certificate for localhost, and a client certificate, as PEM files."""
-    d = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _cert("ephost test CA", "ephost test CA", ca_key, ca_key, ca=True)
-    files = {"ca": ca}
-    import ipaddress
-    for who, san in (("server", [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                     ("client", None)):
-        key = ec.generate_private_key(ec.SECP256R1())
-        files[who] = _cert(who, "ephost test CA", key, ca_key, san=san)
-        (d / f"{who}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                         serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))
-    for who, cert in files.items():
-        (d / f"{who}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "token").write_text("s3cret-token\n")
-    return d
 
 
 def free_port() -> int:
