@@ -62,9 +62,9 @@ class Credentials:
 
 class WorkerConnection:
     def __init__(self, address: str, *, name: str = "ephost", timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 wait_s: float = 0.0, process=None, credentials: Credentials = Credentials(), shared_memory: bool = True,
-                 fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S, kept_calls: bool = True,
-                 fast_lane_slots: bool = True, kept_calls_max: int = MAX_KEPT):
+                 wait_s: float = 0.0, process=None, credentials: Credentials = Credentials(),
+                 shared_memory: bool = True, fast_lane: bool = True, fast_lane_spin_s: float = SPIN_S,
+                 kept_calls: bool = True, fast_lane_slots: bool = True, kept_calls_max: int = MAX_KEPT):
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
@@ -146,11 +146,8 @@ class WorkerConnection:
             code = e.code()
             if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise self._error(e, self.worker.Hello) from None
-            if wait_s > 0:
-                raise EpWorkerUnavailable(f"no worker answered at {self.address} again within {wait_s:g} s "
-                                          f"({e.details()})") from None
             said = e.details() if code == grpc.StatusCode.UNAVAILABLE else \
-                f"no answer within {connect_timeout_s:g} s"
+                f"no answer within {wait_s or connect_timeout_s:g} s"
             raise unreachable(self.address, self.credentials, said) from None
 
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):

@@ -99,7 +99,7 @@ class Environment:
         Runtime plugin EP library, or `inproc:NAME` (host the EP in this process).
 
         Options go to the EP, except the supervision options (SupervisionPolicy.OPTIONS: restart,
-        crash_limit, crash_window_s, memory_limit_mb, timeout_s, connect_timeout_s)."""
+        crash_limit, crash_window_s, memory_limit_mb, timeout_s, connect_timeout_s, recovery_timeout_s)."""
         options = {str(k): str(v) for k, v in (options or {}).items()}
         with self._lock:
             self._check_open()

@@ -7,7 +7,7 @@ from collections import Counter, deque
 from typing import Any, Callable
 
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpWorkerCrashed,
-                           EpWorkerDraining, EpWorkerUnavailable)
+                           EpWorkerDraining, EpWorkerReplaced, EpWorkerUnavailable)
 from ephost.eps.base import ComputeCall
 from ephost.client.planner import Partition
 
@@ -18,6 +18,9 @@ POLICIES = ("raise", "retry", "fallback")
 # Errors about the request itself (bad input) would fail anywhere and are raised as they are.
 WORKER_FAILURES = (EpWorkerUnavailable, EpDeadlineExceeded, EpInternal)
 _EVENTS = {EpDeadlineExceeded: "timed out", EpInternal: "failed"}
+# A call the worker did not run (it refused it as it drained, or no longer knew this client): made again on the
+# worker that replaces it, whatever the policy.
+NOT_RUN = (EpWorkerDraining, EpWorkerReplaced)
 
 
 class FellBack(Exception):
@@ -38,21 +41,23 @@ class FailurePolicy:
         self.run_log: deque[dict] = deque(maxlen=1000)
         self.counters = Counter()
 
-    def note(self, event: str, registration: str, what: str, error: BaseException | None = None, run: int = 0):
+    def note(self, event: str, registration: str, what: str, error: BaseException | None = None, run: int = 0,
+             level: int = logging.WARNING):
         self.counters[event] += 1
         entry = {"run": run, "event": event, "registration": registration, "what": what,
                  "error": f"{type(error).__name__}: {error}" if error is not None else ""}
         self.run_log.append(entry)
-        log.warning("%s: %s %s%s", registration, what, event, f" ({entry['error']})" if error else "")
+        log.log(level, "%s: %s %s%s", registration, what, event, f" ({entry['error']})" if error else "")
 
     def guarded(self, registration: str, what: str, call: Callable[[], Any]):
         """A set-up call to an EP under the policy; raises FellBack where its nodes go to the fallback."""
         try:
             try:
                 return call()
-            except EpWorkerDraining:
+            except NOT_RUN as error:
                 if not self._replaced(registration):
                     raise
+                self.note("made again", registration, what, error, level=logging.INFO)
                 return call()  # on the successor; what it meets there, the policy answers
         except WORKER_FAILURES as error:
             self.note("crashed" if isinstance(error, EpWorkerCrashed) else "failed", registration, what, error)
@@ -70,7 +75,8 @@ class FailurePolicy:
     def recover(self, run: int, p: Partition, partitions: list[Partition], call: ComputeCall,
                 error: EpError) -> list:
         """The outputs of partition `p` after its Compute (`call`) failed with `error`, as the policy decides."""
-        if isinstance(error, EpWorkerDraining) and self._replaced(p.registration):
+        if isinstance(error, NOT_RUN) and self._replaced(p.registration):
+            self.note("made again", p.registration, p.graph.name, error, run, level=logging.INFO)
             try:
                 return p.compute_info.compute(call)
             except EpError as again:  # what it met on the successor, the policy answers
@@ -100,8 +106,8 @@ class FailurePolicy:
         return self._fallback_info(p)[1].compute(_on_the_host(call))
 
     def _replaced(self, registration: str) -> bool:
-        """Whether a call the worker refused as it drained is made again on its successor, whatever the policy:
-        not a failure, but this process replacing the worker (WorkerLink.wait_replaced)."""
+        """Whether a call the worker did not run (NOT_RUN) is made again on its successor, whatever the policy:
+        not a failure of the EP, but its worker replaced (WorkerLink.wait_replaced)."""
         link = self._links(registration)
         return link is not None and link.wait_replaced()
 

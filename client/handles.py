@@ -43,8 +43,9 @@ class RemoteHandle:
     @property
     def current(self) -> bool:
         """Whether the handle was made on the worker that runs now (nothing to release otherwise, nor once the
-        link is closing: its worker goes, and what it held with it)."""
-        return self._generation == self.link.generation and not self.link.closing
+        link is closing: its worker goes, and what it held with it; nor while the worker is away: one that
+        comes back as it was releases this client's handles as its lease ends or at Goodbye)."""
+        return self._generation == self.link.generation and not self.link.closing and self.link.serving
 
     @property
     def current_handle(self) -> int:

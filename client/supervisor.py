@@ -3,7 +3,8 @@ restarts; each new connection starts a new generation, on which the client's obj
 (EPs, allocators, streams, compiled partitions) from what they recorded. Supervision of a worker this process
 launched is ProcessSupervisor's: its death is noticed at once, reported as EpWorkerCrashed, and it is restarted
 with backoff until its CrashBudget is spent, when the EP is marked failed; a worker past its memory limit is
-replaced between calls. A worker connected to by address is watched by a HealthWatcher.
+replaced between calls. A worker connected to by address is watched by a HealthWatcher and reconnected to by
+AddressSupervisor. While a worker is away, calls wait for it, for a bounded time.
 """
 from __future__ import annotations
 
@@ -13,20 +14,26 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ephost.errors import (EpDeadlineExceeded, EpError, EpInvalidArgument, EpUnknownClient, EpWorkerCrashed,
-                           EpWorkerFailed, EpWorkerUnavailable)
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ephost.errors import (EpDeadlineExceeded, EpError, EpFailedPrecondition, EpInvalidArgument, EpUnknownClient,
+                           EpWorkerCrashed, EpWorkerDraining, EpWorkerFailed, EpWorkerReplaced, EpWorkerUnavailable)
 from ephost.client.connection import Credentials, WorkerConnection
 from ephost.client.crash_budget import CrashBudget
 from ephost.client.health import HealthWatcher
+from ephost.client.reach import unreachable
 from ephost.client.launcher import WorkerProcess, describe_exit
 from ephost.fastlane import MAX_KEPT
 from ephost.wire import MAX_SPIN_S, SPIN_S
+from ephost.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SupervisionPolicy:
-    """How a launched worker is kept alive. Registration options of the same names set it."""
+    """How a worker is kept: restarted (one this process launched) or reconnected to (one at an address), and
+    how long calls wait for it. Registration options of the same names set it."""
 
     restart: bool = True
     crash_limit: int = 3          # crashes within crash_window_s that mark the EP failed
@@ -36,6 +43,7 @@ class SupervisionPolicy:
     memory_limit_mb: int = 0      # restart the worker between calls when its resident memory exceeds this
     timeout_s: float = 60.0       # deadline of each call
     connect_timeout_s: float = 10.0
+    recovery_timeout_s: float = 30.0  # how long calls wait for a worker that went to come back
     shared_memory: bool = True    # use shared memory where the worker proves it shares this host
     fast_lane: bool = True        # Compute and CopyTensors over the data-plane socket where memory is shared
     fast_lane_spin_us: float = SPIN_S * 1e6  # each end polls this long for the next frame before it sleeps
@@ -49,7 +57,10 @@ class SupervisionPolicy:
         "crash_window_s": "the crash-limit window in seconds (default 300)",
         "memory_limit_mb": "restart a launched worker between calls when it holds more memory (default: none)",
         "timeout_s": "deadline of each call to the worker, in seconds (default 60)",
-        "connect_timeout_s": "how long to wait for the worker to answer at all (default 10)",
+        "connect_timeout_s": "how long a first connection waits for the worker to answer (default 10; an "
+                             "address where nothing listens fails at once)",
+        "recovery_timeout_s": "how long calls wait for a worker that went (restarted, drained, or no longer "
+                              "answering at its address) to come back before they fail (default 30)",
         "shared_memory": "share memory with a worker on this host when it proves it can (default true)",
         "fast_lane": "carry Compute and CopyTensors over a unix socket where memory is shared (default true)",
         "fast_lane_spin_us": "how long each end of the fast lane polls for the next frame before it sleeps, while "
@@ -119,7 +130,7 @@ class ProcessSupervisor:
                 return
             log.warning("worker for %r (EP %s) died with %s; restarting in %.2f s", self._link.name, self.ep,
                         describe_exit(code), delay)
-            self._link.begin_restart()
+            self._link.begin_restart(f"died with {describe_exit(code)}")
             threading.Thread(target=self._restart, args=(delay,), name=f"ephost-restart-{self._link.name}",
                              daemon=True).start()
         finally:
@@ -187,8 +198,85 @@ class ProcessSupervisor:
             self.process.stop()
 
 
+class AddressSupervisor:
+    """A worker connected to by address. When it goes (it drains, its connection breaks, or it no longer knows
+    this client), the link reconnects in the background: to the same worker where it answers again with this
+    client's handles (a network blip: nothing to make again), else with a new connection to the address (a
+    worker restarted there, or another replica behind its name: a new generation, on which the client's
+    objects make their handles again). Calls wait for it (WorkerLink.conn) up to recovery_timeout_s from the
+    moment the worker went, then fail at once naming the cause, until a worker answers again."""
+
+    RETRY_S = 0.2   # between attempts
+    STEP_S = 2.0    # the longest one attempt waits for an answer
+
+    def __init__(self, link: "WorkerLink"):
+        self._link = link
+        self._health = HealthWatcher(link, self.lost)
+
+    def lost(self, conn: WorkerConnection, why: str, gone: bool) -> None:
+        """`conn`'s worker no longer serves this client (`why`, said of it); `gone`: it will not again (it drains,
+        or no longer knows this client), else it may (its connection broke). A reconnection begins where `conn`
+        is still the current connection and none is under way."""
+        link = self._link
+        if not link.begin_outage(conn, why):
+            return
+        log.log(logging.INFO if "draining" in why else logging.WARNING, "worker for %r at %s %s; reconnecting "
+                "(calls wait up to %g s)", link.name, link.address, why, link.policy.recovery_timeout_s)
+        threading.Thread(target=self._reconnect, args=(conn, not gone), name=f"ephost-reconnect-{link.name}",
+                         daemon=True).start()
+
+    def _reconnect(self, old: WorkerConnection, same_worker_may_answer: bool) -> None:
+        link = self._link
+        try:
+            while not link.closing:
+                if same_worker_may_answer:
+                    try:  # the same worker, with this client's handles, answers again: nothing to make anew
+                        old.call(old.worker.Renew, common_pb2.Empty(), timeout=self.STEP_S, wait_for_ready=True)
+                        log.info("worker for %r at %s answers again", link.name, link.address)
+                        return
+                    except (EpUnknownClient, EpWorkerDraining, EpFailedPrecondition):
+                        same_worker_may_answer = False  # another worker answers there
+                    except EpError as e:
+                        link.note_attempt(str(unreachable(link.address, link.credentials, str(e))))
+                        if not link.wait_closing(self.RETRY_S):
+                            continue
+                        return
+                try:
+                    link.reopen(stale=old, wait_s=self.STEP_S)
+                    log.info("worker for %r at %s is back (generation %d)", link.name, link.address,
+                             link.generation)
+                    return
+                except EpError as e:
+                    link.note_attempt(str(e))
+                if link.wait_closing(self.RETRY_S):
+                    return
+        finally:
+            link.end_restart()
+
+    def check(self, timeout: float) -> None:
+        """Ask the current worker whether it serves (after a call failed: the health stream may not have told
+        yet); one that does not is lost."""
+        link = self._link
+        conn = link.current
+        if conn is None or not link.serving:
+            return
+        try:
+            reply = health_pb2_grpc.HealthStub(conn.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            self.lost(conn, "is draining (it says NOT_SERVING)", gone=True)
+        except (grpc.RpcError, ValueError) as e:
+            self.lost(conn, f"stopped answering ({e.details() if isinstance(e, grpc.RpcError) else 'closed'})",
+                      gone=False)
+
+    def close(self) -> None:
+        self._health.close()
+
+
 class WorkerLink:
-    """The connection to one worker, launched (`ep` set) or connected to (`address` set), and its generation."""
+    """The connection to one worker, launched (`ep` set) or connected to (`address` set), and its generation.
+    While the worker is away (restarting, reconnecting), calls wait for it (`conn`), up to the policy's
+    recovery_timeout_s from the moment it went."""
 
     def __init__(self, name: str, *, ep: str | None = None, ep_options: Mapping[str, str] | None = None,
                  address: str | None = None, policy: SupervisionPolicy = SupervisionPolicy(),
@@ -203,24 +291,29 @@ class WorkerLink:
         self._conn: WorkerConnection | None = None
         self._failed: EpError | None = None
         self._restarting = False
-        self._cond = threading.Condition()
+        self._away_since = 0.0   # time.monotonic() when the worker went (while _restarting)
+        self._cause = ""         # why it went ("is draining ...", "died with ...")
+        self._last = ""          # what the last attempt to bring it back met
+        self._retired: list[WorkerConnection] = []  # earlier generations' connections, closed once their calls end
+        self._cond = threading.Condition()  # guards the fields above; notified as they change
         self._open_lock = threading.Lock()  # one new connection at a time
         self.supervisor = ProcessSupervisor(self, ep, ep_options or {}, policy) if ep is not None else None
         with self._open_lock:
             self._open()
-        self._health = HealthWatcher(self) if self.supervisor is None else None
+        self.remote = AddressSupervisor(self) if self.supervisor is None else None
 
     # --- the current connection -------------------------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self, wait_s: float = 0.0) -> None:
         """Connect to the worker (launching one first where this link launches its workers): a new generation.
-        Called with `_open_lock` held."""
+        `wait_s`: how long to wait for a worker that answered before to answer again (0: fail at once where
+        nothing listens). Called with `_open_lock` held."""
         address = self.supervisor.launch() if self.supervisor is not None else self.address
         try:
             conn = WorkerConnection(address, name=self.name, timeout_s=self.policy.timeout_s,
-                                    connect_timeout_s=self.policy.connect_timeout_s, process=self.process,
-                                    credentials=self.credentials, shared_memory=self.policy.shared_memory,
-                                    fast_lane=self.policy.fast_lane,
+                                    connect_timeout_s=self.policy.connect_timeout_s, wait_s=wait_s,
+                                    process=self.process, credentials=self.credentials,
+                                    shared_memory=self.policy.shared_memory, fast_lane=self.policy.fast_lane,
                                     fast_lane_spin_s=self.policy.fast_lane_spin_us * 1e-6,
                                     kept_calls=self.policy.kept_calls, kept_calls_max=self.policy.kept_calls_max,
                                     fast_lane_slots=self.policy.fast_lane_slots)
@@ -233,16 +326,33 @@ class WorkerLink:
             self.generation += 1
             self._cond.notify_all()
 
-    def reopen(self, stale: WorkerConnection | None = None) -> None:
+    def reopen(self, stale: WorkerConnection | None = None, wait_s: float = 0.0) -> None:
         """Replace the connection (and, for a launched worker, the worker) with a new generation. With `stale`
-        given, only if that is still the current one: two threads that both saw it fail make one generation."""
+        given, only if that is still the current one: two threads that both saw it fail make one generation.
+        The old connection of a worker at an address is closed once no call on it can still be under way (a
+        draining worker finishes them)."""
         with self._open_lock:
             old = self._conn
             if stale is not None and old is not stale:
                 return
-            self._open()
-        if old is not None:
+            self._open(wait_s)
+        if old is None:
+            return
+        if self.remote is None:
             old.close()
+            return
+        with self._cond:
+            self._retired.append(old)
+        timer = threading.Timer(self.policy.timeout_s, self._close_retired, args=(old,))
+        timer.daemon = True
+        timer.start()
+
+    def _close_retired(self, conn: WorkerConnection) -> None:
+        with self._cond:
+            if conn not in self._retired:
+                return
+            self._retired.remove(conn)
+        conn.close()
 
     @property
     def process(self) -> WorkerProcess | None:
@@ -255,13 +365,15 @@ class WorkerLink:
 
     @property
     def serving(self) -> bool:
-        """For a worker connected to by address: what its grpc.health.v1 stream last said."""
-        return self._health.serving if self._health is not None else True
+        """Whether the worker is there: not being restarted or reconnected to, and not failed."""
+        return not self._restarting and self._failed is None
 
     @property
     def health(self) -> str:
-        """"serving", "draining" (the worker said NOT_SERVING) or "unreachable"."""
-        return self._health.status if self._health is not None else "serving"
+        """"serving", "away: CAUSE" (being restarted or reconnected to) or "failed"."""
+        if self._failed is not None:
+            return "failed"
+        return f"away: {self._cause}" if self._restarting else "serving"
 
     @property
     def current(self) -> WorkerConnection | None:
@@ -270,30 +382,37 @@ class WorkerLink:
 
     @property
     def conn(self) -> WorkerConnection:
-        """The live connection; waits while a worker that died is being replaced."""
+        """The live connection; waits while a worker that went is being restarted or reconnected to."""
         supervisor = self.supervisor  # (_dead inline: every call reads this)
         if self._failed is None and not self._restarting and (supervisor is None or not supervisor.dead):
             return self._conn  # the common case, read without the condition's lock (each read is atomic)
-        if not self.wait_healthy(self.policy.connect_timeout_s + self.policy.max_backoff_s):
-            if self._failed is None:
-                raise EpWorkerUnavailable(f"worker for {self.name!r} is being restarted and is not back yet")
+        if not self.wait_recovered() and self._failed is None:
+            raise self._not_back()
         if self._failed is not None:
             raise self._failed
         return self._conn
 
+    def _not_back(self) -> EpWorkerUnavailable:
+        with self._cond:
+            away = time.monotonic() - self._away_since if self._restarting else 0.0
+            cause, last = self._cause, self._last
+        if not last and self.remote is not None:  # no attempt has ended yet: what is at the address now
+            last = str(unreachable(self.address, self.credentials, "no answer"))
+        last = f" (the last attempt: {last})" if last else ""
+        where = f" at {self.address}" if self.address else ""
+        return EpWorkerUnavailable(f"the worker for {self.name!r}{where} {cause or 'went'} and has not come back "
+                                   f"within {away:.1f} s{last}; calls resume when it does")
+
     def call(self, method_of: Callable[[WorkerConnection], object], request, *, conn: WorkerConnection | None = None,
              **kw):
-        """Call `method_of(conn)` on the current connection (or the one given). Remote workers that lost this
-        client (they restarted) get a new Hello."""
+        """Call `method_of(conn)` on the current connection (or the one given)."""
         return self.run(lambda c: c.call(method_of(c), request, **kw), conn=conn)
 
     def run(self, fn: Callable[..., object], *args, conn: WorkerConnection | None = None):
-        """`fn(conn, *args)` on the current connection (or the one given), with what `call` does around a call."""
+        """`fn(conn, *args)` on the current connection (or the one given), with what `call` does around a call:
+        a call past its deadline ends a launched worker (supervision restarts it); a worker at an address that
+        refused the call as it drained, or that no longer knows this client, is reconnected to."""
         conn = conn or self.conn
-        health = self._health  # (serving inline, as conn reads _dead)
-        if health is not None and not health.serving:
-            raise EpWorkerUnavailable(f"worker for {self.name!r} at {self.address} is not serving ({self.health}, "
-                                      "says grpc.health.v1); calls resume when it answers again")
         try:
             return fn(conn, *args)
         except EpError as error:
@@ -304,11 +423,15 @@ class WorkerLink:
             if isinstance(error, EpDeadlineExceeded):
                 # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
                 self.kill("a call ran past its deadline")
-            if not isinstance(error, EpUnknownClient) or self.supervisor is not None:
+            if self.remote is None or not isinstance(error, (EpWorkerDraining, EpUnknownClient)):
                 raise
-            self.reopen(stale=conn)
-            raise EpWorkerUnavailable(f"worker for {self.name!r} restarted and forgot this client; its "
-                                      "handles are made again on the next call") from None
+            if isinstance(error, EpWorkerDraining):
+                self.remote.lost(conn, "is draining (it refused a call)", gone=True)
+                raise
+            self.remote.lost(conn, "restarted and forgot this client", gone=True)
+            raise EpWorkerReplaced(f"the worker for {self.name!r} at {self.address} restarted and does not know "
+                                   "this client: nothing of the call ran; its handles are made again on the new "
+                                   "worker") from None
 
     # --- supervision state ------------------------------------------------------------------------
 
@@ -316,15 +439,37 @@ class WorkerLink:
         with self._cond:
             self._cond.notify_all()
 
-    def begin_restart(self) -> None:
+    def begin_restart(self, cause: str = "") -> None:
+        """The worker went (`cause`, said of it: "died with signal SIGKILL") and is being brought back."""
         with self._cond:
+            if not self._restarting:
+                self._away_since, self._cause, self._last = time.monotonic(), cause, ""
             self._restarting = True
             self._cond.notify_all()
+
+    def begin_outage(self, conn: WorkerConnection, cause: str) -> bool:
+        """Mark the worker of `conn` away (`cause`), where `conn` is the current connection and none is under
+        way and the link is open; whether it did (the caller then brings the worker back, and ends it)."""
+        with self._cond:
+            if conn is not self._conn or self._restarting or self.closing or self._failed is not None:
+                return False
+        self.begin_restart(cause)
+        return True
+
+    def note_attempt(self, met: str) -> None:
+        """What an attempt to bring the worker back met (calls that give up name it)."""
+        with self._cond:
+            self._last = met
 
     def end_restart(self) -> None:
         with self._cond:
             self._restarting = False
             self._cond.notify_all()
+
+    def wait_closing(self, timeout: float) -> bool:
+        """Wait `timeout` seconds, or until the link closes; whether it is closing."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.closing, timeout)
 
     def mark_failed(self, error: EpError) -> None:
         with self._cond:
@@ -336,28 +481,35 @@ class WorkerLink:
         return self.supervisor is not None and self.supervisor.dead
 
     def wait_noticed(self, timeout: float) -> None:
-        """Wait until the death of the current worker, if it died, has been handled (restart under way, or
-        the EP marked failed)."""
+        """Wait until the loss of the current worker, if it went, has been handled (restart or reconnection
+        under way, or the EP marked failed). A worker at an address is asked (grpc.health.v1) whether it still
+        serves."""
+        if self.remote is not None:
+            self.remote.check(timeout)
+            return
         with self._cond:
             self._cond.wait_for(lambda: not self._dead() or self._restarting or self._failed is not None, timeout)
 
     def wait_healthy(self, timeout: float) -> bool:
-        """Wait until a worker that died (or was ended) has been replaced, or the EP is marked failed."""
+        """Wait until a worker that went has been replaced or reconnected to, or the EP is marked failed."""
         with self._cond:
             self._cond.wait_for(lambda: self._failed is not None or (not self._dead() and not self._restarting),
                                 timeout)
             return self._failed is None and not self._dead() and not self._restarting
 
     def wait_recovered(self) -> bool:
-        """wait_healthy with the time a restart may take under this link's policy."""
-        return self.wait_healthy(self.policy.connect_timeout_s + self.policy.max_backoff_s)
+        """wait_healthy for what is left of recovery_timeout_s since the worker went."""
+        with self._cond:
+            since = self._away_since if self._restarting else time.monotonic()
+        return self.wait_healthy(max(0.0, since + self.policy.recovery_timeout_s - time.monotonic()))
 
     def wait_replaced(self) -> bool:
-        """After a call the worker refused as it drained (EpWorkerDraining): whether it is to be made again on the
-        worker's successor, which this waits for. A worker this link launched drains only as this process
-        replaces it (past its memory limit: recycle), and nothing of the call ran; one connected to by address
-        drains as its operator stops it (the failure policy's to answer), and a closing link has no successor."""
-        return self.supervisor is not None and not self.closing and self.wait_recovered()
+        """After a call that did not run (the worker refused it as it drained: EpWorkerDraining, or it no longer
+        knew this client: EpWorkerReplaced): whether it is to be made again on the worker that replaces it,
+        which this waits for. A launched worker drains only as this process replaces it (past its memory limit:
+        recycle); one at an address, as its operator restarts it or moves its clients to another replica. A
+        closing link has no successor."""
+        return not self.closing and self.wait_recovered()
 
     def kill(self, why: str) -> None:
         if self.supervisor is not None:
@@ -378,7 +530,7 @@ class WorkerLink:
             old = self._conn
             if stale is not None and old is not stale:
                 return
-            self.begin_restart()
+            self.begin_restart("replaced for its memory")
             try:
                 self.supervisor.stop()
                 self._open()
@@ -396,13 +548,16 @@ class WorkerLink:
     def close(self) -> None:
         self.closing = True
         with self._cond:  # let a restart under way finish, so that its worker is stopped too
+            self._cond.notify_all()
             self._cond.wait_for(lambda: not self._restarting, timeout=self.policy.connect_timeout_s + 5)
             if self._failed is None:
                 self._failed = self._unregistered()
+            retired, self._retired = self._retired, []
             self._cond.notify_all()
-        if self._health is not None:
-            self._health.close()
-        if self._conn is not None:
-            self._conn.close()
+        if self.remote is not None:
+            self.remote.close()
+        for conn in (*retired, self._conn):
+            if conn is not None:
+                conn.close()
         if self.supervisor is not None:
             self.supervisor.stop()

@@ -282,6 +282,25 @@ def remove_stale_socket(path: str, kind: int = socket.SOCK_STREAM) -> None:
             pass
 
 
+def socket_file(path: str) -> tuple[int, int] | None:
+    """Which file a socket path names now ((device, inode)), to remove it later only if it is still that one: a
+    successor bound on the same path while this process drained has a file of its own there."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, ValueError):  # (ValueError: a name in the abstract namespace)
+        return None
+    return st.st_dev, st.st_ino
+
+
+def remove_socket_file(path: str, made: tuple[int, int] | None) -> None:
+    """Remove the socket file at `path` if it is still the one this process made (`made`, from socket_file)."""
+    if made is not None and socket_file(path) == made:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def fetch_descriptor(path: str, ticket: bytes, timeout: float = 5.0) -> tuple[int, int]:
     """Redeem a ticket at a worker's descriptor socket: returns (fd, size)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:

@@ -30,7 +30,7 @@ from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument
 from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO,
                              TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame, send_parts,
                              send_regions)
-from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
+from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid, remove_socket_file, socket_file
 from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
 from ephost.v1 import ep_pb2
@@ -76,6 +76,7 @@ class LaneServer:
         self._lock = threading.Lock()
         self._closed = False
         self._sock = listen_unix(path, socket.SOCK_SEQPACKET)
+        self._file = socket_file(path)  # removed at close only while it is still this one's
         threading.Thread(target=self._accept, name="ephost-lane", daemon=True).start()
 
     def issue(self, client_id: str) -> bytes:
@@ -255,11 +256,7 @@ class LaneServer:
                 conn.shutdown(socket.SHUT_RDWR)  # the connection's thread sees EOF and closes it
             except OSError:
                 pass
-        if not self.path.startswith("\0"):
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        remove_socket_file(self.path, self._file)
 
 
 class _EarlyWake:

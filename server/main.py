@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import grpc
@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from ephost.errors import EpError
 from ephost.eps import load_factory
 from ephost.wire import SPIN_S
-from ephost.fdshare import DescriptorServer, remove_stale_socket
+from ephost.fdshare import DescriptorServer, remove_socket_file, remove_stale_socket, socket_file
 from ephost import wire
 from ephost.worker_env import cache_dir as default_cache_root
 from ephost.server.allocator_service import AllocatorService
@@ -64,6 +64,9 @@ class Listen:
     fd_socket: str | None          # descriptor socket, for clients on this host
     private_dir: str | None        # made by us, removed on exit
     private: bool = False          # a private directory is to be made (once the EP has loaded)
+    # The socket files made here (path -> fdshare.socket_file), removed only while they are still these: a
+    # worker started on the same address while this one drains makes its own.
+    files: dict = field(default_factory=dict)
 
     def make_private_dir(self) -> None:
         """Make the private socket directory, where one is asked for. This waits until the EP has loaded: an
@@ -72,6 +75,17 @@ class Listen:
             self.private_dir = tempfile.mkdtemp(prefix="ephost-")  # mode 0700: only this user reaches the sockets
             path = os.path.join(self.private_dir, "worker.sock")
             self.address, self.fd_socket = f"unix://{path}", path + ".fds"
+
+    def own_files(self, *paths: str | None) -> None:
+        """Note the socket files at `paths` (those that are files) as this worker's, once it has made them."""
+        for path in paths:
+            if path and not path.startswith("\0"):
+                self.files[path] = socket_file(path)
+
+    def release_files(self) -> None:
+        """Remove this worker's socket files, those still its own: the address is free for a successor."""
+        for path, made in self.files.items():
+            remove_socket_file(path, made)
 
 
 def parse_listen(listen: str | None, insecure: bool, tls: bool = False) -> Listen:
@@ -159,6 +173,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
                                 export=state.export_region, spin_s=lane_spin_s,
                                 kept={"Ep/Compute": ep_service.compute_kept,
                                       "DataTransfer/CopyTensors": transfer_service.copy_kept})
+        listen.own_files(listen.fd_socket, state.lane.path)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Server reflection, so that standard gRPC tools (grpcurl, grpc_cli) can list and call the services.
@@ -174,6 +189,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     address = listen.address if listen.address.startswith("unix:") or not listen.address.endswith(":0") \
         else f"{listen.address.rsplit(':', 1)[0]}:{port}"
     server.start()
+    listen.own_files(listen.address[len("unix://"):] if listen.address.startswith("unix://") else None)
     for name in ("", *SERVICES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -189,22 +205,32 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         if client_lease_s > 0:
             state.clients.release_silent(client_lease_s)
 
-    # Drain: health says NOT_SERVING and new calls are turned away (with a reason, on every transport) while
-    # the calls under way, counted by the dispatcher whichever transport carries them, get the grace period
-    # to finish; then the gRPC server stops with what is left of it. If grpcio does not stop in time, the
-    # worker exits regardless.
-    log.info("draining (grace %.1f s)", grace[0])
+    # Drain: health says NOT_SERVING (clients watching it move on at once); the gRPC server stops listening and
+    # the socket files go (a successor may take the address now, and new connections go to it or another
+    # replica); new calls on open connections are turned away with a reason, on every transport, while the calls
+    # under way, counted by the dispatcher whichever transport carries them, get the grace period to finish.
+    # If grpcio does not stop in time, the worker exits regardless.
+    started = time.monotonic()
+    log.info("draining: %d call(s) under way, %d client(s); new calls are refused; grace %.1f s",
+             dispatcher.admission.under_way(), len(state.clients), grace[0])
     state.draining.set()
     health_servicer.enter_graceful_shutdown()
-    deadline = time.monotonic() + grace[0]
+    stopped = server.stop(grace[0])
+    listen.release_files()
     idle = dispatcher.admission.wait_idle(grace[0])
-    left = max(0.0, deadline - time.monotonic())
+    left = max(0.0, started + grace[0] - time.monotonic())
     if idle:  # a handler has returned, its reply may still be on its way: not cancelled, not waited on for long
         left = min(left, REPLY_SLACK_S)
-    if not server.stop(left).wait(left + STOP_SLACK_S):
+        server.stop(left)  # (what else it holds open: health Watch streams, which never end by themselves)
+    if not stopped.wait(left + STOP_SLACK_S):
         log.warning("the gRPC server did not stop within %.1f s; exiting regardless", grace[0] + STOP_SLACK_S)
         _remove_sockets(listen)
         os._exit(0)
+    if idle:
+        log.info("drained in %.1f s: every call finished", time.monotonic() - started)
+    else:
+        log.warning("drained in %.1f s: %d call(s) still under way were cut at the grace",
+                    time.monotonic() - started, dispatcher.admission.under_way())
     for client in state.clients.all():
         state.clients.goodbye(client)
     if state.lane is not None:
@@ -233,10 +259,4 @@ def _remove_sockets(listen: Listen) -> None:
     if listen.private_dir:
         shutil.rmtree(listen.private_dir, ignore_errors=True)
         return
-    for path in (listen.address[len("unix://"):] if listen.address.startswith("unix://") else None,
-                 listen.fd_socket, lane_path(listen.fd_socket) if listen.fd_socket else None):
-        if path and not path.startswith("\0"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+    listen.release_files()

@@ -212,8 +212,9 @@ def killed_while_replaced(env, name: str) -> None:
 
 
 def make_pki(directory) -> None:
-    """A CA, a server certificate for localhost (not 127.0.0.1: a name it does not carry), a client certificate (PEM: ca.pem, server.pem,
-    server.key, client.pem, client.key) and a bearer token file (token), written into `directory`."""
+    """A CA, a server certificate for localhost (not 127.0.0.1: a name it does not carry), a client certificate
+    (PEM: ca.pem, server.pem, server.key, client.pem, client.key) and a bearer token file (token), written into
+    `directory`."""
     import datetime
     import pathlib
 
@@ -242,7 +243,8 @@ def make_pki(directory) -> None:
     for who, san in (("server", [x509.DNSName("localhost")]), ("client", None)):
         key = ec.generate_private_key(ec.SECP256R1())
         files[who] = cert(who, key, ca_key, san=san)
-        (d / f"{who}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        (d / f"{who}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
                                                          serialization.NoEncryption()))
     for who, c in files.items():
         (d / f"{who}.pem").write_bytes(c.public_bytes(serialization.Encoding.PEM))

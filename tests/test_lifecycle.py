@@ -2,6 +2,7 @@
 typed error that names the EP, the signal and the call. The application keeps its data; nothing leaks."""
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -60,24 +61,31 @@ def flushing(stream) -> tuple[threading.Thread, list]:
 
 
 def test_sigterm_drains_in_flight_calls_then_exits(worker):
+    """While it drains, the worker says NOT_SERVING to the clients watching it (which then wait for a successor),
+    stops listening (its socket files go: a successor may take the address), refuses new calls on the
+    connections it has, and finishes the calls under way; then it exits."""
+    from ephost.client.reach import diagnose
+    from ephost.v1 import allocator_pb2
     # A grace long enough for the queued copies on a loaded machine (the default 5 s is an operator's choice).
     w = worker("--ep", "reference", "--drain-grace-s", "120")
     with ephost.Environment() as env:
         device, stream = queue_copies(env, w)
+        link = env.registration("w").link
+        conn = link.current
         results = []
         thread = threading.Thread(target=lambda: results.append(stream.flush()))
         thread.start()
         time.sleep(0.3)  # the Flush call is now waiting inside the worker
         w.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
-        if thread.is_alive():  # while it drains: NOT_SERVING, and new calls are turned away
-            import grpc
-            from grpc_health.v1 import health_pb2, health_pb2_grpc
-            with grpc.insecure_channel(w.address) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-                assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            with pytest.raises(ephost.EpWorkerUnavailable, match="draining"):
-                device.create_sync_stream()
+        deadline = time.monotonic() + 30
+        while link.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if thread.is_alive():
+            assert link.health.startswith("away: is draining"), link.health
+            assert diagnose(w.address, conn.credentials).kind == "no socket", "it no longer listens"
+            assert not os.path.exists(w.socket + ".fds")
+            with pytest.raises(ephost.EpWorkerDraining, match="draining"):  # a call on the lane it has open
+                conn.call(conn.allocator.Alloc, allocator_pb2.AllocRequest(allocator=1, nbytes=64))
             drained_while_running = True
         else:
             drained_while_running = False
@@ -278,3 +286,94 @@ def test_a_malformed_client_stream_does_not_keep_the_worker_from_stopping(worker
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(15) == 0
     assert time.monotonic() - start < 10, "the worker took too long to stop"
+
+
+# --- restarts and drains the application does not see ------------------------------------------------------
+
+def _listen_args(transport: str, tmp_path) -> list[str]:
+    if transport == "unix":
+        return ["--listen", f"unix://{tmp_path}/w.sock"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return ["--listen", f"127.0.0.1:{s.getsockname()[1]}", "--insecure"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy, transport", [("retry", "unix"), ("retry", "tcp"), ("raise", "unix")])
+def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tmp_path, policy, transport):
+    """SIGTERM to a worker serving two threads of runs, a new worker on the same address as the old one drains:
+    no run fails, whatever the policy (a call the old worker refused as it drained never ran there, and is made
+    on the new one), and none is retried: the restart is no failure of the EP."""
+    import models
+    from helpers import options_for
+    args = ("--ep", "reference", *_listen_args(transport, tmp_path))
+    first = worker(*args)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", first.address)
+        link = env.registration("w").link
+        options = options_for(env, "w")
+        options.ep_failure_policy = policy
+        with ephost.InferenceSession(models.diamond(), options, env=env) as session:
+            results, stop = [], threading.Event()
+
+            def work(seed):
+                rng = np.random.default_rng(seed)
+                while not stop.is_set():
+                    x = rng.standard_normal((2, 3)).astype(np.float32)
+                    try:
+                        (y,) = session.run(None, {"x": x})
+                        results.append((link.generation, bool(np.allclose(y, models.diamond_expected(x), rtol=1e-6))))
+                    except ephost.EpError as e:
+                        results.append(e)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            try:
+                deadline = time.monotonic() + 60
+                while len(results) < 50 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                first.proc.send_signal(signal.SIGTERM)
+                while link.serving and time.monotonic() < deadline:  # it drains; its clients wait
+                    time.sleep(0.01)
+                worker(*args)  # while the first one may still be draining
+                while sum(1 for r in results if r == (2, True)) < 50 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+            assert first.proc.wait(30) == 0
+            errors = [r for r in results if not isinstance(r, tuple)]
+            assert errors == [], errors[:3]
+            assert all(ok for _, ok in results), "every result is correct"
+            assert {g for g, _ in results} == {1, 2}, "runs on the first worker, then on the second"
+            assert not {"crashed", "failed", "retried"} & set(session.failure_counters), session.failure_counters
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_starts_while_the_worker_is_away_waits_for_it_and_compiles_again(worker, tmp_path):
+    import models
+    from helpers import options_for
+    address = f"unix://{tmp_path}/w.sock"
+    first = worker("--ep", "reference", "--listen", address)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", address)
+        link = env.registration("w").link
+        with ephost.InferenceSession(models.diamond(), options_for(env, "w"), env=env) as session:
+            x = np.ones((2, 3), np.float32)
+            session.run(None, {"x": x})
+            first.stop()
+            deadline = time.monotonic() + 30
+            while link.serving and time.monotonic() < deadline:
+                time.sleep(0.01)
+            outcome = []
+            thread = threading.Thread(target=lambda: outcome.append(session.run(None, {"x": x})[0]))
+            thread.start()  # under the default policy, raise
+            thread.join(0.5)
+            assert thread.is_alive(), "the run waits for the worker to come back"
+            worker("--ep", "reference", "--listen", address)
+            thread.join(30)
+            np.testing.assert_allclose(outcome[0], models.diamond_expected(x), rtol=1e-6)
+            stats = env.get_worker_stats("w")
+            assert link.generation == 2 and stats.partitions_compiled == 1 and stats.methods["Ep/Compute"].calls == 1
