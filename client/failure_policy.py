@@ -17,7 +17,10 @@ POLICIES = ("raise", "retry", "fallback")
 # What the policy handles: a worker that died, hung or is gone, and an EP that failed inside (a vendor bug).
 # Errors about the request itself (bad input) would fail anywhere and are raised as they are.
 WORKER_FAILURES = (EpWorkerUnavailable, EpDeadlineExceeded, EpInternal)
-_EVENTS = {EpDeadlineExceeded: "timed out", EpInternal: "failed"}
+_EVENTS = {EpDeadlineExceeded: "timed out", EpInternal: "failed", EpWorkerUnavailable: "unavailable"}
+# Events the worker's supervision has logged already (its death, its end past a deadline, its loss): noted at
+# INFO, so that one failure is one warning.
+_SUPERVISED = frozenset({"crashed", "timed out", "unavailable", "retried", "made again"})
 # A call the worker did not run (it refused it as it drained, or no longer knew this client): made again on the
 # worker that replaces it, whatever the policy.
 NOT_RUN = (EpWorkerDraining, EpWorkerReplaced)
@@ -42,11 +45,13 @@ class FailurePolicy:
         self.counters = Counter()
 
     def note(self, event: str, registration: str, what: str, error: BaseException | None = None, run: int = 0,
-             level: int = logging.WARNING):
+             level: int | None = None):
         self.counters[event] += 1
         entry = {"run": run, "event": event, "registration": registration, "what": what,
                  "error": f"{type(error).__name__}: {error}" if error is not None else ""}
         self.run_log.append(entry)
+        if level is None:
+            level = logging.INFO if event in _SUPERVISED else logging.WARNING
         log.log(level, "%s: %s %s%s", registration, what, event, f" ({entry['error']})" if error else "")
 
     def guarded(self, registration: str, what: str, call: Callable[[], Any]):
@@ -57,7 +62,7 @@ class FailurePolicy:
             except NOT_RUN as error:
                 if not self._replaced(registration):
                     raise
-                self.note("made again", registration, what, error, level=logging.INFO)
+                self.note("made again", registration, what, error)
                 return call()  # on the successor; what it meets there, the policy answers
         except WORKER_FAILURES as error:
             self.note("crashed" if isinstance(error, EpWorkerCrashed) else "failed", registration, what, error)
@@ -76,7 +81,7 @@ class FailurePolicy:
                 error: EpError) -> list:
         """The outputs of partition `p` after its Compute (`call`) failed with `error`, as the policy decides."""
         if isinstance(error, NOT_RUN) and self._replaced(p.registration):
-            self.note("made again", p.registration, p.graph.name, error, run, level=logging.INFO)
+            self.note("made again", p.registration, p.graph.name, error, run)
             try:
                 return p.compute_info.compute(call)
             except EpError as again:  # what it met on the successor, the policy answers

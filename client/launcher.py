@@ -39,8 +39,10 @@ class WorkerProcess:
         self.ep = ep
         self.options = dict(options or {})
         self._dir: str | None = None  # the worker's private socket directory
-        # The worker logs (ONNX Runtime's own warnings included) in detail when this process does.
-        verbose = ["--verbose"] if logging.getLogger("ephost").isEnabledFor(logging.INFO) else []
+        # The worker logs (ONNX Runtime's own warnings included) in detail when this process does; else only what
+        # goes wrong (not its life's events: this process's supervision tells those).
+        verbose = ["--verbose"] if logging.getLogger("ephost").isEnabledFor(logging.INFO) else \
+            ["--log-level", "WARNING"]
         self.python = WorkerEnvironment.take(self.options).interpreter()
         command = [self.python, "-m", "ephost", *verbose, "worker", "--ep", ep, "--exit-with-parent", *worker_args]
         for key, value in self.options.items():
@@ -92,8 +94,7 @@ class WorkerProcess:
         self._remove_dir()
         self.exited.set()
         self.proc.stdout.close()
-        level = logging.INFO if code == 0 else logging.WARNING
-        log.log(level, "worker %d for EP %r ended with %s", self.pid, self.ep, describe_exit(code))
+        log.debug("worker %d for EP %r ended with %s", self.pid, self.ep, describe_exit(code))  # (supervision says)
         if self._on_exit is not None:
             self._on_exit(self)
 

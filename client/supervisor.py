@@ -109,6 +109,7 @@ class ProcessSupervisor:
         self._link, self.ep, self._options, self._policy = link, ep, dict(ep_options), policy
         self._budget = policy.crash_budget()
         self.process: WorkerProcess | None = None
+        self._killed: WorkerProcess | None = None  # the worker this side ended (logged then, not as it exits)
 
     def launch(self) -> str:
         """Start a worker; its address."""
@@ -128,8 +129,8 @@ class ProcessSupervisor:
             delay = self._delay(f"its worker died with {describe_exit(code)}", code)
             if delay is None:
                 return
-            log.warning("worker for %r (EP %s) died with %s; restarting in %.2f s", self._link.name, self.ep,
-                        describe_exit(code), delay)
+            log.log(logging.INFO if process is self._killed else logging.WARNING, "worker %d for %r (EP %s) died "
+                    "with %s; restarting in %.2f s", process.pid, self._link.name, self.ep, describe_exit(code), delay)
             self._link.begin_restart(f"died with {describe_exit(code)}")
             threading.Thread(target=self._restart, args=(delay,), name=f"ephost-restart-{self._link.name}",
                              daemon=True).start()
@@ -179,6 +180,7 @@ class ProcessSupervisor:
         process = self.process
         if process is not None and process.returncode is None:
             log.warning("killing the worker for %r: %s", self._link.name, why)
+            self._killed = process
             process.kill()
             process.exited.wait(5)  # so that the next call waits for its replacement, not for a corpse
 

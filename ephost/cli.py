@@ -231,16 +231,27 @@ def _health(word: str, why: str) -> int:
     return HEALTH_EXIT[word]
 
 
+def _logging_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """--log-level, --verbose and --log-format on `parser` (without defaults: a subcommand's, which then leave
+    the main parser's values alone unless given)."""
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+    parser.add_argument("--log-level", default=default(None),
+                        help="logging level (default WARNING; a worker's own life at INFO: listening, clients "
+                             "connected and gone, drain, exit)")
+    parser.add_argument("--verbose", "-v", action="store_true", default=default(False),
+                        help="log in detail (INFO), ONNX Runtime's own warnings included")
+    parser.add_argument("--log-format", choices=["text", "json"], default=default("text"),
+                        help="json: one JSON object per line (time, level, logger, pid, message), for log collectors")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    parser.add_argument("--verbose", "-v", action="store_true",
-                        help="log in detail (INFO), ONNX Runtime's own warnings included")
-    parser.add_argument("--log-format", choices=["text", "json"], default="text",
-                        help="json: one JSON object per line (time, level, logger, pid, message), for log collectors")
+    _logging_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="serve one EP over gRPC")
+    _logging_arguments(w, defaults=False)  # also after `worker` (where an image's entry command appends them)
     w.add_argument("--ep", required=True, help="EP name from the ephost.eps entry points (e.g. reference)")
     w.add_argument("--option", action="append", metavar="KEY=VALUE", help="EP option, repeatable")
     w.add_argument("--listen", help="unix:///path.sock or host:port (default: a private unix socket)")
@@ -318,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if args.log_format == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
-    logging.basicConfig(level="INFO" if args.verbose else args.log_level.upper(), handlers=[handler])
+    logging.basicConfig(level="INFO" if args.verbose else (args.log_level or "WARNING").upper(), handlers=[handler])
+    if args.command == "worker" and args.log_level is None:
+        for name in ("ephost.worker", "ephost.server"):  # (not the EP's own, nor ONNX Runtime's: --verbose)
+            logging.getLogger(name).setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     # Making an environment takes a while: its progress shows at the default level.
     progress = logging.getLogger("ephost.worker_env")
     progress.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))

@@ -109,15 +109,17 @@ class ClientRegistry:
         with self._lock:
             silent = [c for c in self._clients.values() if now - c.last_seen > lease_s]
         for client in silent:
-            log.info("client %r silent for %.0f s: releasing its handles", client.name, now - client.last_seen)
-            self.goodbye(client)
+            self.goodbye(client, f"silent for {now - client.last_seen:.0f} s: its handles released")
         return len(silent)
 
-    def goodbye(self, client: ClientState) -> None:
+    def goodbye(self, client: ClientState, why: str = "it said goodbye") -> None:
         with self._lock:
-            self._clients.pop(client.client_id, None)
+            known = self._clients.pop(client.client_id, None) is not None
+            left = len(self._clients)
         self.release_all(client)
         self._left(client)
+        if known:
+            log.info("client %r gone (%s; %d connected)", client.name, why, left)
 
     def release_all(self, client: ClientState) -> None:
         for kind, obj in client.drain():

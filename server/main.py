@@ -118,10 +118,12 @@ def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_pare
     blobs = BlobCache(cache_dir or str(default_cache_root() / "blobs"), cache_max_bytes) if cache_max_bytes > 0 \
         else None
     try:
-        return _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits,
+        code = _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits,
                       drain_grace_s, blobs, model_dir, lane_spin_s)
     finally:
         _remove_sockets(listen)
+    log.info("exiting (code %d)", code)
+    return code
 
 
 def default_max_alloc() -> int:
@@ -199,7 +201,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         threading.Thread(target=_watch_parent, args=(listen, stop), name="ephost-parent", daemon=True).start()
 
     print(json.dumps({"ephost": "ready", "address": address, "pid": os.getpid(), "ep": ep}), flush=True)
-    log.info("serving EP %r at %s", ep, address)
+    log.info("listening on %s: EP %r, %s%s", address, ep, "TLS" if security.tls else "no TLS",
+             ", a token required" if security.token_file else "")
     tick = min(0.5, client_lease_s / 4) if client_lease_s > 0 else 0.5
     while not stop.wait(tick):
         if client_lease_s > 0:
@@ -232,7 +235,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         log.warning("drained in %.1f s: %d call(s) still under way were cut at the grace",
                     time.monotonic() - started, dispatcher.admission.under_way())
     for client in state.clients.all():
-        state.clients.goodbye(client)
+        state.clients.goodbye(client, "the worker is exiting")
     if state.lane is not None:
         state.lane.close()
     factory.close()

@@ -300,12 +300,14 @@ def _listen_args(transport: str, tmp_path) -> list[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy, transport", [("retry", "unix"), ("retry", "tcp"), ("raise", "unix")])
-def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tmp_path, policy, transport):
+def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tmp_path, policy, transport, caplog):
     """SIGTERM to a worker serving two threads of runs, a new worker on the same address as the old one drains:
     no run fails, whatever the policy (a call the old worker refused as it drained never ran there, and is made
-    on the new one), and none is retried: the restart is no failure of the EP."""
+    on the new one), and none is retried: the restart is no failure of the EP, and it is logged as a drain."""
+    import logging
     import models
     from helpers import options_for
+    caplog.set_level(logging.INFO, logger="ephost")
     args = ("--ep", "reference", *_listen_args(transport, tmp_path))
     first = worker(*args)
     with ephost.Environment() as env:
@@ -349,6 +351,8 @@ def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tm
             assert all(ok for _, ok in results), "every result is correct"
             assert {g for g, _ in results} == {1, 2}, "runs on the first worker, then on the second"
             assert not {"crashed", "failed", "retried"} & set(session.failure_counters), session.failure_counters
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any("is draining" in r.getMessage() and "reconnecting" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.timeout(60)
@@ -377,3 +381,41 @@ def test_a_run_that_starts_while_the_worker_is_away_waits_for_it_and_compiles_ag
             np.testing.assert_allclose(outcome[0], models.diamond_expected(x), rtol=1e-6)
             stats = env.get_worker_stats("w")
             assert link.generation == 2 and stats.partitions_compiled == 1 and stats.methods["Ep/Compute"].calls == 1
+
+
+# --- logs an operator can use ----------------------------------------------------------------------------------
+
+def test_a_worker_logs_its_life_at_info_by_default(worker):
+    """Listening, a client connected and gone, the drain started and finished, the exit: one JSON object a line."""
+    import json
+    w = worker("--ep", "reference", "--log-format", "json")
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("app", w.address)
+    w.proc.terminate()
+    assert w.proc.wait(30) == 0
+    with open(w.log_path) as f:
+        entries = [json.loads(line) for line in f if line.startswith("{")]
+    messages = [e["message"] for e in entries]
+    expected = ["listening on", "client 'app' connected", "client 'app' gone (it said goodbye", "draining:",
+                "drained in", "exiting (code 0)"]
+    found = iter(messages)
+    assert all(any(m.startswith(prefix) for m in found) for prefix in expected), messages  # in this order
+    assert all(e["level"] == "INFO" and {"time", "logger", "pid"} <= set(e) for e in entries), entries
+
+
+def test_one_crash_is_one_warning_naming_its_cause(caplog):
+    import logging
+    import models
+    from helpers import options_for
+    caplog.set_level(logging.WARNING, logger="ephost")
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("chaos", "chaos", {"fault": "segfault", "after": "2"})
+        options = options_for(env, "chaos")
+        options.ep_failure_policy = "retry"
+        with ephost.InferenceSession(models.diamond(), options, env=env) as session:
+            x = np.ones((2, 3), np.float32)
+            for _ in range(2):  # the second run's Compute crashes the worker, and is made on the next one
+                session.run(None, {"x": x})
+            assert session.failure_counters["crashed"] == session.failure_counters["retried"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "died with signal SIGSEGV; restarting" in warnings[0], warnings
