@@ -20,6 +20,7 @@ from ephost.fastlane import MAX_KEPT, METHODS as LANE_METHODS
 from ephost.wire import SPIN_S
 from ephost.fdshare import fetch_descriptor, prove_sharing
 from ephost.memory import Region
+from ephost.progress import Progress
 from ephost.wire import CHUNK_BYTES, MAX_MESSAGE, PROTOCOL, read_file
 from ephost.wire import CLIENT_ID_KEY as METADATA_KEY
 from ephost.v1 import (allocator_pb2, allocator_pb2_grpc, common_pb2, data_transfer_pb2_grpc, ep_pb2_grpc,
@@ -294,20 +295,29 @@ class WorkerConnection:
     def write(self, allocator: int, buffer: int, data) -> None:
         """Send bytes into a worker buffer in chunks (for memory this process cannot map)."""
         view = memoryview(data).cast("B")
-        chunks = (allocator_pb2.BufferChunk(allocator=allocator, buffer=buffer, offset=start,
-                                            data=bytes(view[start:start + CHUNK_BYTES]))
-                  for start in range(0, len(view), CHUNK_BYTES))
-        self.call(self.allocator.Write, chunks)
+        progress = Progress(f"writing a tensor into the worker at {self.address}", len(view))
+
+        def chunks():
+            for start in range(0, len(view), CHUNK_BYTES):
+                yield allocator_pb2.BufferChunk(allocator=allocator, buffer=buffer, offset=start,
+                                                data=bytes(view[start:start + CHUNK_BYTES]))
+                progress.advance(min(CHUNK_BYTES, len(view) - start))
+
+        self.call(self.allocator.Write, chunks())
+        progress.finish()
 
     def read(self, allocator: int, buffer: int, out: np.ndarray) -> None:
         """Fetch a worker buffer's bytes into `out` (a flat uint8 array) in chunks."""
+        progress = Progress(f"reading a tensor from the worker at {self.address}", len(out))
         try:
             for chunk in self.allocator.Read(allocator_pb2.ReadRequest(
                     allocator=allocator, buffer=buffer, nbytes=len(out), chunk_bytes=CHUNK_BYTES),
                     timeout=self.timeout_s, metadata=self._metadata):
                 out[chunk.offset:chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+                progress.advance(len(chunk.data))
         except (grpc.RpcError, ValueError) as e:
             raise self._failed(e, self.allocator.Read) from None
+        progress.finish()
 
     def close(self) -> None:
         try:

@@ -24,6 +24,7 @@ from ephost.client.launcher import WorkerProcess
 from ephost.client.remote import RemoteEpFactory
 from ephost.client.supervisor import SupervisionPolicy, WorkerLink
 from ephost.client.targets import parse_target
+from ephost.client.worker_stats import WorkerStats
 from ephost.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -277,13 +278,13 @@ class Environment:
                 raise EpNotFound(f"device's EP library {registration.name!r} is no longer registered")
         return registration
 
-    def get_worker_stats(self, name: str):
-        """A worker's counters (ephost.v1.WorkerStats): calls per method, resident vs transferred Compute inputs,
-        bytes each way, live buffers, clients."""
+    def get_worker_stats(self, name: str) -> WorkerStats:
+        """A worker's counters (WorkerStats): calls per method, resident vs transferred Compute inputs, bytes each
+        way, live buffers, clients."""
         registration = self.registration(name)
         if registration.link is None:
             raise EpInvalidArgument(f"{name!r} is hosted in this process; it has no worker")
-        return registration.link.call(lambda c: c.worker.GetStats, common_pb2.Empty())
+        return WorkerStats.from_proto(registration.link.call(lambda c: c.worker.GetStats, common_pb2.Empty()))
 
     def _check_open(self) -> None:
         if self._closed:

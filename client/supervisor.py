@@ -57,8 +57,8 @@ class SupervisionPolicy:
         "crash_window_s": "the crash-limit window in seconds (default 300)",
         "memory_limit_mb": "restart a launched worker between calls when it holds more memory (default: none)",
         "timeout_s": "deadline of each call to the worker, in seconds (default 60)",
-        "connect_timeout_s": "how long a first connection waits for the worker to answer (default 10; an "
-                             "address where nothing listens fails at once)",
+        "connect_timeout_s": "how long a first connection waits for the worker to answer (default 10); an "
+                             "address where nothing listens fails at once",
         "recovery_timeout_s": "how long calls wait for a worker that went (restarted, drained, or no longer "
                               "answering at its address) to come back before they fail (default 30)",
         "shared_memory": "share memory with a worker on this host when it proves it can (default true)",

@@ -23,6 +23,7 @@ from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound
 from ephost.external_data import ExternalData, WorkerFile, model_key
 from ephost.fdshare import hand_over_file
 from ephost.memory import Buffer
+from ephost.progress import Progress
 from ephost.tensor import Tensor, check_copy_pairs
 from ephost.types import MemoryInfo, desc_to_proto
 from ephost.client.allocator import RemoteAllocator
@@ -330,6 +331,8 @@ class ModelSender:
             except EpFailedPrecondition:
                 return None
             offset = status.nbytes
+            progress = Progress(f"sending {f.label} to the worker for {self._link.name!r}",
+                                f.size - offset) if not status.complete else None
             while not status.complete:
                 data = os.pread(f.fd, min(BLOB_CHUNK, f.size - offset), offset)
                 if not data and offset < f.size:
@@ -340,7 +343,10 @@ class ModelSender:
                 except EpFailedPrecondition:  # another client is sending the same bytes: wait for it, or take over
                     time.sleep(0.05)
                     status = self._link.call(lambda c: c.worker.GetBlob, worker_pb2.BlobRef(sha256=digest), conn=conn)
+                progress.advance(status.nbytes - offset)
                 offset = status.nbytes
+            if progress is not None:
+                progress.finish()
             with self._lock:
                 if self._sent_to is conn:
                     self._blobs.add(digest)

@@ -18,8 +18,9 @@ from ephost.types import (HOST_MEMORY, AllocatorType, DeviceMemoryType, Hardware
                           MemoryInfo)
 
 if TYPE_CHECKING:
-    from ephost.client import (Environment, EpDevice, InferenceSession, IOBinding, ModelOnWorker, NodeArg,
-                               RunOptions, SessionOptions, SharedAllocator, SyncNotification, SyncStream)
+    from ephost.client import (Environment, EpDevice, InferenceSession, IOBinding, MethodStats, ModelOnWorker,
+                               NodeArg, RunOptions, SessionOptions, SharedAllocator, SyncNotification, SyncStream,
+                               WorkerStats)
 
 __version__ = "0.1.0"
 
@@ -27,7 +28,8 @@ __version__ = "0.1.0"
 # worker imports ephost too, and the client's modules would cost every worker start (and restart) a third of its
 # import time and memory it never uses.
 _CLIENT_NAMES = frozenset({"Environment", "EpDevice", "InferenceSession", "IOBinding", "ModelOnWorker", "NodeArg",
-                           "RunOptions", "SessionOptions", "SharedAllocator", "SyncNotification", "SyncStream"})
+                           "RunOptions", "SessionOptions", "SharedAllocator", "SyncNotification", "SyncStream",
+                           "WorkerStats", "MethodStats"})
 
 
 def __getattr__(name: str):
@@ -69,7 +71,7 @@ def copy_tensors(src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStrea
 
 __all__ = [
     "Environment", "EpDevice", "InferenceSession", "IOBinding", "SessionOptions", "RunOptions", "NodeArg", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
-    "ModelOnWorker", "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType", "AllocatorType", "HOST_MEMORY",
+    "ModelOnWorker", "WorkerStats", "MethodStats", "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType", "AllocatorType", "HOST_MEMORY",
     "get_default_environment", "register_execution_provider_library", "unregister_execution_provider_library",
     "get_ep_devices", "copy_tensors",
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",

@@ -8,12 +8,14 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 
 import numpy as np
 
 from ephost.errors import EpError
+from ephost.progress import ATTRIBUTE as PROGRESS
 from ephost.wire import MAX_GRACE_S, MAX_SPIN_S, SPIN_S
 
 log = logging.getLogger(__name__)
@@ -31,14 +33,48 @@ def _options(pairs: list[str]) -> dict[str, str]:
 
 
 class JsonFormatter(logging.Formatter):
-    """Structured logs: one JSON object per record."""
+    """Structured logs: one JSON object per record (a progress record's state under "progress")."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"), "level": record.levelname,
                  "logger": record.name, "pid": record.process, "message": record.getMessage()}
+        state = getattr(record, PROGRESS, None)
+        if state is not None:
+            entry["progress"] = {"done": state.done, "total": state.total, "finished": state.finished}
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """Logs on stderr, a line each; on a terminal, progress records (ephost.progress) redraw one line instead, a
+    bar where the total is known."""
+
+    BAR = 30
+
+    def __init__(self, stream, formatter: logging.Formatter):
+        super().__init__(stream)
+        self.setFormatter(formatter)
+        self._drawing = not isinstance(formatter, JsonFormatter) and stream.isatty()
+        self._open = False  # a progress line is on screen, not ended
+
+    def emit(self, record: logging.LogRecord) -> None:
+        state = getattr(record, PROGRESS, None)
+        if state is None or not self._drawing:
+            if self._open:
+                self.stream.write("\n")
+                self._open = False
+            super().emit(record)
+            return
+        if state.total:
+            filled = self.BAR * state.done // state.total
+            line = f"{state.what} [{'#' * filled}{'.' * (self.BAR - filled)}] {100 * state.done // state.total:3d}% " \
+                   f"{state.done >> 20}/{state.total >> 20} MiB {state.elapsed_s:.0f} s"
+        else:
+            line = f"{state.what} ({state.elapsed_s:.0f} s) {'done' if state.finished else state.note}"
+        self.stream.write("\r\x1b[K" + line[:200] + ("\n" if state.finished else ""))
+        self._open = not state.finished
+        self.flush()
 
 
 # Set in the environment of a worker re-run inside its own environment, which then takes it as it is. (Editing
@@ -112,12 +148,52 @@ def cmd_devices(args) -> int:
     return 0
 
 
+# "(default X)", "(default: X)", "(ORT's default: X)" in an option's meaning: its default, shown on its own.
+_DEFAULT = re.compile(r"\s*\(([^()]*?)default:? ([^()]*)\)")
+
+
+def _option_rows(ep: str, options: dict[str, str]) -> list[list[str]]:
+    rows = []
+    for name, meaning in options.items():
+        found = _DEFAULT.search(meaning)
+        default = "-"
+        if found:
+            default = f"{found.group(2)} ({found.group(1).strip()})" if found.group(1).strip() else found.group(2)
+            meaning = (meaning[:found.start()] + meaning[found.end():]).strip()
+        rows.append([ep, name, default, meaning])
+    return rows
+
+
+def cmd_eps(args) -> int:
+    """The EPs installed here (the `ephost.eps` entry points), their options and defaults, and the options every
+    registration takes beside them."""
+    from ephost.client.connection import Credentials
+    from ephost.client.supervisor import SupervisionPolicy
+    from ephost.eps import installed_eps
+    from ephost.worker_env import WorkerEnvironment
+
+    eps = installed_eps()
+    print(format_table([["EP", "package", "what it is"], *([e.name, e.distribution, e.summary] for e in eps)]))
+    rows = [["EP", "option", "default", "meaning"]]
+    for e in eps:
+        if e.options is None:
+            rows.append([e.name, "?", "-", "its factory does not list its options"])
+        rows += _option_rows(e.name, dict(e.options or {}))
+    print()
+    print(format_table(rows))
+    print()
+    own = [["any EP", "option", "default", "meaning"]]
+    for options in (SupervisionPolicy.OPTIONS, WorkerEnvironment.OPTIONS, Credentials.OPTIONS):
+        own += _option_rows("(any)", options)
+    print(format_table(own))
+    return 0
+
+
 def cmd_stats(args) -> int:
     """A worker's counters (Environment.get_worker_stats): the totals, then calls per method."""
     with _registered(args) as env:
         stats = env.get_worker_stats("target")
-        counters = [f.name for f in stats.DESCRIPTOR.fields if f.name != "methods"]
-        print(format_table([["counter", "value"], *([name, str(getattr(stats, name))] for name in counters)]))
+        print(format_table([["counter", "value"], *([name, str(value)] for name, value in stats.counters().items())]))
         rows = [["method", "calls", "errors", "total ms", "max ms"]]
         for method, m in sorted(stats.methods.items()):
             rows.append([method, str(m.calls), str(m.errors), f"{m.total_s * 1000:.1f}", f"{m.max_s * 1000:.1f}"])
@@ -133,7 +209,10 @@ def cmd_check(args) -> int:
     with _registered(args) as env:
         ready = time.perf_counter() - start
         device = env.get_ep_devices()[0]
-        allocator = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE)
+        # Memory this process maps where the worker shares some, else the worker's own (a worker off this host)
+        shared = device.memory_info(DeviceMemoryType.HOST_ACCESSIBLE) is not None
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.HOST_ACCESSIBLE if shared else
+                                                DeviceMemoryType.DEFAULT)
         data = np.random.default_rng(0).standard_normal(args.mib << 18, dtype=np.float32)
         worker_tensor = Tensor.empty(data.shape, data.dtype, allocator)
         back = Tensor.from_numpy(np.empty_like(data))
@@ -231,6 +310,22 @@ def _health(word: str, why: str) -> int:
     return HEALTH_EXIT[word]
 
 
+def _version() -> str:
+    """ephost's version, its wire protocol and what it runs on."""
+    import importlib.metadata
+    import platform
+
+    from ephost.wire import PROTOCOL
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+    return (f"ephost {version('ephost')} (wire protocol {PROTOCOL}; Python {platform.python_version()}, grpcio "
+            f"{version('grpcio')}, onnx {version('onnx')}, onnxruntime {version('onnxruntime')})")
+
+
 def _logging_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
     """--log-level, --verbose and --log-format on `parser` (without defaults: a subcommand's, which then leave
     the main parser's values alone unless given)."""
@@ -248,6 +343,7 @@ def _logging_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
     _logging_arguments(parser)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="serve one EP over gRPC")
@@ -309,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--all", action="store_true", help="remove every environment")
     r.set_defaults(func=cmd_env_remove)
 
+    sub.add_parser("eps", help="list the EPs installed here, their options and defaults").set_defaults(func=cmd_eps)
+
     h = sub.add_parser("health", help="check a worker's grpc.health.v1 status (exit 0 when SERVING; else 1 "
                                       "NOT_SERVING, 3 NOT_LISTENING or UNREACHABLE, 4 TLS_MISMATCH)")
     h.add_argument("address", help="unix:///path.sock, host:port, grpc://host:port or grpcs://host:port")
@@ -326,16 +424,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if args.log_format == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    handler = ConsoleHandler(sys.stderr, JsonFormatter() if args.log_format == "json" else
+                             logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
     logging.basicConfig(level="INFO" if args.verbose else (args.log_level or "WARNING").upper(), handlers=[handler])
     if args.command == "worker" and args.log_level is None:
         for name in ("ephost.worker", "ephost.server"):  # (not the EP's own, nor ONNX Runtime's: --verbose)
             logging.getLogger(name).setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
-    # Making an environment takes a while: its progress shows at the default level.
-    progress = logging.getLogger("ephost.worker_env")
-    progress.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    # Making an environment, or sending a large model or tensor, takes a while: its progress shows at the default
+    # level.
+    for name in ("ephost.worker_env", "ephost.progress"):
+        logging.getLogger(name).setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     try:
         return args.func(args)
     except EpError as e:

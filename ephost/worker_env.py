@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ephost.errors import EpInvalidArgument, EpNotFound, EpWorkerEnvironmentFailed
+from ephost.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -178,25 +179,28 @@ class WorkerEnvironment:
         base = self.base_python()
         started = time.monotonic()
         log.info("making worker environment %s for %s in %s", key, ", ".join(self.requirements), directory)
+        progress = Progress(f"making worker environment {key}")
         with open(pip_log, "w") as out:
-            self._run([base, "-m", "venv", str(venv)], out, "create the virtual environment", pip_log, venv)
+            self._run([base, "-m", "venv", str(venv)], out, "create the virtual environment", pip_log, venv,
+                      progress)
             python = str(venv / "bin" / "python")
             index = [a for link in self.find_links for a in ("--find-links", link)]
             index += ["--no-index"] if self.no_index else []
             self._run([python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
                        "--progress-bar", "off", *index, *source.pip_args, *self.requirements],
-                      out, "install " + ", ".join(self.requirements), pip_log, venv)
+                      out, "install " + ", ".join(self.requirements), pip_log, venv, progress)
             packages = self._packages(python)
         record = EnvironmentRecord(key, list(self.requirements), base, python, list(source.pip_args), time.time(),
                                    str(directory), packages)
         temporary = directory / (RECORD + ".tmp")
         temporary.write_text(json.dumps(asdict(record), indent=1))
         os.replace(temporary, directory / RECORD)  # made: from here on it is used
+        progress.finish()
         log.info("worker environment %s made in %.0f s", key, time.monotonic() - started)
         return record
 
-    def _run(self, command: list[str], out, what: str, pip_log: Path, venv: Path) -> None:
-        """Run one step, its output into the log file and its progress lines into logging."""
+    def _run(self, command: list[str], out, what: str, pip_log: Path, venv: Path, progress: Progress) -> None:
+        """Run one step, its output into the log file and its progress lines into `progress`."""
         errors: list[str] = []
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               text=True, env={**os.environ, "PIP_NO_INPUT": "1"}) as proc:
@@ -204,7 +208,7 @@ class WorkerEnvironment:
                 out.write(line)
                 line = line.rstrip()
                 if _PROGRESS.match(line):
-                    log.info("worker environment: %s", line)
+                    progress.note(line)
                 elif line.startswith("ERROR:") or errors:
                     errors.append(line)
             code = proc.wait()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import sys
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Mapping
 
@@ -19,6 +21,35 @@ def _registered() -> tuple:
 
 def available_eps() -> list[str]:
     return sorted(ep.name for ep in _registered())
+
+
+@dataclass(frozen=True)
+class InstalledEp:
+    """An EP of the group, as `ephost eps` lists it: its name, the distribution that brings it, what it is (its
+    module's first line) and its options (name -> meaning, with its default), where its factory class names
+    them (an `OPTIONS` attribute; None where it does not)."""
+
+    name: str
+    distribution: str
+    summary: str
+    options: Mapping[str, str] | None
+
+
+def installed_eps() -> list[InstalledEp]:
+    """The EPs of the `ephost.eps` group, by name; loading each factory class (not making a factory)."""
+    out = []
+    for ep in sorted(_registered(), key=lambda e: e.name):
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
+        try:
+            cls = ep.load()
+        except Exception as e:  # a third-party EP that does not import here: listed, with why
+            out.append(InstalledEp(ep.name, dist, f"cannot be loaded here: {type(e).__name__}: {e}", None))
+            continue
+        module = sys.modules.get(cls.__module__)
+        doc = (getattr(module, "__doc__", None) or cls.__doc__ or "").strip()
+        first = doc.split("\n\n")[0].replace("\n", " ")
+        out.append(InstalledEp(ep.name, dist, first.split(". ")[0].rstrip(".") + ".", getattr(cls, "OPTIONS", None)))
+    return out
 
 
 def load_factory(name: str, options: Mapping[str, str] | None = None):

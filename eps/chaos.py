@@ -125,6 +125,8 @@ class ChaosDataTransfer(_Wrapper):
 
 
 class ChaosEpFactory(_Wrapper):
+    OPTIONS = OPTIONS  # (and the wrapped EP's)
+
     def __init__(self, options: Mapping[str, str] | None = None):
         options = dict(options or {})
         own = {k: v for k, v in options.items() if k in OPTIONS}

@@ -95,6 +95,7 @@ class ExampleEp(EpDefaults):
 
 class ExampleEpFactory(EphostCpuFactory):
     name, version = EP_NAME, VERSION
+    OPTIONS: dict[str, str] = {}  # (its provider options are the session's: PROVIDER_OPTIONS)
 
     def __init__(self, options: Mapping[str, str] | None = None):
         check_options(EP_NAME, dict(options or {}), {})

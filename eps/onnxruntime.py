@@ -674,6 +674,8 @@ class _Profile:
 
 
 class OrtEpFactory(HostMemoryFactory):
+    OPTIONS = OPTIONS
+
     def __init__(self, options: Mapping[str, str] | None = None):
         options = dict(options or {})
         check_options(EP_NAME, options, OPTIONS)

@@ -153,6 +153,7 @@ class ReferenceEp(EpDefaults):
 
 class ReferenceEpFactory(EphostCpuFactory):
     name, version = EP_NAME, VERSION
+    OPTIONS = OPTIONS
 
     def __init__(self, options: Mapping[str, str] | None = None):
         options = dict(options or {})

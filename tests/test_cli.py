@@ -104,3 +104,49 @@ def test_stats_of_a_running_worker_as_tables(worker):
     assert calls["EpFactory/GetSupportedDevices"] == 2 and calls["Allocator/Alloc"] == 1, "check allocated once"
     result = ephost("stats", "inproc:reference")
     assert result.returncode == 1 and "hosted in this process" in result.stderr
+
+
+def test_version_names_ephost_its_protocol_and_what_it_runs_on():
+    import importlib.metadata
+    result = ephost("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"ephost {importlib.metadata.version('ephost')} (wire protocol ephost.v1;")
+    assert f"onnxruntime {importlib.metadata.version('onnxruntime')}" in result.stdout
+
+
+def test_eps_lists_the_installed_eps_with_their_options_and_defaults():
+    result = ephost("eps")
+    assert result.returncode == 0, result.stderr
+    eps, options, common = result.stdout.split("\n\n")
+    assert {line.split()[0] for line in eps.splitlines()[2:]} >= {"reference", "onnxruntime", "chaos"}
+    rows = {tuple(line.split()[:3]) for line in options.splitlines()[2:]}
+    assert ("onnxruntime", "graph_optimization_level", "all") in rows and ("chaos", "wrap", "reference") in rows
+    assert any(line.split()[:3] == ["(any)", "recovery_timeout_s", "30"] for line in common.splitlines())
+
+
+def test_a_large_transfer_draws_a_progress_bar_on_a_terminal(worker):
+    """`ephost check` against a worker whose memory it cannot share: the tensor goes in chunks, and the terminal
+    (a real pseudo-terminal here) shows one line redrawn, up to 100%."""
+    import os
+    import pty
+    w = worker("--ep", "reference")
+    main, child = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "ephost", "check", w.address, "--mib", "80", "--option",
+                                 "shared_memory=false"], stdout=subprocess.PIPE, stderr=child, text=True)
+        os.close(child)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # the terminal's other end closed
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        os.close(main)
+    assert proc.returncode == 0 and "identical" in out, (out, drawn)
+    text = drawn.decode(errors="replace")
+    assert "\r\x1b[K" in text and "writing a tensor into the worker" in text and "100%" in text, text[-500:]

@@ -209,3 +209,34 @@ def test_health_tells_nothing_listening_tls_mismatch_and_not_serving_apart(tls_w
         assert down.returncode == 1 and down.stdout.strip() == "NOT_SERVING: NOT_SERVING", down.stdout
     finally:
         server.stop(0)
+
+
+def test_progress_of_a_large_transfer_is_logged(tcp_worker, caplog):
+    import logging
+    from ephost.progress import ATTRIBUTE
+    caplog.set_level(logging.INFO, logger="ephost.progress")
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("far", tcp_worker.address, {"shared_memory": "false"})
+        (device,) = env.get_ep_devices()
+        allocator = env.create_shared_allocator(device, DeviceMemoryType.DEFAULT)
+        Tensor.from_numpy(np.ones(80 << 20, np.uint8), allocator)
+        small = len(caplog.records)
+        Tensor.from_numpy(np.ones(1 << 20, np.uint8), allocator)
+        assert len(caplog.records) == small, "a small transfer is not reported"
+    states = [getattr(r, ATTRIBUTE) for r in caplog.records]
+    assert states[0].done == 0 and states[-1].finished and states[-1].done == states[-1].total == 80 << 20
+    assert "writing a tensor into the worker at" in caplog.records[-1].getMessage()
+
+
+def test_worker_stats_are_a_typed_value_with_every_counter_the_worker_sends(tcp_worker):
+    import dataclasses
+    from ephost.v1 import worker_pb2
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("w", tcp_worker.address)
+        stats = env.get_worker_stats("w")
+    assert isinstance(stats, ephost.WorkerStats) and stats.clients >= 1
+    assert {f.name for f in dataclasses.fields(stats)} == {f.name for f in worker_pb2.WorkerStats.DESCRIPTOR.fields}
+    hello = stats.methods["Worker/Hello"]
+    assert isinstance(hello, ephost.MethodStats) and hello.calls >= 1 and hello.mean_s <= hello.max_s + 1e-9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.clients = 0
