@@ -71,7 +71,8 @@ def copy_tensors(src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStrea
 
 __all__ = [
     "Environment", "EpDevice", "InferenceSession", "IOBinding", "SessionOptions", "RunOptions", "NodeArg", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
-    "ModelOnWorker", "WorkerStats", "MethodStats", "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType", "AllocatorType", "HOST_MEMORY",
+    "ModelOnWorker", "WorkerStats", "MethodStats", "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType",
+    "AllocatorType", "HOST_MEMORY",
     "get_default_environment", "register_execution_provider_library", "unregister_execution_provider_library",
     "get_ep_devices", "copy_tensors",
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",
