@@ -20,6 +20,7 @@ from ephost.types import HOST_MEMORY, DeviceMemoryType, MemoryInfo
 from ephost.graph import load_schemas
 from ephost.client.connection import Credentials
 from ephost.client.devices import EpDevice, SharedAllocator, SyncStream
+from ephost.client import metrics
 from ephost.client.launcher import WorkerProcess
 from ephost.client.remote import RemoteEpFactory
 from ephost.client.supervisor import SupervisionPolicy, WorkerLink
@@ -84,6 +85,7 @@ class Environment:
         self._lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy is inert: the workers are the parent's
+        metrics.track(self)
         # One the application never closes is closed as it exits, while its threads still run: left to the
         # interpreter's teardown (__del__), stopping a worker waited forever for a watcher thread frozen there.
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))

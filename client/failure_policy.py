@@ -9,6 +9,7 @@ from typing import Any, Callable
 from ephost.errors import (EpDeadlineExceeded, EpError, EpInternal, EpInvalidArgument, EpWorkerCrashed,
                            EpWorkerDraining, EpWorkerReplaced, EpWorkerUnavailable)
 from ephost.eps.base import ComputeCall
+from ephost.client import metrics
 from ephost.client.planner import Partition
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class FailurePolicy:
     def note(self, event: str, registration: str, what: str, error: BaseException | None = None, run: int = 0,
              level: int | None = None):
         self.counters[event] += 1
+        metrics.note(registration, event)
         entry = {"run": run, "event": event, "registration": registration, "what": what,
                  "error": f"{type(error).__name__}: {error}" if error is not None else ""}
         self.run_log.append(entry)

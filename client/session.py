@@ -19,6 +19,7 @@ from ephost.run_options import ForeignOptions
 from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value, to_python
+from ephost.client import metrics
 from ephost.client.failure_policy import FailurePolicy
 from ephost.client.fallback import CpuFallback
 from ephost.client.iobinding import IOBinding
@@ -160,6 +161,13 @@ class InferenceSession:
 
     # --- runs -----------------------------------------------------------------------------------------
 
+    @property
+    def registrations(self) -> tuple[str, ...]:
+        """The registrations the session's partitions run on now, in plan order ("fallback" for the CPU
+        fallback)."""
+        return tuple(dict.fromkeys(p.registration for p in self._plan.partitions))
+
+    @metrics.observed
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: Any = None) -> list[Any]:
         """The outputs as numpy arrays (lists, None or dicts for non-tensor values). Feeds may be numpy arrays,
@@ -190,6 +198,7 @@ class InferenceSession:
 
         executor.submit(work)
 
+    @metrics.observed
     def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, Any],
                             run_options: Any = None) -> list[Any]:
         """ORT's run_with_ort_values: the outputs as ephost.Tensors, left where the partitions made them (in a
@@ -201,6 +210,7 @@ class InferenceSession:
         """An IOBinding of this session (ORT's session.io_binding())."""
         return IOBinding(self)
 
+    @metrics.observed
     def run_with_iobinding(self, iobinding: IOBinding, run_options: Any = None) -> None:
         """Run with the inputs and outputs bound in `iobinding`; its get_outputs() then holds the outputs where
         they were bound. Outputs bound to an EP's memory are left there by the partition that makes them."""

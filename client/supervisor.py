@@ -108,6 +108,7 @@ class ProcessSupervisor:
     def __init__(self, link: "WorkerLink", ep: str, ep_options: Mapping[str, str], policy: SupervisionPolicy):
         self._link, self.ep, self._options, self._policy = link, ep, dict(ep_options), policy
         self._budget = policy.crash_budget()
+        self.crashes = 0  # deaths of its workers, since the registration
         self.process: WorkerProcess | None = None
         self._killed: WorkerProcess | None = None  # the worker this side ended (logged then, not as it exits)
 
@@ -140,6 +141,7 @@ class ProcessSupervisor:
     def _delay(self, what: str, code: int | None = None) -> float | None:
         """A crash counted against the budget: the delay before the next start, or None where the EP is marked
         failed (the budget is spent, or restarting is off)."""
+        self.crashes += 1
         delay = self._budget.record(time.monotonic())
         if delay is not None and self._policy.restart:
             return delay

@@ -69,12 +69,26 @@ def copy_tensors(src: Sequence[Tensor], dst: Sequence[Tensor], stream: SyncStrea
     get_default_environment().copy_tensors(src, dst, stream)
 
 
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> int:
+    """Serve this application's ephost metrics (per registration: runs, their latency, failures, restarts,
+    fallbacks) in Prometheus' text format at http://ADDR:PORT/metrics; the port (0: a free one)."""
+    from ephost.client.metrics import start_metrics_server
+    return start_metrics_server(port, addr)
+
+
+def register_metrics(registry=None) -> None:
+    """Report this application's ephost metrics into a prometheus_client registry it serves already (the default
+    registry when None)."""
+    from ephost.client.metrics import register_metrics
+    register_metrics(registry)
+
+
 __all__ = [
     "Environment", "EpDevice", "InferenceSession", "IOBinding", "SessionOptions", "RunOptions", "NodeArg", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
     "ModelOnWorker", "WorkerStats", "MethodStats", "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType",
     "AllocatorType", "HOST_MEMORY",
     "get_default_environment", "register_execution_provider_library", "unregister_execution_provider_library",
-    "get_ep_devices", "copy_tensors",
+    "get_ep_devices", "copy_tensors", "start_metrics_server", "register_metrics",
     "EpError", "EpInvalidArgument", "EpNotFound", "EpAlreadyExists", "EpResourceExhausted",
     "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
     "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed",

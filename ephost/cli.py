@@ -105,7 +105,7 @@ def cmd_worker(args) -> int:
                  client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None,
                  drain_grace_s=args.drain_grace_s, cache_dir=args.cache_dir,
                  cache_max_bytes=args.cache_max_mb << 20, model_dir=args.model_dir,
-                 lane_spin_s=args.lane_spin_us * 1e-6)
+                 lane_spin_s=args.lane_spin_us * 1e-6, metrics_listen=args.metrics_listen)
 
 
 def _grace(text: str) -> float:
@@ -359,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--client-lease-s", type=float,
                    help="release the handles of a client not heard from for this long (default 60; 0: never; "
                         "off for a worker launched with --exit-with-parent)")
+    w.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (plain HTTP: bind it where only the "
+                        "scraper reaches, e.g. the pod's network; port 0: any free one, named in the ready line)")
     w.add_argument("--exit-with-parent", action="store_true",
                    help="exit when stdin closes (the launching process holds its other end)")
     w.add_argument("--max-message-mb", type=int, default=1024, help="largest gRPC message, MiB (default 1024)")

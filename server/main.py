@@ -113,13 +113,13 @@ def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_pare
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
           client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, drain_grace_s: float = 5.0,
           cache_dir: str | None = None, cache_max_bytes: int = 10 << 30, model_dir: str | None = None,
-          lane_spin_s: float = SPIN_S) -> int:
+          lane_spin_s: float = SPIN_S, metrics_listen: str | None = None) -> int:
     limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
     blobs = BlobCache(cache_dir or str(default_cache_root() / "blobs"), cache_max_bytes) if cache_max_bytes > 0 \
         else None
     try:
         code = _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits,
-                      drain_grace_s, blobs, model_dir, lane_spin_s)
+                      drain_grace_s, blobs, model_dir, lane_spin_s, metrics_listen)
     finally:
         _remove_sockets(listen)
     log.info("exiting (code %d)", code)
@@ -133,7 +133,8 @@ def default_max_alloc() -> int:
 
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
            security: Security, client_lease_s: float, limits: Limits, drain_grace_s: float,
-           blobs: BlobCache | None = None, model_dir: str | None = None, lane_spin_s: float = SPIN_S) -> int:
+           blobs: BlobCache | None = None, model_dir: str | None = None, lane_spin_s: float = SPIN_S,
+           metrics_listen: str | None = None) -> int:
     max_message = limits.max_message
     try:
         factory = load_factory(ep, options)
@@ -200,7 +201,12 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     if exit_with_parent:
         threading.Thread(target=_watch_parent, args=(listen, stop), name="ephost-parent", daemon=True).start()
 
-    print(json.dumps({"ephost": "ready", "address": address, "pid": os.getpid(), "ep": ep}), flush=True)
+    ready = {"ephost": "ready", "address": address, "pid": os.getpid(), "ep": ep}
+    metrics = None
+    if metrics_listen is not None:
+        from ephost.server.metrics import serve_metrics  # (prometheus_client, only where asked for)
+        ready["metrics"], metrics = serve_metrics(state, metrics_listen)
+    print(json.dumps(ready), flush=True)
     log.info("listening on %s: EP %r, %s%s", address, ep, "TLS" if security.tls else "no TLS",
              ", a token required" if security.token_file else "")
     tick = min(0.5, client_lease_s / 4) if client_lease_s > 0 else 0.5
@@ -241,6 +247,8 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     factory.close()
     if fd_server is not None:
         fd_server.close()
+    if metrics is not None:
+        metrics.shutdown()
     return 0
 
 

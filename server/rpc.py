@@ -189,14 +189,14 @@ class Dispatcher:
         try:
             reply = (handler or method.handler)(request, call)
         except BaseException as e:
-            self._record(method, call, time.perf_counter() - start, False, lane)
+            self._record(method, call, time.perf_counter() - start, _status(e), lane)
             self.admission.leave(call.client_id)
             if isinstance(e, EpError) or not isinstance(e, Exception):
                 raise
             raise _internal(method, e) from None
         seconds = time.perf_counter() - start
         if respond is None:  # the caller answers once this returns: counted first
-            self._record(method, call, seconds, True, lane)
+            self._record(method, call, seconds, "", lane)
             self.admission.leave(call.client_id)
             return reply
         # Answered first, counted right after: counting first would hold every lane reply back (3 µs a tiny
@@ -211,7 +211,7 @@ class Dispatcher:
             # median, while the caller polled); where no one waits, a system call's cost.
             os.sched_yield()
         finally:
-            self._record(method, call, seconds, True, lane)
+            self._record(method, call, seconds, "", lane)
             answered.counted += 1
             self.admission.leave(call.client_id)
         return reply
@@ -219,34 +219,41 @@ class Dispatcher:
     def _stream(self, method: Method, request, client_id, deadline) -> Iterator:
         start = time.perf_counter()
         call = self._enter(method, client_id, deadline)
-        ok = False
+        failed = "CANCELLED"  # (a stream its caller stops reading ends here, GeneratorExit)
         try:
             yield from method.handler(request, call)
-            ok = True
-        except EpError:
+            failed = ""
+        except EpError as e:
+            failed = _status(e)
             raise
         except Exception as e:
+            failed = "INTERNAL"
             raise _internal(method, e) from None
         finally:
-            self._record(method, call, time.perf_counter() - start, ok, False)
+            self._record(method, call, time.perf_counter() - start, failed, False)
             self.admission.leave(call.client_id)
 
     def _enter(self, method: Method, client_id: str | None, deadline: float | None,
                ran: Callable[[], bool] | None = None) -> Call:
         """Admit a call: refused while draining, bounded per client and for the whole worker; its client."""
         state = self.state
-        if state.draining.is_set():  # calls under way finish; new ones are turned away
-            raise EpWorkerDraining("worker is draining (shutting down); try another")
-        self.admission.enter(client_id or "")
+        try:
+            if state.draining.is_set():  # calls under way finish; new ones are turned away
+                raise EpWorkerDraining("worker is draining (shutting down); try another")
+            self.admission.enter(client_id or "")
+        except EpError as e:
+            state.stats.refused(method.key, _status(e))
+            raise
         try:
             return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline,
                         client_id=client_id or "", ran=ran)
-        except EpError:
+        except EpError as e:
             self.admission.leave(client_id or "")
+            state.stats.refused(method.key, _status(e))
             raise
 
-    def _record(self, method: Method, call: Call, seconds: float, ok: bool, lane: bool) -> None:
-        self.state.stats.record_call(method.key, seconds, ok, lane, call.counts)
+    def _record(self, method: Method, call: Call, seconds: float, failed: str, lane: bool) -> None:
+        self.state.stats.record_call(method.key, seconds, failed, lane, call.counts)
 
     # --- gRPC -------------------------------------------------------------------------------------
 
@@ -288,6 +295,12 @@ class Dispatcher:
                                                                       method.server_streaming)]
         return make(streaming if method.server_streaming else unary, request_deserializer=None,
                     response_serializer=method.reply.SerializeToString)
+
+
+def _status(error: BaseException) -> str:
+    """The status a failed call ends with, by name (what metrics count it under)."""
+    return error.code.name if isinstance(error, EpError) else "INTERNAL" if isinstance(error, Exception) \
+        else "CANCELLED"
 
 
 def _internal(method: Method, error: Exception) -> EpError:

@@ -1,11 +1,14 @@
-"""Counters a worker reports through Worker.GetStats."""
+"""Counters a worker reports through Worker.GetStats, and exports as Prometheus metrics (server/metrics.py) when
+scraped: counted as calls end, read at scrape time."""
 from __future__ import annotations
 
 import threading
 import time
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 
+from ephost import histogram
 from ephost.v1 import worker_pb2
 
 
@@ -24,12 +27,23 @@ class _Answered:
         self.answered = self.counted = 0
 
 
+@dataclass(frozen=True)
+class StatsSnapshot:
+    counters: dict[str, int]
+    methods: dict[str, list]                 # as WorkerStats keeps them
+    failed: dict[tuple[str, str], int]       # (method, status) -> calls
+    lane_bytes: tuple[int, int]              # inline tensor bytes in, out, on the fast lane
+
+
 class WorkerStats:
     def __init__(self):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._answering: "weakref.WeakSet[_Answered]" = weakref.WeakSet()  # a thread's goes when the thread ends
-        self._methods: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+        # method -> [calls, errors, total s, max s, then the latency histogram's counts (ephost.histogram)]
+        self._methods: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0] + [0] * histogram.SLOTS)
+        self._failed: dict[tuple[str, str], int] = defaultdict(int)  # (method, status) -> calls that failed so
+        self._lane_bytes = [0, 0]  # tensor bytes inline in and out on the fast lane (the rest went over gRPC)
         self.counters = dict.fromkeys(("bytes_copied", "bytes_inline_in", "bytes_inline_out", "copies",
                                        "compute_inputs_resident", "compute_inputs_transferred",
                                        "compute_outputs_in_place", "compute_outputs_copied",
@@ -40,22 +54,35 @@ class WorkerStats:
                                        "blob_bytes_received", "blob_hits", "capability_cache_hits", "kept_calls",
                                        "early_wakes", "calls_kept"), 0)
 
-    def record_call(self, method: str, seconds: float, ok: bool, lane: bool = False,
+    def record_call(self, method: str, seconds: float, failed: str = "", lane: bool = False,
                     counts: dict[str, int] | None = None) -> None:
-        """One call of `method` (`lane`: on the fast lane) that took `seconds`, and the counters it added to
-        (`counts`), under one lock."""
+        """One call of `method` (`lane`: on the fast lane) that took `seconds` and failed with status `failed`
+        ("": it did not), and the counters it added to (`counts`), under one lock."""
+        bucket = histogram.slot(seconds)
         with self._lock:
             counters = self.counters
-            if lane:
-                counters["fast_lane_calls"] += 1
             if counts:
                 for key, value in counts.items():
                     counters[key] += value
+            if lane:
+                counters["fast_lane_calls"] += 1
+                if counts:
+                    self._lane_bytes[0] += counts.get("bytes_inline_in", 0)
+                    self._lane_bytes[1] += counts.get("bytes_inline_out", 0)
             m = self._methods[method]
             m[0] += 1
-            m[1] += 0 if ok else 1
             m[2] += seconds
             m[3] = max(m[3], seconds)
+            m[4 + bucket] += 1
+            if failed:
+                m[1] += 1
+                self._failed[(method, failed)] += 1
+
+    def refused(self, method: str, status: str) -> None:
+        """A call of `method` turned away before it ran (the worker drains, a bound is reached, an unknown
+        client): counted by status only, not as a call."""
+        with self._lock:
+            self._failed[(method, status)] += 1
 
     def answering(self) -> _Answered:
         """The calling thread's tally of calls it answers before it counts them (the fast lane's: a count made
@@ -87,8 +114,14 @@ class WorkerStats:
                 for key, value in more.items():
                     counters[key] += value
 
+    def snapshot(self) -> "StatsSnapshot":
+        """The figures as they are now, for an exporter (server/metrics.py)."""
+        with self._lock:
+            return StatsSnapshot(dict(self.counters), {k: list(v) for k, v in self._methods.items()},
+                                 dict(self._failed), tuple(self._lane_bytes))
+
     def to_proto(self, **extra: int) -> worker_pb2.WorkerStats:
         with self._lock:
-            methods = {name: worker_pb2.MethodStats(calls=int(c), errors=int(e), total_s=t, max_s=mx)
-                       for name, (c, e, t, mx) in self._methods.items()}
+            methods = {name: worker_pb2.MethodStats(calls=int(m[0]), errors=int(m[1]), total_s=m[2], max_s=m[3])
+                       for name, m in self._methods.items()}
             return worker_pb2.WorkerStats(methods=methods, **self.counters, **extra)

@@ -40,7 +40,7 @@ def test_stats_asked_for_after_a_reply_count_the_call_the_lane_answered_before_c
         answered.set()
         counting.wait()
         time.sleep(0.05)
-        stats.record_call("Ep/Compute", 1e-5, True, lane=True, counts={"kept_calls": 1})
+        stats.record_call("Ep/Compute", 1e-5, "", lane=True, counts={"kept_calls": 1})
         tally.counted += 1
 
     thread = threading.Thread(target=lane_thread)
