@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 EPHOST_VERSION = importlib.metadata.version("ephost")
 KEEPALIVE_MS = 20_000
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]})
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,9 @@ class WorkerConnection:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             # Several replicas behind one name: one channel talks to one replica, the one that compiled this
-            # client's partitions, and moves to another only when that one is gone.
-            ("grpc.lb_policy_name", "pick_first"),
+            # client's partitions, and moves to another only when that one is gone; each channel shuffles the
+            # name's addresses first (gRFC A62), so that clients spread over the replicas.
+            ("grpc.service_config", SERVICE_CONFIG),
             # Its own connections: a new connection tries the address now, not after the backoff another channel
             # to the same address is in (a worker that has just come back is found at once).
             ("grpc.use_local_subchannel_pool", 1),

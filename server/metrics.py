@@ -67,6 +67,9 @@ class WorkerCollector:
                                 "a restart", value=state.started_at)
         yield GaugeMetricFamily(f"{PREFIX}_draining", "1 while the worker drains (it refuses new calls)",
                                 value=int(state.draining.is_set()))
+        if state.dispatcher is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_calls_under_way", "calls the worker is serving now, on both planes "
+                                    "(what an autoscaler scales on)", value=state.dispatcher.admission.under_way())
         calls = CounterMetricFamily(f"{PREFIX}_calls", "calls by method and the status they ended with (calls "
                                     "turned away, under theirs)", labels=["method", "status"])
         duration = HistogramMetricFamily(f"{PREFIX}_call_duration_seconds", "how long the worker took to answer "

@@ -32,18 +32,36 @@ def test_compose_file_starts_two_workers_and_a_client_that_uses_both():
     assert "USER ephost" in dockerfile and "HEALTHCHECK" in dockerfile and "ephost health" in dockerfile
 
 
-def test_kubernetes_manifest_is_valid_against_the_kubernetes_schemas():
+def test_kubernetes_manifest_is_valid_against_the_kubernetes_schemas(worker):
     """Each object of docker/kubernetes.yaml validates (strictly: no unknown field) against the schemas of
-    Kubernetes that the kubernetes-validate package ships, and the Deployment probes the worker's health."""
+    Kubernetes that the kubernetes-validate package ships; the Deployment probes the worker's health, Prometheus
+    scrapes its metrics' port, and the autoscaler scales it on a metric a worker serves."""
     import kubernetes_validate
     documents = [d for d in yaml.safe_load_all((DOCKER / "kubernetes.yaml").read_text()) if d]
-    assert {d["kind"] for d in documents} == {"Deployment", "Service"}
+    assert {d["kind"] for d in documents} == {"Deployment", "Service", "HorizontalPodAutoscaler"}
     for document in documents:
         kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
     (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["exec"]["command"][:2] == ["ephost", "health"]
+    # Prometheus scrapes the port the worker serves its metrics on
+    args = container["args"]
+    metrics_port = int(args[args.index("--metrics-listen") + 1].rsplit(":", 1)[1])
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == metrics_port
+    assert {"name": "metrics", "containerPort": metrics_port} in container["ports"]
+    # The autoscaler scales the Deployment on a metric the worker serves
+    (hpa,) = [d for d in documents if d["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    (metric,) = hpa["spec"]["metrics"]
+    import json
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    w = worker("--ep", "reference", "--metrics-listen", "127.0.0.1:0")
+    with urllib.request.urlopen(f"http://{json.loads(w.ready_line)['metrics']}/metrics", timeout=30) as reply:
+        served = {f.name for f in text_string_to_metric_families(reply.read().decode())}
+    assert metric["pods"]["metric"]["name"] in served
 
 
 def test_the_entry_command_starts_a_worker_that_reports_healthy():

@@ -240,3 +240,16 @@ def test_worker_stats_are_a_typed_value_with_every_counter_the_worker_sends(tcp_
     assert isinstance(hello, ephost.MethodStats) and hello.calls >= 1 and hello.mean_s <= hello.max_s + 1e-9
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.clients = 0
+
+
+def test_new_clients_spread_over_the_replicas_behind_one_name(worker):
+    """Each client's channel shuffles the name's addresses before it picks one (gRFC A62): twenty clients of two
+    replicas do not all land on the first (that happens with a chance of one in half a million)."""
+    replicas = [worker("--ep", "reference", "--listen", f"127.0.0.1:{free_port()}", "--insecure") for _ in range(2)]
+    name = "ipv4:" + ",".join(r.address for r in replicas)
+    with ephost.Environment() as env:
+        for i in range(20):
+            env.register_execution_provider_library(f"c{i}", name)
+        served = [env.registration(f"c{i}").link.current.info.pid for i in range(20)]
+    counts = [served.count(r.proc.pid) for r in replicas]
+    assert sum(counts) == 20 and min(counts) >= 1, counts
