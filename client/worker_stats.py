@@ -3,8 +3,7 @@ wire's ephost.v1.WorkerStats (its fields, the same names, documented there)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from types import MappingProxyType
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from ephost.v1 import worker_pb2
 
@@ -23,11 +22,40 @@ class MethodStats:
         return self.total_s / self.calls if self.calls else 0.0
 
 
+class Methods(Mapping[str, MethodStats]):
+    """The methods called so far, by name ("Ep/Compute"); one never called reads as no calls (as the wire's map
+    reads), though it is not `in` it."""
+
+    def __init__(self, methods: dict[str, MethodStats]):
+        self._methods = methods
+
+    def __getitem__(self, name: str) -> MethodStats:
+        return self._methods.get(name, _NONE)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._methods)
+
+    def __len__(self) -> int:
+        return len(self._methods)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._methods
+
+    def get(self, name: str, default=None):
+        return self._methods.get(name, default)
+
+    def __repr__(self) -> str:
+        return f"Methods({self._methods!r})"
+
+
+_NONE = MethodStats()
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     """Counters of one worker since it started, over all its clients."""
 
-    methods: Mapping[str, MethodStats] = field(default_factory=dict)  # "Ep/Compute" -> its calls
+    methods: Methods = field(default_factory=lambda: Methods({}))  # "Ep/Compute" -> its calls
     clients: int = 0                          # clients connected now
     buffers_live: int = 0                     # buffers its clients hold now
     bytes_copied: int = 0                     # bytes moved by CopyTensors inside the worker
@@ -59,7 +87,7 @@ class WorkerStats:
     def from_proto(cls, message: worker_pb2.WorkerStats) -> "WorkerStats":
         values = {f.name: getattr(message, f.name) for f in fields(cls) if f.name != "methods"}
         methods = {name: MethodStats(m.calls, m.errors, m.total_s, m.max_s) for name, m in message.methods.items()}
-        return cls(methods=MappingProxyType(methods), **values)
+        return cls(methods=Methods(methods), **values)
 
     def counters(self) -> dict[str, int]:
         """Every counter but the methods', by name."""

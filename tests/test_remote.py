@@ -236,6 +236,7 @@ def test_worker_stats_are_a_typed_value_with_every_counter_the_worker_sends(tcp_
         stats = env.get_worker_stats("w")
     assert isinstance(stats, ephost.WorkerStats) and stats.clients >= 1
     assert {f.name for f in dataclasses.fields(stats)} == {f.name for f in worker_pb2.WorkerStats.DESCRIPTOR.fields}
+    assert stats.methods["Never/Called"].calls == 0 and "Never/Called" not in stats.methods
     hello = stats.methods["Worker/Hello"]
     assert isinstance(hello, ephost.MethodStats) and hello.calls >= 1 and hello.mean_s <= hello.max_s + 1e-9
     with pytest.raises(dataclasses.FrozenInstanceError):
