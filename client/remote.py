@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 import onnx
 
-from ephost import values
+from ephost import tracing, values
 from ephost.ep_context import EpContext
 from ephost.eps.base import ComputeCall, FusedGraph, NodeGroup, ProfilingEvent
 from ephost.errors import EpNotFound
@@ -95,8 +95,9 @@ class RemoteComputeInfo(RemoteHandle):
         conn = self.link.conn
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
         into = self._owned(call.into) if call.into else _NO_TARGETS
-        if call.run_options is None and (not call.keep or call.allocator is not None):  # (repeats carry none)
-            form = self.kept_form(call.inputs, into, conn=conn)
+        traced = tracing.recording()  # (a traced call goes whole, carrying the trace context)
+        if call.run_options is None and (not call.keep or call.allocator is not None) and not traced:
+            form = self.kept_form(call.inputs, into, conn=conn)  # (a kept call's repeats carry neither)
             if form is not None:
                 outputs = self._compute_kept(conn, call, into, form)
                 self.link.between_calls()
@@ -106,6 +107,8 @@ class RemoteComputeInfo(RemoteHandle):
             request = self._request(call.inputs, call.allocator, call.keep, into, staged)
             if call.run_options is not None:
                 request.run_options.CopyFrom(call.run_options)
+            if traced:
+                tracing.inject(request.trace_context)
             reply = self.link.call(_compute_of, request, conn=conn, timeout=call.timeout)
         finally:
             self._stager.release(staged)
@@ -118,7 +121,7 @@ class RemoteComputeInfo(RemoteHandle):
         looked up again (a run's plan holds it: client/runner.py); None where the transport keeps no such call."""
         conn = self.link.current
         if conn is None or not conn.keeps_calls or call.run_options is not None or \
-                (call.keep and call.allocator is None):
+                (call.keep and call.allocator is None) or tracing.recording():
             return None
         into = self._owned(call.into) if call.into else _NO_TARGETS
         form = self.kept_form(call.inputs, into)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from onnx import numpy_helper
 
+from ephost import tracing
 from ephost.errors import EpCancelled, EpError, EpInvalidArgument
 from ephost.external_data import ExternalData, external_ref
 from ephost.run_options import TERMINATED, RunOptions
@@ -184,6 +185,9 @@ class PartitionRunner:
         if self.profiler.enabled:
             with self.profiler.span("Session", "model_run", run=run):
                 self._steps(run, plan, values, timeout, targets, options)
+        elif tracing.active():
+            with tracing.span("ephost.run", {"ephost.run": run, "ephost.partitions": len(plan.steps)}):
+                self._steps(run, plan, values, timeout, targets, options)
         else:
             self._steps(run, plan, values, timeout, targets, options)
         out = []
@@ -228,6 +232,10 @@ class PartitionRunner:
                     with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes),
                                             ep=p.placement.ep_name, registration=p.registration, call=kind):
                         outputs = compute_held(p.compute_info, call, held, step.index)
+                elif tracing.recording():  # whole, carrying the trace context: not the held call's repeat
+                    held[step.index] = None
+                    with self._traced(p):
+                        outputs = compute_held(p.compute_info, call, held, step.index)
                 else:
                     outputs = compute_held(p.compute_info, call, held, step.index)
             except EpError as error:  # the failure policy's to answer
@@ -238,6 +246,13 @@ class PartitionRunner:
             values[step.first:step.first + len(outputs)] = outputs
             for at in step.drop:  # let go of values no later partition reads
                 values[at] = None
+
+    def _traced(self, p: Partition):
+        """The span of partition `p`'s call (a call to another process where its EP is in a worker)."""
+        return tracing.span("ephost.partition", {"ephost.partition": p.graph.name, "ephost.registration":
+                                                 p.registration, "ephost.ep": p.placement.ep_name,
+                                                 "ephost.nodes": len(p.graph.nodes)},
+                            client=self._link_of(p.registration) is not None)
 
     def recover(self, run: int, p: Partition, call: ComputeCall, error: EpError) -> list[Any]:
         """Partition `p`'s outputs after its Compute (`call`) failed with `error`, as the failure policy says."""

@@ -28,7 +28,7 @@ from ephost.errors import EpError
 from ephost.eps import load_factory
 from ephost.wire import SPIN_S
 from ephost.fdshare import DescriptorServer, remove_socket_file, remove_stale_socket, socket_file
-from ephost import wire
+from ephost import tracing, wire
 from ephost.worker_env import cache_dir as default_cache_root
 from ephost.server.allocator_service import AllocatorService
 from ephost.server.blob_cache import BlobCache
@@ -136,6 +136,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
            blobs: BlobCache | None = None, model_dir: str | None = None, lane_spin_s: float = SPIN_S,
            metrics_listen: str | None = None) -> int:
     max_message = limits.max_message
+    tracing.configure_worker()
     try:
         factory = load_factory(ep, options)
     except EpError as e:
@@ -249,6 +250,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         fd_server.close()
     if metrics is not None:
         metrics.shutdown()
+    tracing.shutdown()
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import grpc
 from google.protobuf import message_factory
 
-from ephost import wire
+from ephost import tracing, wire
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpResourceExhausted, EpUnimplemented, \
     EpWorkerDraining
 
@@ -80,9 +80,11 @@ class Method:
     server_streaming: bool
     needs_client: bool
     key: str = ""                    # "Allocator/Alloc", made once (every call is counted under it)
+    traced: bool = False             # its request may carry the caller's trace context (ephost.tracing)
 
     def __post_init__(self):
         object.__setattr__(self, "key", f"{self.service}/{self.name}")
+        object.__setattr__(self, "traced", "trace_context" in self.request.DESCRIPTOR.fields_by_name)
 
 
 class Admission:
@@ -187,7 +189,11 @@ class Dispatcher:
         start = time.perf_counter()
         call = self._enter(method, client_id, deadline, ran)
         try:
-            reply = (handler or method.handler)(request, call)
+            if method.traced and handler is None and request.trace_context:  # a traced caller's Compute
+                with tracing.served(method.key, request.trace_context, {"ephost.ep": self.state.ep_name}):
+                    reply = method.handler(request, call)
+            else:
+                reply = (handler or method.handler)(request, call)
         except BaseException as e:
             self._record(method, call, time.perf_counter() - start, _status(e), lane)
             self.admission.leave(call.client_id)

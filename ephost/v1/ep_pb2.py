@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ephost.v1 import common_pb2 as ephost_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65phost/v1/ep.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"\x88\x01\n\x08ModelRef\x12\x0f\n\x05model\x18\x01 \x01(\x0cH\x00\x12\x10\n\x06sha256\x18\x02 \x01(\tH\x00\x12\'\n\x06\x62uffer\x18\x03 \x01(\x0b\x32\x15.ephost.v1.BufferBlobH\x00\x12&\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x17.ephost.v1.ExternalFileB\x08\n\x06source\"r\n\x0c\x45xternalFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x04\x66ile\x18\x03 \x01(\x04H\x00\x12\x10\n\x06sha256\x18\x04 \x01(\tH\x00\x12\x18\n\x0emodel_dir_path\x18\x05 \x01(\tH\x00\x42\x08\n\x06source\",\n\nBufferBlob\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"]\n\x14GetCapabilityRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\"\n\x05model\x18\x02 \x01(\x0b\x32\x13.ephost.v1.ModelRef\x12\x15\n\rclaimed_nodes\x18\x03 \x03(\t\"q\n\tNodeGroup\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.ephost.v1.NodeGroup.Kind\x12\x12\n\nnode_names\x18\x02 \x03(\t\"\'\n\x04Kind\x12\x0e\n\nKIND_FUSED\x10\x00\x12\x0f\n\x0bKIND_SINGLE\x10\x01\"=\n\x15GetCapabilityResponse\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.ephost.v1.NodeGroup\"J\n\nFusedGraph\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x0e\n\x06inputs\x18\x03 \x03(\t\x12\x0f\n\x07outputs\x18\x04 \x03(\t\"g\n\x0e\x43ompileRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\"\n\x05model\x18\x02 \x01(\x0b\x32\x13.ephost.v1.ModelRef\x12%\n\x06graphs\x18\x03 \x03(\x0b\x32\x15.ephost.v1.FusedGraph\"B\n\x0f\x43ompileResponse\x12\x1a\n\x12node_compute_infos\x18\x01 \x03(\x04\x12\x13\n\x0b\x65p_contexts\x18\x02 \x03(\x0c\"\x88\x03\n\x0e\x43omputeRequest\x12\x19\n\x11node_compute_info\x18\x01 \x01(\x04\x12 \n\x06inputs\x18\x02 \x03(\x0b\x32\x10.ephost.v1.Value\x12\x18\n\x10output_allocator\x18\x03 \x01(\x04\x12\x14\n\x0cinline_limit\x18\x04 \x01(\x03\x12\x0e\n\x06stream\x18\x05 \x01(\x04\x12\x0c\n\x04keep\x18\x06 \x03(\r\x12\x44\n\x0eoutput_buffers\x18\x07 \x03(\x0b\x32,.ephost.v1.ComputeRequest.OutputBuffersEntry\x12\x11\n\tkeep_call\x18\x08 \x01(\x08\x12\x14\n\x0creplace_kept\x18\n \x01(\r\x12*\n\x0brun_options\x18\x0b \x01(\x0b\x32\x15.ephost.v1.RunOptions\x1aJ\n\x12OutputBuffersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.ephost.v1.TensorRef:\x02\x38\x01J\x04\x08\t\x10\n\"\xb6\x01\n\nRunOptions\x12\r\n\x05logid\x18\x01 \x01(\t\x12\x1a\n\x12log_severity_level\x18\x02 \x01(\x05\x12\x1b\n\x13log_verbosity_level\x18\x03 \x01(\x05\x12\x31\n\x06\x63onfig\x18\x04 \x03(\x0b\x32!.ephost.v1.RunOptions.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x0f\x43omputeResponse\x12!\n\x07outputs\x18\x01 \x03(\x0b\x32\x10.ephost.v1.Value\x12\x11\n\tkept_call\x18\x02 \x01(\r\"H\n\x1eReleaseNodeComputeInfosRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\x1a\n\x12node_compute_infos\x18\x02 \x03(\x04\"\x1c\n\nDataLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\"\x99\x01\n\x18SetDynamicOptionsRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\x41\n\x07options\x18\x02 \x03(\x0b\x32\x30.ephost.v1.SetDynamicOptionsRequest.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x01\n\x0fRunStartRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12?\n\x0brun_options\x18\x02 \x03(\x0b\x32*.ephost.v1.RunStartRequest.RunOptionsEntry\x1a\x31\n\x0fRunOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"0\n\rRunEndRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\x13\n\x0bsync_stream\x18\x02 \x01(\x08\"\xd1\x01\n\x0eProfilingEvent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\x10\n\x08start_ns\x18\x03 \x01(\x03\x12\x13\n\x0b\x64uration_ns\x18\x04 \x01(\x03\x12\x31\n\x04\x61rgs\x18\x05 \x03(\x0b\x32#.ephost.v1.ProfilingEvent.ArgsEntry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x0b\n\x03tid\x18\x07 \x01(\x05\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"<\n\x0fProfilingEvents\x12)\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x19.ephost.v1.ProfilingEvent2\xae\x05\n\x02\x45p\x12R\n\rGetCapability\x12\x1f.ephost.v1.GetCapabilityRequest\x1a .ephost.v1.GetCapabilityResponse\x12@\n\x07\x43ompile\x12\x19.ephost.v1.CompileRequest\x1a\x1a.ephost.v1.CompileResponse\x12@\n\x07\x43ompute\x12\x19.ephost.v1.ComputeRequest\x1a\x1a.ephost.v1.ComputeResponse\x12V\n\x17ReleaseNodeComputeInfos\x12).ephost.v1.ReleaseNodeComputeInfosRequest\x1a\x10.ephost.v1.Empty\x12\x42\n\x16GetPreferredDataLayout\x12\x11.ephost.v1.Handle\x1a\x15.ephost.v1.DataLayout\x12J\n\x11SetDynamicOptions\x12#.ephost.v1.SetDynamicOptionsRequest\x1a\x10.ephost.v1.Empty\x12:\n\nOnRunStart\x12\x1a.ephost.v1.RunStartRequest\x1a\x10.ephost.v1.Empty\x12\x36\n\x08OnRunEnd\x12\x18.ephost.v1.RunEndRequest\x1a\x10.ephost.v1.Empty\x12\x35\n\x0eStartProfiling\x12\x11.ephost.v1.Handle\x1a\x10.ephost.v1.Empty\x12=\n\x0c\x45ndProfiling\x12\x11.ephost.v1.Handle\x1a\x1a.ephost.v1.ProfilingEventsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x65phost/v1/ep.proto\x12\tephost.v1\x1a\x16\x65phost/v1/common.proto\"\x88\x01\n\x08ModelRef\x12\x0f\n\x05model\x18\x01 \x01(\x0cH\x00\x12\x10\n\x06sha256\x18\x02 \x01(\tH\x00\x12\'\n\x06\x62uffer\x18\x03 \x01(\x0b\x32\x15.ephost.v1.BufferBlobH\x00\x12&\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x17.ephost.v1.ExternalFileB\x08\n\x06source\"r\n\x0c\x45xternalFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x04\x66ile\x18\x03 \x01(\x04H\x00\x12\x10\n\x06sha256\x18\x04 \x01(\tH\x00\x12\x18\n\x0emodel_dir_path\x18\x05 \x01(\tH\x00\x42\x08\n\x06source\",\n\nBufferBlob\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"]\n\x14GetCapabilityRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\"\n\x05model\x18\x02 \x01(\x0b\x32\x13.ephost.v1.ModelRef\x12\x15\n\rclaimed_nodes\x18\x03 \x03(\t\"q\n\tNodeGroup\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.ephost.v1.NodeGroup.Kind\x12\x12\n\nnode_names\x18\x02 \x03(\t\"\'\n\x04Kind\x12\x0e\n\nKIND_FUSED\x10\x00\x12\x0f\n\x0bKIND_SINGLE\x10\x01\"=\n\x15GetCapabilityResponse\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.ephost.v1.NodeGroup\"J\n\nFusedGraph\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x0e\n\x06inputs\x18\x03 \x03(\t\x12\x0f\n\x07outputs\x18\x04 \x03(\t\"g\n\x0e\x43ompileRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\"\n\x05model\x18\x02 \x01(\x0b\x32\x13.ephost.v1.ModelRef\x12%\n\x06graphs\x18\x03 \x03(\x0b\x32\x15.ephost.v1.FusedGraph\"B\n\x0f\x43ompileResponse\x12\x1a\n\x12node_compute_infos\x18\x01 \x03(\x04\x12\x13\n\x0b\x65p_contexts\x18\x02 \x03(\x0c\"\x81\x04\n\x0e\x43omputeRequest\x12\x19\n\x11node_compute_info\x18\x01 \x01(\x04\x12 \n\x06inputs\x18\x02 \x03(\x0b\x32\x10.ephost.v1.Value\x12\x18\n\x10output_allocator\x18\x03 \x01(\x04\x12\x14\n\x0cinline_limit\x18\x04 \x01(\x03\x12\x0e\n\x06stream\x18\x05 \x01(\x04\x12\x0c\n\x04keep\x18\x06 \x03(\r\x12\x44\n\x0eoutput_buffers\x18\x07 \x03(\x0b\x32,.ephost.v1.ComputeRequest.OutputBuffersEntry\x12\x11\n\tkeep_call\x18\x08 \x01(\x08\x12\x14\n\x0creplace_kept\x18\n \x01(\r\x12*\n\x0brun_options\x18\x0b \x01(\x0b\x32\x15.ephost.v1.RunOptions\x12\x42\n\rtrace_context\x18\x0c \x03(\x0b\x32+.ephost.v1.ComputeRequest.TraceContextEntry\x1aJ\n\x12OutputBuffersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.ephost.v1.TensorRef:\x02\x38\x01\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\n\"\xb6\x01\n\nRunOptions\x12\r\n\x05logid\x18\x01 \x01(\t\x12\x1a\n\x12log_severity_level\x18\x02 \x01(\x05\x12\x1b\n\x13log_verbosity_level\x18\x03 \x01(\x05\x12\x31\n\x06\x63onfig\x18\x04 \x03(\x0b\x32!.ephost.v1.RunOptions.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x0f\x43omputeResponse\x12!\n\x07outputs\x18\x01 \x03(\x0b\x32\x10.ephost.v1.Value\x12\x11\n\tkept_call\x18\x02 \x01(\r\"H\n\x1eReleaseNodeComputeInfosRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\x1a\n\x12node_compute_infos\x18\x02 \x03(\x04\"\x1c\n\nDataLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\"\x99\x01\n\x18SetDynamicOptionsRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\x41\n\x07options\x18\x02 \x03(\x0b\x32\x30.ephost.v1.SetDynamicOptionsRequest.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x01\n\x0fRunStartRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12?\n\x0brun_options\x18\x02 \x03(\x0b\x32*.ephost.v1.RunStartRequest.RunOptionsEntry\x1a\x31\n\x0fRunOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"0\n\rRunEndRequest\x12\n\n\x02\x65p\x18\x01 \x01(\x04\x12\x13\n\x0bsync_stream\x18\x02 \x01(\x08\"\xd1\x01\n\x0eProfilingEvent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\x10\n\x08start_ns\x18\x03 \x01(\x03\x12\x13\n\x0b\x64uration_ns\x18\x04 \x01(\x03\x12\x31\n\x04\x61rgs\x18\x05 \x03(\x0b\x32#.ephost.v1.ProfilingEvent.ArgsEntry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x0b\n\x03tid\x18\x07 \x01(\x05\x1a+\n\tArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"<\n\x0fProfilingEvents\x12)\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x19.ephost.v1.ProfilingEvent2\xae\x05\n\x02\x45p\x12R\n\rGetCapability\x12\x1f.ephost.v1.GetCapabilityRequest\x1a .ephost.v1.GetCapabilityResponse\x12@\n\x07\x43ompile\x12\x19.ephost.v1.CompileRequest\x1a\x1a.ephost.v1.CompileResponse\x12@\n\x07\x43ompute\x12\x19.ephost.v1.ComputeRequest\x1a\x1a.ephost.v1.ComputeResponse\x12V\n\x17ReleaseNodeComputeInfos\x12).ephost.v1.ReleaseNodeComputeInfosRequest\x1a\x10.ephost.v1.Empty\x12\x42\n\x16GetPreferredDataLayout\x12\x11.ephost.v1.Handle\x1a\x15.ephost.v1.DataLayout\x12J\n\x11SetDynamicOptions\x12#.ephost.v1.SetDynamicOptionsRequest\x1a\x10.ephost.v1.Empty\x12:\n\nOnRunStart\x12\x1a.ephost.v1.RunStartRequest\x1a\x10.ephost.v1.Empty\x12\x36\n\x08OnRunEnd\x12\x18.ephost.v1.RunEndRequest\x1a\x10.ephost.v1.Empty\x12\x35\n\x0eStartProfiling\x12\x11.ephost.v1.Handle\x1a\x10.ephost.v1.Empty\x12=\n\x0c\x45ndProfiling\x12\x11.ephost.v1.Handle\x1a\x1a.ephost.v1.ProfilingEventsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPUTEREQUEST_OUTPUTBUFFERSENTRY']._loaded_options = None
   _globals['_COMPUTEREQUEST_OUTPUTBUFFERSENTRY']._serialized_options = b'8\001'
+  _globals['_COMPUTEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_COMPUTEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_RUNOPTIONS_CONFIGENTRY']._loaded_options = None
   _globals['_RUNOPTIONS_CONFIGENTRY']._serialized_options = b'8\001'
   _globals['_SETDYNAMICOPTIONSREQUEST_OPTIONSENTRY']._loaded_options = None
@@ -63,35 +65,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPILERESPONSE']._serialized_start=812
   _globals['_COMPILERESPONSE']._serialized_end=878
   _globals['_COMPUTEREQUEST']._serialized_start=881
-  _globals['_COMPUTEREQUEST']._serialized_end=1273
-  _globals['_COMPUTEREQUEST_OUTPUTBUFFERSENTRY']._serialized_start=1193
-  _globals['_COMPUTEREQUEST_OUTPUTBUFFERSENTRY']._serialized_end=1267
-  _globals['_RUNOPTIONS']._serialized_start=1276
-  _globals['_RUNOPTIONS']._serialized_end=1458
-  _globals['_RUNOPTIONS_CONFIGENTRY']._serialized_start=1413
-  _globals['_RUNOPTIONS_CONFIGENTRY']._serialized_end=1458
-  _globals['_COMPUTERESPONSE']._serialized_start=1460
-  _globals['_COMPUTERESPONSE']._serialized_end=1531
-  _globals['_RELEASENODECOMPUTEINFOSREQUEST']._serialized_start=1533
-  _globals['_RELEASENODECOMPUTEINFOSREQUEST']._serialized_end=1605
-  _globals['_DATALAYOUT']._serialized_start=1607
-  _globals['_DATALAYOUT']._serialized_end=1635
-  _globals['_SETDYNAMICOPTIONSREQUEST']._serialized_start=1638
-  _globals['_SETDYNAMICOPTIONSREQUEST']._serialized_end=1791
-  _globals['_SETDYNAMICOPTIONSREQUEST_OPTIONSENTRY']._serialized_start=1745
-  _globals['_SETDYNAMICOPTIONSREQUEST_OPTIONSENTRY']._serialized_end=1791
-  _globals['_RUNSTARTREQUEST']._serialized_start=1794
-  _globals['_RUNSTARTREQUEST']._serialized_end=1939
-  _globals['_RUNSTARTREQUEST_RUNOPTIONSENTRY']._serialized_start=1890
-  _globals['_RUNSTARTREQUEST_RUNOPTIONSENTRY']._serialized_end=1939
-  _globals['_RUNENDREQUEST']._serialized_start=1941
-  _globals['_RUNENDREQUEST']._serialized_end=1989
-  _globals['_PROFILINGEVENT']._serialized_start=1992
-  _globals['_PROFILINGEVENT']._serialized_end=2201
-  _globals['_PROFILINGEVENT_ARGSENTRY']._serialized_start=2158
-  _globals['_PROFILINGEVENT_ARGSENTRY']._serialized_end=2201
-  _globals['_PROFILINGEVENTS']._serialized_start=2203
-  _globals['_PROFILINGEVENTS']._serialized_end=2263
-  _globals['_EP']._serialized_start=2266
-  _globals['_EP']._serialized_end=2952
+  _globals['_COMPUTEREQUEST']._serialized_end=1394
+  _globals['_COMPUTEREQUEST_OUTPUTBUFFERSENTRY']._serialized_start=1261
+  _globals['_COMPUTEREQUEST_OUTPUTBUFFERSENTRY']._serialized_end=1335
+  _globals['_COMPUTEREQUEST_TRACECONTEXTENTRY']._serialized_start=1337
+  _globals['_COMPUTEREQUEST_TRACECONTEXTENTRY']._serialized_end=1388
+  _globals['_RUNOPTIONS']._serialized_start=1397
+  _globals['_RUNOPTIONS']._serialized_end=1579
+  _globals['_RUNOPTIONS_CONFIGENTRY']._serialized_start=1534
+  _globals['_RUNOPTIONS_CONFIGENTRY']._serialized_end=1579
+  _globals['_COMPUTERESPONSE']._serialized_start=1581
+  _globals['_COMPUTERESPONSE']._serialized_end=1652
+  _globals['_RELEASENODECOMPUTEINFOSREQUEST']._serialized_start=1654
+  _globals['_RELEASENODECOMPUTEINFOSREQUEST']._serialized_end=1726
+  _globals['_DATALAYOUT']._serialized_start=1728
+  _globals['_DATALAYOUT']._serialized_end=1756
+  _globals['_SETDYNAMICOPTIONSREQUEST']._serialized_start=1759
+  _globals['_SETDYNAMICOPTIONSREQUEST']._serialized_end=1912
+  _globals['_SETDYNAMICOPTIONSREQUEST_OPTIONSENTRY']._serialized_start=1866
+  _globals['_SETDYNAMICOPTIONSREQUEST_OPTIONSENTRY']._serialized_end=1912
+  _globals['_RUNSTARTREQUEST']._serialized_start=1915
+  _globals['_RUNSTARTREQUEST']._serialized_end=2060
+  _globals['_RUNSTARTREQUEST_RUNOPTIONSENTRY']._serialized_start=2011
+  _globals['_RUNSTARTREQUEST_RUNOPTIONSENTRY']._serialized_end=2060
+  _globals['_RUNENDREQUEST']._serialized_start=2062
+  _globals['_RUNENDREQUEST']._serialized_end=2110
+  _globals['_PROFILINGEVENT']._serialized_start=2113
+  _globals['_PROFILINGEVENT']._serialized_end=2322
+  _globals['_PROFILINGEVENT_ARGSENTRY']._serialized_start=2279
+  _globals['_PROFILINGEVENT_ARGSENTRY']._serialized_end=2322
+  _globals['_PROFILINGEVENTS']._serialized_start=2324
+  _globals['_PROFILINGEVENTS']._serialized_end=2384
+  _globals['_EP']._serialized_start=2387
+  _globals['_EP']._serialized_end=3073
 # @@protoc_insertion_point(module_scope)

@@ -103,7 +103,7 @@ class CompileResponse(_message.Message):
     def __init__(self, node_compute_infos: _Optional[_Iterable[int]] = ..., ep_contexts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep", "output_buffers", "keep_call", "replace_kept", "run_options")
+    __slots__ = ("node_compute_info", "inputs", "output_allocator", "inline_limit", "stream", "keep", "output_buffers", "keep_call", "replace_kept", "run_options", "trace_context")
     class OutputBuffersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,13 @@ class ComputeRequest(_message.Message):
         key: int
         value: _common_pb2.TensorRef
         def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[_common_pb2.TensorRef, _Mapping]] = ...) -> None: ...
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_COMPUTE_INFO_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +128,7 @@ class ComputeRequest(_message.Message):
     KEEP_CALL_FIELD_NUMBER: _ClassVar[int]
     REPLACE_KEPT_FIELD_NUMBER: _ClassVar[int]
     RUN_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     node_compute_info: int
     inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Value]
     output_allocator: int
@@ -131,7 +139,8 @@ class ComputeRequest(_message.Message):
     keep_call: bool
     replace_kept: int
     run_options: RunOptions
-    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ..., output_buffers: _Optional[_Mapping[int, _common_pb2.TensorRef]] = ..., keep_call: _Optional[bool] = ..., replace_kept: _Optional[int] = ..., run_options: _Optional[_Union[RunOptions, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, node_compute_info: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Value, _Mapping]]] = ..., output_allocator: _Optional[int] = ..., inline_limit: _Optional[int] = ..., stream: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ..., output_buffers: _Optional[_Mapping[int, _common_pb2.TensorRef]] = ..., keep_call: _Optional[bool] = ..., replace_kept: _Optional[int] = ..., run_options: _Optional[_Union[RunOptions, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RunOptions(_message.Message):
     __slots__ = ("logid", "log_severity_level", "log_verbosity_level", "config")
