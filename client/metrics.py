@@ -1,8 +1,8 @@
 """The application's Prometheus metrics, per registration (an EP, by the name it was registered under): runs and
 their latency, what the failure policy did (failures, retries, fallbacks, calls made again), and its worker's
 state, restarts and crashes. Off until `ephost.start_metrics_server(port)` (or `register_metrics(registry)` into a
-registry the application serves already): until then a run reads one flag and counts nothing. Figures are kept
-per registration name, over every Environment of the process. docs/operations.md lists every metric."""
+registry the application serves already): until then runs are left as they are. Figures are kept per
+registration name, over every Environment of the process. docs/operations.md lists every metric."""
 from __future__ import annotations
 
 import functools
@@ -37,12 +37,24 @@ def note(registration: str, event: str) -> None:
 
 
 def observed(run: Callable) -> Callable:
-    """A session's run method, each run timed into the figures of the registrations its partitions run on
-    (InferenceSession.registrations) while metrics are on."""
+    """Marks a session's run method, to be timed into the figures of the registrations its partitions run on
+    (InferenceSession.registrations) once metrics are on: `_instrument` puts the timing around it then, so that
+    until then a run calls it as it is."""
+    run.ephost_observed = True
+    return run
+
+
+def _instrument() -> None:
+    """Time the session's marked run methods (once)."""
+    from ephost.client.session import InferenceSession
+    for name, member in list(vars(InferenceSession).items()):
+        if getattr(member, "ephost_observed", False):
+            setattr(InferenceSession, name, _timed(member))
+
+
+def _timed(run: Callable) -> Callable:
     @functools.wraps(run)
-    def observed_run(session, *args, **kwargs):
-        if not _on:
-            return run(session, *args, **kwargs)
+    def timed_run(session, *args, **kwargs):
         start = time.perf_counter()
         failed = True
         try:
@@ -51,7 +63,8 @@ def observed(run: Callable) -> Callable:
             return outputs
         finally:
             _observe(session.registrations, time.perf_counter() - start, failed)
-    return observed_run
+    timed_run.ephost_observed = False  # (wrapped once)
+    return timed_run
 
 
 def _observe(registrations, seconds: float, failed: bool) -> None:
@@ -126,7 +139,9 @@ def register_metrics(registry=None) -> None:
     from prometheus_client import REGISTRY
     registry = REGISTRY if registry is None else registry
     with _lock:
-        _on = True
+        if not _on:
+            _instrument()
+            _on = True
         if id(registry) in _registered:
             return
         _registered.add(id(registry))

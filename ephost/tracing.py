@@ -37,9 +37,11 @@ def _api():
 
 def active() -> bool:
     """Whether the application has a tracer provider (spans are made)."""
+    return _on or _look()
+
+
+def _look() -> bool:
     global _on, _next_check
-    if _on:
-        return True
     now = time.monotonic()
     if now < _next_check:
         return False

@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
 
 from ephost import histogram
+from ephost.histogram import BUCKETS
 from ephost.v1 import worker_pb2
 
 
@@ -58,22 +60,24 @@ class WorkerStats:
                     counts: dict[str, int] | None = None) -> None:
         """One call of `method` (`lane`: on the fast lane) that took `seconds` and failed with status `failed`
         ("": it did not), and the counters it added to (`counts`), under one lock."""
-        bucket = histogram.slot(seconds)
+        bucket = bisect_left(BUCKETS, seconds) + 4  # (the histogram's counts follow the four figures)
         with self._lock:
             counters = self.counters
             if counts:
                 for key, value in counts.items():
                     counters[key] += value
+                if lane:
+                    lane_bytes = self._lane_bytes
+                    lane_bytes[0] += counts.get("bytes_inline_in", 0)
+                    lane_bytes[1] += counts.get("bytes_inline_out", 0)
             if lane:
                 counters["fast_lane_calls"] += 1
-                if counts:
-                    self._lane_bytes[0] += counts.get("bytes_inline_in", 0)
-                    self._lane_bytes[1] += counts.get("bytes_inline_out", 0)
             m = self._methods[method]
             m[0] += 1
             m[2] += seconds
-            m[3] = max(m[3], seconds)
-            m[4 + bucket] += 1
+            if seconds > m[3]:
+                m[3] = seconds
+            m[bucket] += 1
             if failed:
                 m[1] += 1
                 self._failed[(method, failed)] += 1
