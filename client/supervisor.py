@@ -161,6 +161,7 @@ class ProcessSupervisor:
                 time.sleep(delay)
                 if self._link.closing:
                     return
+                self._link.starting_again()
                 try:
                     self._link.reopen()
                     log.info("worker for %r is back (generation %d)", self._link.name, self._link.generation)
@@ -295,7 +296,8 @@ class WorkerLink:
         self._conn: WorkerConnection | None = None
         self._failed: EpError | None = None
         self._restarting = False
-        self._away_since = 0.0   # time.monotonic() when the worker went (while _restarting)
+        self._went = 0.0         # time.monotonic() when the worker went (while _restarting)
+        self._away_since = 0.0   # ... or when the latest start of a new one began: calls wait from then
         self._cause = ""         # why it went ("is draining ...", "died with ...")
         self._last = ""          # what the last attempt to bring it back met
         self._retired: list[WorkerConnection] = []  # earlier generations' connections, closed once their calls end
@@ -398,7 +400,7 @@ class WorkerLink:
 
     def _not_back(self) -> EpWorkerUnavailable:
         with self._cond:
-            away = time.monotonic() - self._away_since if self._restarting else 0.0
+            away = time.monotonic() - self._went if self._restarting else 0.0
             cause, last = self._cause, self._last
         if not last and self.remote is not None:  # no attempt has ended yet: what is at the address now
             last = str(unreachable(self.address, self.credentials, "no answer"))
@@ -447,7 +449,8 @@ class WorkerLink:
         """The worker went (`cause`, said of it: "died with signal SIGKILL") and is being brought back."""
         with self._cond:
             if not self._restarting:
-                self._away_since, self._cause, self._last = time.monotonic(), cause, ""
+                self._went = self._away_since = time.monotonic()
+                self._cause, self._last = cause, ""
             self._restarting = True
             self._cond.notify_all()
 
@@ -459,6 +462,13 @@ class WorkerLink:
                 return False
         self.begin_restart(cause)
         return True
+
+    def starting_again(self) -> None:
+        """A new worker is being started (another attempt of a restart): calls wait for this one afresh."""
+        with self._cond:
+            if self._restarting:
+                self._away_since = time.monotonic()
+                self._cond.notify_all()
 
     def note_attempt(self, met: str) -> None:
         """What an attempt to bring the worker back met (calls that give up name it)."""
@@ -502,10 +512,18 @@ class WorkerLink:
             return self._failed is None and not self._dead() and not self._restarting
 
     def wait_recovered(self) -> bool:
-        """wait_healthy for what is left of recovery_timeout_s since the worker went."""
+        """wait_healthy up to recovery_timeout_s past the worker's going, or past the latest start of a new one
+        (a restart that takes several starts is waited for as a whole: each start is bounded, and their number
+        by the crash budget)."""
+        called = time.monotonic()
         with self._cond:
-            since = self._away_since if self._restarting else time.monotonic()
-        return self.wait_healthy(max(0.0, since + self.policy.recovery_timeout_s - time.monotonic()))
+            while self._failed is None and (self._dead() or self._restarting):
+                since = self._away_since if self._restarting else called
+                left = since + self.policy.recovery_timeout_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._failed is None and not self._dead() and not self._restarting
 
     def wait_replaced(self) -> bool:
         """After a call that did not run (the worker refused it as it drained: EpWorkerDraining, or it no longer
