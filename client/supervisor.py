@@ -457,11 +457,11 @@ class WorkerLink:
     def begin_outage(self, conn: WorkerConnection, cause: str) -> bool:
         """Mark the worker of `conn` away (`cause`), where `conn` is the current connection and none is under
         way and the link is open; whether it did (the caller then brings the worker back, and ends it)."""
-        with self._cond:
+        with self._cond:  # (checked and marked at once: two threads that saw it go start one reconnection)
             if conn is not self._conn or self._restarting or self.closing or self._failed is not None:
                 return False
-        self.begin_restart(cause)
-        return True
+            self.begin_restart(cause)
+            return True
 
     def starting_again(self) -> None:
         """A new worker is being started (another attempt of a restart): calls wait for this one afresh."""
