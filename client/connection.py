@@ -148,7 +148,8 @@ class WorkerConnection:
                                      wait_for_ready=wait_s > 0)
         except grpc.RpcError as e:
             code = e.code()
-            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # (a worker this process launched that does not answer died, or is stuck: _error says which)
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or self.process:
                 raise self._error(e, self.worker.Hello) from None
             said = e.details() if code == grpc.StatusCode.UNAVAILABLE else \
                 f"no answer within {wait_s or connect_timeout_s:g} s"
