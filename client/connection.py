@@ -103,6 +103,7 @@ class WorkerConnection:
         self.worker = worker_pb2_grpc.WorkerStub(self.channel)
         self._metadata: tuple = credentials.metadata()
         self._closed = False
+        self.draining = False  # its worker said it drains (WorkerLink.run: a call it ends then is made again)
         self._regions: dict[int, Region | None] = {}
         self._regions_lock = threading.Lock()
         self.lane: FastLane | None = None

@@ -28,10 +28,11 @@ RENEW_TIMEOUT_S = 2.0
 
 
 class HealthWatcher:
-    """Watches the link's current connection; `lost(conn, why, gone)` is told when that connection's worker drains
-    or ends the stream (gone: it will not serve this client again) or the stream breaks, once per stream."""
+    """Watches the link's current connection; `lost(conn, why, gone, draining)` is told when that connection's
+    worker drains or ends the stream (gone: it will not serve this client again) or the stream breaks, once per
+    stream."""
 
-    def __init__(self, link: "WorkerLink", lost: Callable[["WorkerConnection", str, bool], None]):
+    def __init__(self, link: "WorkerLink", lost: Callable[["WorkerConnection", str, bool, bool], None]):
         self._link = link
         self._lost = lost
         self._cond = threading.Condition()  # guards _closed and _call
@@ -49,17 +50,17 @@ class HealthWatcher:
                         if self._closed:
                             return
                         self._call = health_pb2_grpc.HealthStub(conn.channel).Watch(health_pb2.HealthCheckRequest())
-                    why = "ended its health stream (it is going away)"
+                    why, draining = "ended its health stream (it is going away)", False
                     for reply in self._call:
                         if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                            why = "is draining (it says NOT_SERVING)"
+                            why, draining = "is draining (it says NOT_SERVING)", True
                             break
                     self._call.cancel()  # (a draining worker keeps the stream open for as long as its grace)
-                    self._lost(conn, why, True)
+                    self._lost(conn, why, True, draining)
                 except (grpc.RpcError, ValueError) as e:  # unreachable, or the channel was closed under us
                     if not self._closed:
                         details = e.details() if isinstance(e, grpc.RpcError) else "its connection was closed"
-                        self._lost(conn, f"stopped answering ({details})", False)
+                        self._lost(conn, f"stopped answering ({details})", False, False)
             with self._cond:  # while the link reconnects, or once the stream has ended
                 self._cond.wait_for(lambda: self._closed, RETRY_S)
 

@@ -218,15 +218,17 @@ class AddressSupervisor:
         self._link = link
         self._health = HealthWatcher(link, self.lost)
 
-    def lost(self, conn: WorkerConnection, why: str, gone: bool) -> None:
+    def lost(self, conn: WorkerConnection, why: str, gone: bool, draining: bool = False) -> None:
         """`conn`'s worker no longer serves this client (`why`, said of it); `gone`: it will not again (it drains,
-        or no longer knows this client), else it may (its connection broke). A reconnection begins where `conn`
-        is still the current connection and none is under way."""
+        or no longer knows this client), else it may (its connection broke); `draining`: it said it drains. A
+        reconnection begins where `conn` is still the current connection and none is under way."""
         link = self._link
+        if draining:
+            conn.draining = True
         if not link.begin_outage(conn, why):
             return
-        log.log(logging.INFO if "draining" in why else logging.WARNING, "worker for %r at %s %s; reconnecting "
-                "(calls wait up to %g s)", link.name, link.address, why, link.policy.recovery_timeout_s)
+        log.log(logging.INFO if draining else logging.WARNING, "worker for %r at %s %s; reconnecting (calls wait "
+                "up to %g s)", link.name, link.address, why, link.policy.recovery_timeout_s)
         threading.Thread(target=self._reconnect, args=(conn, not gone), name=f"ephost-reconnect-{link.name}",
                          daemon=True).start()
 
@@ -269,7 +271,7 @@ class AddressSupervisor:
             reply = health_pb2_grpc.HealthStub(conn.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return
-            self.lost(conn, "is draining (it says NOT_SERVING)", gone=True)
+            self.lost(conn, "is draining (it says NOT_SERVING)", gone=True, draining=True)
         except (grpc.RpcError, ValueError) as e:
             self.lost(conn, f"stopped answering ({e.details() if isinstance(e, grpc.RpcError) else 'closed'})",
                       gone=False)
@@ -429,10 +431,17 @@ class WorkerLink:
             if isinstance(error, EpDeadlineExceeded):
                 # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
                 self.kill("a call ran past its deadline")
-            if self.remote is None or not isinstance(error, (EpWorkerDraining, EpUnknownClient)):
+            if self.remote is None:
                 raise
             if isinstance(error, EpWorkerDraining):
-                self.remote.lost(conn, "is draining (it refused a call)", gone=True)
+                self.remote.lost(conn, "is draining (it refused a call)", gone=True, draining=True)
+                raise
+            if type(error) is EpWorkerUnavailable and conn.draining:
+                # Its connection ended as the worker drained (a call it had not read when it closed, or one cut
+                # at the drain's grace): no failure of the EP, made again on the worker that answers next.
+                raise EpWorkerDraining(f"the worker for {self.name!r} at {self.address} ended the call's "
+                                       f"connection as it drained ({error})") from None
+            if not isinstance(error, EpUnknownClient):
                 raise
             self.remote.lost(conn, "restarted and forgot this client", gone=True)
             raise EpWorkerReplaced(f"the worker for {self.name!r} at {self.address} restarted and does not know "
