@@ -343,7 +343,8 @@ def _logging_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
     _logging_arguments(parser)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print ephost's version, its wire protocol's and what it runs on, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="serve one EP over gRPC")
