@@ -38,11 +38,13 @@ its own calls.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import platform
 
 from ephost.fastlane import DOORBELL, HEADER, PACKET, FrameError
+from ephost.memory import SIZE_SEALS
 
 # Where a slot's words are, counted in u64s
 COUNT, LENGTH, READY, ASLEEP = 0, 1, 2, 8
@@ -55,10 +57,13 @@ SUPPORTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")  #
 
 
 def create() -> tuple[int, mmap.mmap]:
-    """A new connection's slots (the worker's end): the memfd to hand over, and its mapping."""
-    fd = os.memfd_create("ephost-lane", os.MFD_CLOEXEC)
+    """A new connection's slots (the worker's end): the memfd to hand over, and its mapping. The memfd is sealed
+    against changing size before it is mapped, as a region is (ephost/memory.py): a client that could shrink it
+    would make the worker's next access to its slots die with SIGBUS."""
+    fd = os.memfd_create("ephost-lane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, SIZE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
         return fd, mmap.mmap(fd, SIZE)
     except OSError:
         os.close(fd)

@@ -341,3 +341,40 @@ def test_streams_nobody_reads_cannot_starve_health_checks(worker):
             stream.cancel()
         for client in clients:
             client.close()
+
+
+# --- issue 59: what a hostile or broken client can still do to a worker that others share ------------------
+
+from ephost import fastlane, lane_slots
+
+
+def _lane(client, slots: bool = True):
+    """A data-plane connection of `client`, bound by its ticket; with `slots`, also the slots' descriptor."""
+    import socket
+    reply = client(client.worker.OpenDataPlane, common_pb2.Empty())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(reply.socket)
+    sock.send(reply.ticket + (lane_slots.ASK if slots else b""))
+    answer, fds, _, _ = socket.recv_fds(sock, 2, 2)
+    assert answer == fastlane.TICKET_OK
+    for fd in fds[1:]:  # the early wake
+        os.close(fd)
+    return sock, (fds[0] if fds else None)
+
+
+def test_a_client_cannot_shrink_its_lane_slots_under_the_worker(hostile):
+    w, raw = hostile
+    sock, fd = _lane(raw)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # sealed: F_SEAL_SHRINK
+        slots = lane_slots.Slots(lane_slots.adopt(os.dup(fd)), sock, worker=False)
+        fastlane.send_frame(sock, 999, 0, 5.0, b"", slots)  # any frame: the worker reads its slots for it
+        frame = fastlane.FrameReader(sock, slots=slots).read()
+        slots.close()
+        assert frame is not None and frame.status == grpc.StatusCode.UNIMPLEMENTED.value[0]
+        assert w.proc.poll() is None
+    finally:
+        sock.close()
+        os.close(fd)
