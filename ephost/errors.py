@@ -6,6 +6,8 @@ address.
 """
 from __future__ import annotations
 
+import re
+
 import grpc
 
 from ephost import wire
@@ -161,3 +163,30 @@ def error_for_status(code: grpc.StatusCode, message: str, reason: str = "") -> E
 def reason_of(trailing_metadata) -> str:
     """The structured reason a failed call's trailing metadata carries ("" when none)."""
     return next((v for k, v in trailing_metadata or () if k == wire.REASON_KEY), "")
+
+
+# What an error quotes of a peer's text (a path, a name) is cut to this many characters, and a whole message to
+# this many bytes as it leaves the process: it stays readable, and a gRPC status (whose message travels in a
+# trailer of at most 16 KiB, percent-encoded) carries it whatever a peer sent.
+QUOTE_CHARS = 100
+MESSAGE_BYTES = 2048
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+_SHARED_NAME = re.compile(r"(/dev/shm/|/?memfd:)[^\s'\",)]*")
+
+
+def quoted(text) -> str:
+    """`text` as an error quotes it: its repr, cut to QUOTE_CHARS characters (and saying so)."""
+    text = str(text)
+    if len(text) <= QUOTE_CHARS:
+        return repr(text)
+    return f"{text[:QUOTE_CHARS]!r}... ({len(text)} characters)"
+
+
+def public_message(message: str) -> str:
+    """An error message as it leaves the process for a peer: no memory address, no shared-memory name, and at
+    most MESSAGE_BYTES bytes of UTF-8 (cut where longer, and saying so)."""
+    message = _SHARED_NAME.sub("(shared memory)", _ADDRESS.sub("0x…", message))
+    data = message.encode("utf-8", "replace")
+    if len(data) <= MESSAGE_BYTES:
+        return message
+    return data[:MESSAGE_BYTES].decode("utf-8", "ignore") + f"... (cut from {len(data)} bytes)"

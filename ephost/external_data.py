@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpOutOfRange
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpOutOfRange, quoted
 from ephost.types import dtype_of, nbytes_of
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,9 @@ def external_ref(t: TensorProto) -> ExternalRef | None:
         offset = int(entries.get("offset", "0") or 0)
         length = int(entries["length"]) if entries.get("length") else None
     except ValueError:
-        raise EpInvalidArgument(f"initializer {t.name!r} has an external offset or length that is not a number")
+        raise EpInvalidArgument(f"initializer {quoted(t.name)} has an external offset or length that is not a number")
     if offset < 0 or (length is not None and length < 0):
-        raise EpInvalidArgument(f"initializer {t.name!r} has a negative external offset or length")
+        raise EpInvalidArgument(f"initializer {quoted(t.name)} has a negative external offset or length")
     return ExternalRef(t.name, entries.get("location", ""), offset, length)
 
 
@@ -243,8 +243,8 @@ class ExternalData:
         try:
             return self.files[ref.location]
         except KeyError:
-            raise EpInvalidArgument(f"initializer {ref.tensor!r} names external data {ref.location!r}, which is "
-                                    "not among the model's files") from None
+            raise EpInvalidArgument(f"initializer {quoted(ref.tensor)} names external data {quoted(ref.location)}, "
+                                    "which is not among the model's files") from None
 
     def check(self, model: onnx.ModelProto) -> None:
         """Every external tensor of `model` names one of these files and lies inside it, with the bytes its
@@ -253,14 +253,14 @@ class ExternalData:
             f = self.file(ref)
             length = f.size - ref.offset if ref.length is None else ref.length
             if ref.offset > f.size:
-                raise EpOutOfRange(f"initializer {ref.tensor!r}: offset {ref.offset} is past the end of external "
-                                   f"data {f.label!r} ({f.size} bytes)")
+                raise EpOutOfRange(f"initializer {quoted(ref.tensor)}: offset {ref.offset} is past the end of "
+                                   f"external data {f.label!r} ({f.size} bytes)")
             if ref.offset + length > f.size:
-                raise EpOutOfRange(f"initializer {ref.tensor!r}: external data {f.label!r} is {f.size} bytes, too "
-                                   f"short for {length} bytes at offset {ref.offset} (truncated?)")
+                raise EpOutOfRange(f"initializer {quoted(ref.tensor)}: external data {f.label!r} is {f.size} bytes, "
+                                   f"too short for {length} bytes at offset {ref.offset} (truncated?)")
             need = expected_bytes(t)
             if need is not None and need != length:
-                raise EpInvalidArgument(f"initializer {ref.tensor!r} of shape {list(t.dims)} needs {need} bytes; "
+                raise EpInvalidArgument(f"initializer {quoted(ref.tensor)} of shape {list(t.dims)} needs {need} bytes; "
                                         f"its external data in {f.label!r} is {length}")
 
     def array(self, t: TensorProto) -> np.ndarray:

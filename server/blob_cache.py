@@ -12,7 +12,7 @@ import os
 import re
 import threading
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted, quoted
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class BlobCache:
         try:
             fd = os.open(self._path(digest), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise EpNotFound(f"external data {name!r} is not in this worker's cache: upload it "
+            raise EpNotFound(f"external data {quoted(name)} is not in this worker's cache: upload it "
                              "(Worker.PutBlob) first") from None
         os.utime(fd)
         return fd

@@ -14,6 +14,7 @@ from ephost.errors import EpFailedPrecondition, EpNotFound, EpUnknownClient
 
 log = logging.getLogger(__name__)
 
+NAME_CHARS = 200  # of the name a client gives itself, what logs and errors quote
 # Kinds of handle, and how each is released when its client leaves (in this order).
 KINDS = ("notification", "stream", "compute_info", "ep", "data_transfer", "buffer", "allocator", "file")
 
@@ -85,7 +86,7 @@ class ClientRegistry:
         self._left = left  # told when a client is gone, after its handles are released
 
     def hello(self, name: str) -> ClientState:
-        client = ClientState(secrets.token_hex(16), name)
+        client = ClientState(secrets.token_hex(16), name[:NAME_CHARS])
         with self._lock:
             self._clients[client.client_id] = client
         log.info("client %r connected (%d connected)", name, len(self._clients))

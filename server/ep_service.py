@@ -2,7 +2,7 @@
 Compute over graph values that stay in this worker's memory between partitions."""
 from __future__ import annotations
 
-from ephost.errors import EpInvalidArgument, EpNotFound
+from ephost.errors import EpInvalidArgument, EpNotFound, quoted
 from ephost.run_options import checked
 from ephost.eps.base import ComputeCall, FusedGraph, capability
 from ephost.tensor import Tensor
@@ -41,9 +41,9 @@ class EpService(Servicer):
         for g in request.graphs:
             unknown = [n for n in g.nodes if n not in index.nodes]
             if unknown or not g.nodes:
-                raise EpInvalidArgument(f"fused graph {g.name!r} names no node of the model" if not g.nodes else
-                                        f"fused graph {g.name!r} names {len(unknown)} node(s) the model does not "
-                                        f"have: {', '.join(repr(n) for n in unknown[:5])}")
+                raise EpInvalidArgument(f"fused graph {quoted(g.name)} names no node of the model" if not g.nodes else
+                                        f"fused graph {quoted(g.name)} names {len(unknown)} node(s) the model does not "
+                                        f"have: {', '.join(quoted(n) for n in unknown[:5])}")
         graphs = [FusedGraph(g.name, index, tuple(g.nodes), tuple(g.inputs), tuple(g.outputs))
                   for g in request.graphs]
         infos = ep.compile(graphs)

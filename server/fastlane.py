@@ -26,7 +26,7 @@ from typing import Callable
 import grpc
 
 from ephost import lane_slots
-from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument
+from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument, public_message
 from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO,
                              TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame, send_parts,
                              send_regions)
@@ -244,7 +244,7 @@ class LaneServer:
 
     @staticmethod
     def _error(peer: "_Peer", method: int, code: grpc.StatusCode, details: str, reason: str = "") -> None:
-        send_frame(peer.conn, method, code.value[0], 0.0, encode_error(details, reason), peer.slots)
+        send_frame(peer.conn, method, code.value[0], 0.0, encode_error(public_message(details), reason), peer.slots)
 
     def close(self) -> None:
         with self._lock:

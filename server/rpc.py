@@ -22,7 +22,7 @@ from google.protobuf import message_factory
 
 from ephost import tracing, wire
 from ephost.errors import EpError, EpInternal, EpInvalidArgument, EpResourceExhausted, EpUnimplemented, \
-    EpWorkerDraining
+    EpWorkerDraining, public_message, quoted
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Dispatcher:
         try:
             return self.methods[key]
         except KeyError:
-            raise EpUnimplemented(f"no method {key!r} on this worker") from None
+            raise EpUnimplemented(f"no method {quoted(key)} on this worker") from None
 
     # --- the one path every call takes ------------------------------------------------------------
 
@@ -338,5 +338,5 @@ def _deadline(context) -> float | None:
 def _abort(context, error: EpError) -> None:
     if error.reason:
         context.set_trailing_metadata(((wire.REASON_KEY, error.reason),))
-    context.abort(error.code, str(error))
+    context.abort(error.code, public_message(str(error)))
 

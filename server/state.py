@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
+import itertools
 import os
 import platform
 import threading
@@ -14,7 +15,7 @@ from typing import Any, Mapping
 import onnx
 
 from ephost.external_data import OPEN_FLAGS, ExternalData, model_key, path_inside
-from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted
+from ephost.errors import EpError, EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted, quoted
 from ephost.graph import GraphIndex
 from ephost.fdshare import DescriptorServer
 from ephost.memory import Region
@@ -45,6 +46,20 @@ def installed_version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return ""
+
+
+def _check_names(index: GraphIndex) -> None:
+    """Refuse a model whose node or value names are not valid UTF-8. ONNX's messages are proto2, whose parser
+    hands such a name over as bytes, which no reply can carry."""
+    for i, name in enumerate(index.nodes):
+        if type(name) is not str:
+            raise EpInvalidArgument(f"node {i} of the model is named {quoted(name.decode('utf-8', 'replace'))}, "
+                                    "which is not valid UTF-8")
+    for name in itertools.chain(index.producer, index.consumers, index.graph_inputs, index.graph_outputs,
+                                index.initializers):
+        if type(name) is not str:
+            raise EpInvalidArgument(f"the model has a value named {quoted(name.decode('utf-8', 'replace'))}, "
+                                    "which is not valid UTF-8")
 
 
 class WorkerState:
@@ -157,6 +172,7 @@ class WorkerState:
             else:
                 external.check(model)  # every location one of the files, every range inside it
             index = GraphIndex.of(model)
+            _check_names(index)
             index.external = external
             index.digest = digest
             client.models[digest] = index
@@ -174,7 +190,7 @@ class WorkerState:
                 mapped = client.get("file", f.file).get()
             elif source == "model_dir_path":
                 slot = FileSlot("a model directory file")
-                mapped = slot.attach(self.open_in_model_dir(f.model_dir_path, f"external data file {f.name!r}"))
+                mapped = slot.attach(self.open_in_model_dir(f.model_dir_path, f"external data file {quoted(f.name)}"))
                 client.add("file", slot)  # closed when the client goes
             elif source == "sha256":
                 if self.blobs is None:
@@ -183,9 +199,9 @@ class WorkerState:
                 mapped = slot.attach(self.blobs.open(f.sha256, f.name))
                 client.add("file", slot)  # closed when the client goes
             else:
-                raise EpInvalidArgument(f"external data file {f.name!r} says nowhere where its bytes are")
+                raise EpInvalidArgument(f"external data file {quoted(f.name)} says nowhere where its bytes are")
             if mapped.size != f.nbytes:
-                raise EpInvalidArgument(f"external data file {f.name!r} is {mapped.size} bytes here, not the "
+                raise EpInvalidArgument(f"external data file {quoted(f.name)} is {mapped.size} bytes here, not the "
                                         f"{f.nbytes} the client says (changed on disk?)")
             out[f.name] = mapped
         return ExternalData(out)
@@ -196,7 +212,7 @@ class WorkerState:
             raise EpFailedPrecondition("this worker has no model directory (--model-dir)")
         inside = path_inside(self.model_dir, path)
         if inside is None:
-            raise EpInvalidArgument(f"{what} {path!r} is not inside the worker's model directory")
+            raise EpInvalidArgument(f"{what} {quoted(path)} is not inside the worker's model directory")
         return inside
 
     def open_in_model_dir(self, path: str, what: str) -> int:
@@ -204,9 +220,9 @@ class WorkerState:
         try:
             return os.open(self.model_dir_path(path, what), OPEN_FLAGS)
         except FileNotFoundError:
-            raise EpNotFound(f"{what} {path!r} is not in the worker's model directory") from None
+            raise EpNotFound(f"{what} {quoted(path)} is not in the worker's model directory") from None
         except OSError as e:
-            raise EpInvalidArgument(f"{what} {path!r} cannot be opened: {e.strerror}") from None
+            raise EpInvalidArgument(f"{what} {quoted(path)} cannot be opened: {e.strerror}") from None
 
     def _release(self, kind: str, obj: Any) -> None:
         if kind in ("stream", "notification"):

@@ -6,7 +6,7 @@ import math
 import os
 import threading
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpPermissionDenied
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpPermissionDenied, quoted
 from ephost.server.blob_cache import check_digest
 from ephost.server.files import FileSlot
 from ephost.server.rpc import Servicer, rpc
@@ -28,9 +28,9 @@ class WorkerService(Servicer):
     @rpc(client=False)
     def Hello(self, request, call):
         if request.protocol and request.protocol != PROTOCOL:
-            client = f" (ephost {request.ephost_version})" if request.ephost_version else ""
-            raise EpInvalidArgument(f"client speaks {request.protocol!r}{client}; this worker speaks {PROTOCOL!r} "
-                                    f"(ephost {self.state.ephost_version or 'unknown'})")
+            client = f" (ephost {quoted(request.ephost_version)})" if request.ephost_version else ""
+            raise EpInvalidArgument(f"client speaks {quoted(request.protocol)}{client}; this worker speaks "
+                                    f"{PROTOCOL!r} (ephost {self.state.ephost_version or 'unknown'})")
         if request.ephost_version and request.ephost_version != self.state.ephost_version:
             log.info("client %r runs ephost %s, this worker %s (both speak %s)", request.client_name,
                      request.ephost_version, self.state.ephost_version, PROTOCOL)
@@ -133,7 +133,7 @@ class WorkerService(Servicer):
         root = self.state.model_dir
         path = self.state.model_dir_path(request.path, "model")
         if not os.path.isfile(path):
-            raise EpNotFound(f"no model {request.path!r} in the worker's model directory")
+            raise EpNotFound(f"no model {quoted(request.path)} in the worker's model directory")
         model, external = load_model(path)  # its external data must lie beside it, inside the directory
         files = []
         if external is not None:

@@ -343,3 +343,51 @@ def test_a_fused_graph_naming_nodes_the_model_lacks_is_invalid(raw):
             ep=ep, model=ep_pb2.ModelRef(model=model),
             graphs=[ep_pb2.FusedGraph(name="p", nodes=nodes, inputs=["x"], outputs=["y"])])))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "fused graph 'p'" in message, message
+
+
+def test_a_node_name_that_is_not_utf8_is_invalid_argument_naming_the_node(raw):
+    """A model whose node name is not valid UTF-8 (ONNX's proto2 messages parse it, as bytes) was an INTERNAL
+    UnicodeDecodeError from GetCapability: the client's bad input, said so, naming the node."""
+    from models import chain
+    data = chain(["Relu"]).SerializeToString()
+    assert data.count(b"n0_Relu") == 1
+    data = data.replace(b"n0_Relu", b"n0_\xff\xfelu")  # as long: the lengths before it hold
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    for request in (ep_pb2.GetCapabilityRequest(ep=ep, model=ep_pb2.ModelRef(model=data)),
+                    ep_pb2.CompileRequest(ep=ep, model=ep_pb2.ModelRef(model=data), graphs=[
+                        ep_pb2.FusedGraph(name="p", nodes=["n0_Relu"], inputs=["x"], outputs=["y"])])):
+        call = raw.ep.GetCapability if isinstance(request, ep_pb2.GetCapabilityRequest) else raw.ep.Compile
+        code, message = status_of(lambda: raw(call, request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, message
+        assert "node 0" in message and "'n0_\ufffd\ufffdlu'" in message and "UTF-8" in message
+
+
+def test_errors_quote_a_client_string_cut_short(worker, tmp_path):
+    """A 5,000-character path, protocol or graph name was echoed whole into the error, which then overflowed
+    gRPC's trailer ('metadata size exceeds hard limit', RESOURCE_EXHAUSTED): what an error quotes is cut."""
+    from helpers import RawClient
+    w = worker("--ep", "reference", "--model-dir", str(tmp_path))
+    raw = RawClient(w.address)
+    try:
+        long = "é" * 5000
+        code, message = status_of(lambda: raw(raw.worker.OpenModel, worker_pb2.ModelPath(path=long)))
+        assert code == grpc.StatusCode.NOT_FOUND and "(5000 characters)" in message and len(message) < 400
+        code, message = status_of(lambda: raw.worker.Hello(worker_pb2.HelloRequest(
+            client_name=long, protocol=long, ephost_version=long), timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and message.count("(5000 characters)") == 2
+        ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+        code, message = status_of(lambda: raw(raw.ep.Compile, ep_pb2.CompileRequest(
+            ep=ep, model=ep_pb2.ModelRef(model=b""), graphs=[ep_pb2.FusedGraph(name=long, nodes=[long])])))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "(5000 characters)" in message and len(message) < 600
+        assert w.proc.poll() is None
+    finally:
+        raw.close()
+
+
+def test_an_error_leaves_the_worker_without_addresses_shared_memory_names_or_excess():
+    from ephost.errors import MESSAGE_BYTES, public_message
+    message = public_message("ctypes object at 0x7f3a2b1c0d10 over /memfd:ephost (deleted) and /dev/shm/psm_1234")
+    assert "0x7f3a" not in message and "memfd:" not in message and "psm_1234" not in message
+    assert message.startswith("ctypes object at 0x")
+    long = public_message("é" * 5000)
+    assert len(long.encode()) < MESSAGE_BYTES + 40 and long.endswith("(cut from 10000 bytes)")
