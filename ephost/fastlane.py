@@ -21,7 +21,10 @@ MAGIC = b"EL"
 HEADER = struct.Struct("<2sHHdI")  # magic, method id, status, timeout_s (0 = none), payload length
 PACKET = 64 << 10                  # bytes in one packet, header included
 SOCKET_BUFFER = 1 << 20            # SO_SNDBUF / SO_RCVBUF: room for several packets in flight
-MAX_LENGTH = 1 << 30               # the longest payload either side accepts
+MAX_LENGTH = 1 << 30               # the longest payload either side accepts (a reader may take less)
+# A frame's payload up to this long is received into a buffer of its announced length; a longer one grows as its
+# bytes arrive, so that a header announcing a gigabyte and nothing after it costs its reader nothing.
+EAGER_LENGTH = 1 << 20
 TICKET_OK, TICKET_NO = b"OK", b"NO"
 STATUS_OK = 0
 # A frame of this method id, sent by the worker just before a reply, hands over the descriptors (SCM_RIGHTS)
@@ -205,8 +208,10 @@ class FrameReader:
     slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to
     sleep says so in the slot, so that the writer rings."""
 
-    def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0, expect: bool = False, slots=None):
+    def __init__(self, sock: socket.socket, adopt=None, spin_s: float = 0.0, expect: bool = False, slots=None,
+                 max_length: int = MAX_LENGTH):
         self._sock = sock
+        self._max_length = min(max_length, MAX_LENGTH)  # the longest payload this reader takes
         self._packet = bytearray(PACKET)
         self._into = [self._packet]  # recvmsg_into's buffers, made once
         self._adopt = adopt
@@ -311,8 +316,8 @@ class FrameReader:
         magic, method, status, timeout_s, length = HEADER.unpack_from(self._packet)
         if magic != MAGIC:
             raise FrameError("a frame without the fast lane's magic bytes")
-        if length > MAX_LENGTH:
-            raise FrameError(f"a frame announcing {length} bytes, more than the {MAX_LENGTH} allowed")
+        if length > self._max_length:
+            raise FrameError(f"a frame announcing {length} bytes, more than the {self._max_length} allowed")
         got = n - HEADER.size
         if got > length:
             raise FrameError(f"a frame carrying {got} bytes after announcing {length}")
@@ -320,6 +325,8 @@ class FrameReader:
             return Frame(method, status, timeout_s, self._packet[HEADER.size:n], whole)  # a copy, writable
         if whole:
             raise FrameError(f"a slot frame carrying {got} bytes after announcing {length}")
+        if length > EAGER_LENGTH:
+            return self._grown(Frame(method, status, timeout_s, bytearray(self._packet[HEADER.size:n])), length)
         payload = bytearray(length)
         payload[:got] = self._packet[HEADER.size:n]
         view = memoryview(payload)
@@ -331,6 +338,18 @@ class FrameReader:
                 raise FrameError("a continuation packet longer than announced")
             got += k
         return Frame(method, status, timeout_s, payload)
+
+    def _grown(self, frame: Frame, length: int) -> Frame | None:
+        """The rest of a long frame's payload, appended to `frame.payload` packet by packet as it arrives."""
+        payload, packet = frame.payload, memoryview(self._packet)
+        while len(payload) < length:
+            k, _, flags, _ = self._sock.recvmsg_into([packet])
+            if k == 0:
+                return None
+            if flags & _TRUNC or len(payload) + k > length:
+                raise FrameError("a continuation packet longer than announced")
+            payload += packet[:k]
+        return frame
 
     def _doze(self, timeout: float, first_s: float = FIRST_SLEEP_S, until: Callable[[], bool] | None = None) -> bool:
         """Sleep until the socket is readable or a frame came through the slot (True), or `timeout` (False).

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,9 +28,9 @@ import grpc
 
 from ephost import lane_slots
 from ephost.errors import EpDeadlineExceeded, EpError, EpInvalidArgument, public_message
-from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, METHODS, PACKET, REPLY_REGIONS, STATUS_OK, TICKET_NO,
-                             TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame, send_parts,
-                             send_regions)
+from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, MAX_LENGTH, METHODS, PACKET, REPLY_REGIONS, STATUS_OK,
+                             TICKET_NO, TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame,
+                             send_parts, send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid, remove_socket_file, socket_file
 from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
@@ -38,6 +39,13 @@ from ephost.v1 import ep_pb2
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+# Connections served at once (bound or still handshaking), and bound to one client: past the first a new one is
+# closed at once; past the second its ticket is refused (that client's calls go over gRPC).
+MAX_CONNECTIONS = 256
+MAX_CLIENT_CONNECTIONS = 64
+# How long a send to a peer that reads nothing may wait (SO_SNDTIMEO) before its connection is closed: the call
+# whose reply it is holds a call slot meanwhile.
+SEND_TIMEOUT_S = 10.0
 # (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True,
 #  respond=callable that sends the reply, ran=the early wake or None) -> reply;
 # raises EpError
@@ -59,21 +67,27 @@ def lane_path(fd_socket: str) -> str:
 class LaneServer:
     def __init__(self, path: str, tickets: DescriptorServer, dispatch: Dispatch, stats: WorkerStats,
                  export: Callable[[str, int], tuple[int, int] | None] | None = None, spin_s: float = 0.0,
-                 kept: dict[str, Callable] | None = None):
+                 kept: dict[str, Callable] | None = None, max_length: int = MAX_LENGTH,
+                 send_timeout_s: float = SEND_TIMEOUT_S):
         """`dispatch` runs a call as the gRPC path does. `export(client_id, region)`: a duplicate descriptor of
         one of that client's shareable regions and its size, or None; the region rides along with the first
         reply on a connection that names it. `kept`: by method ("Ep/Compute"), the handler that runs a kept call
         of it repeated (server/kept_calls.py: `handler((kept call, payload), call)`), dispatched as the method;
-        calls of other methods, and all without it, are not kept."""
+        calls of other methods, and all without it, are not kept. `max_length`: the longest payload a frame may
+        carry. `send_timeout_s`: how long a send may wait for its peer to read."""
         self.path = path
+        self._max_length = max_length
+        self._send_timeout_s = send_timeout_s
         self._kept = kept or {}
         self._export = export
         self._spin_s = spin_s  # how long a connection's thread polls for the next request before it sleeps
         self._tickets = tickets
         self._dispatch = dispatch
         self._stats = stats
+        self._lock = threading.Lock()  # guards the sets below, and every shutdown of a connection in them
         self._connections: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._by_client: dict[str, set[socket.socket]] = {}  # the connections bound to each client
+        self._client_of: dict[socket.socket, str] = {}         # and the other way round
         self._closed = False
         self._sock = listen_unix(path, socket.SOCK_SEQPACKET)
         self._file = socket_file(path)  # removed at close only while it is still this one's
@@ -93,7 +107,13 @@ class LaneServer:
                 if self._closed:
                     conn.close()
                     return
-                self._connections.add(conn)
+                full = len(self._connections) >= MAX_CONNECTIONS
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                log.warning("fast lane: %d connections already; closing a new one", MAX_CONNECTIONS)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="ephost-lane-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -111,6 +131,8 @@ class LaneServer:
                 _drain(conn)
             except OSError:
                 pass
+        except BlockingIOError:  # SO_SNDTIMEO: the peer reads nothing
+            log.warning("fast lane: closing a connection whose peer read nothing for %.0f s", self._send_timeout_s)
         except OSError as e:  # the peer went (quietly); anything else is worth a line
             log.log(logging.DEBUG if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF) else logging.WARNING,
                     "fast lane connection ended: %s", e)
@@ -119,6 +141,11 @@ class LaneServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                client_id = self._client_of.pop(conn, None)
+                if client_id is not None:
+                    self._by_client[client_id].discard(conn)
+                    if not self._by_client[client_id]:
+                        del self._by_client[client_id]
             conn.close()
             if peer is not None and peer.slots is not None:
                 peer.slots.close()
@@ -132,12 +159,21 @@ class LaneServer:
         ticket, ask = message[:TICKET_BYTES], message[TICKET_BYTES:]
         asked = (b"", lane_slots.ASK) if lane_slots.SUPPORTED else (b"",)
         client_id = self._tickets.redeem_lane(ticket) if uid == os.getuid() and ask in asked else None
-        if client_id is None:
+        if client_id is not None:
+            with self._lock:
+                mine = self._by_client.setdefault(client_id, set())
+                crowded = len(mine) >= MAX_CLIENT_CONNECTIONS
+                if not crowded:
+                    mine.add(conn)
+                    self._client_of[conn] = client_id
+        if client_id is None or crowded:
             log.warning("fast lane: refused a connection (%s)", "another user" if uid != os.getuid()
-                        else "ticket unknown, used or expired")
+                        else "ticket unknown, used or expired" if client_id is None
+                        else f"its client has {MAX_CLIENT_CONNECTIONS} already")
             conn.send(TICKET_NO)
             return None
         configure(conn)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self._send_timeout_s))
         slots = _grant_slots(conn) if ask else None
         if slots is None:
             conn.send(TICKET_OK)
@@ -145,7 +181,7 @@ class LaneServer:
         return _Peer(conn, client_id, slots)
 
     def _loop(self, peer: "_Peer") -> None:
-        reader = FrameReader(peer.conn, spin_s=self._spin_s, slots=peer.slots)
+        reader = FrameReader(peer.conn, spin_s=self._spin_s, slots=peer.slots, max_length=self._max_length)
         dispatch = self._dispatch
         kept = KeptCalls()
         # A Compute, whole or kept, wakes its caller as its EP finishes where the caller sleeps (lane_slots.py):
@@ -246,16 +282,17 @@ class LaneServer:
     def _error(peer: "_Peer", method: int, code: grpc.StatusCode, details: str, reason: str = "") -> None:
         send_frame(peer.conn, method, code.value[0], 0.0, encode_error(public_message(details), reason), peer.slots)
 
+    def close_client(self, client_id: str) -> int:
+        """End the connections bound to a client that left: their threads see end of file and let go of what they
+        kept (kept calls hold tensors over the client's buffers). Returns how many."""
+        with self._lock:
+            return _shut_down(self._by_client.get(client_id, ()))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            connections = list(self._connections)
+            _shut_down(self._connections)
         self._sock.close()
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)  # the connection's thread sees EOF and closes it
-            except OSError:
-                pass
         remove_socket_file(self.path, self._file)
 
 
@@ -306,6 +343,21 @@ def _grant_slots(conn: socket.socket) -> "lane_slots.Slots | None":
     finally:
         os.close(fd)
     return lane_slots.Slots(mapping, conn, worker=True, wake=wake)
+
+
+def _shut_down(connections) -> int:
+    """Shut connections down (each one's thread sees end of file and closes it); under LaneServer's lock, so that
+    no connection is shut down after its thread closed it (its number may be another's by then)."""
+    for conn in connections:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    return len(connections)
+
+
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
 def _drain(conn: socket.socket, packets: int = 64) -> None:

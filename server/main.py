@@ -174,7 +174,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     server.add_generic_rpc_handlers(dispatcher.grpc_handlers())
     if fd_server is not None:  # the fast lane, for clients on this host: the same dispatch, another transport
         state.lane = LaneServer(lane_path(listen.fd_socket), fd_server, dispatcher.dispatch, state.stats,
-                                export=state.export_region, spin_s=lane_spin_s,
+                                export=state.export_region, spin_s=lane_spin_s, max_length=max_message,
                                 kept={"Ep/Compute": ep_service.compute_kept,
                                       "DataTransfer/CopyTensors": transfer_service.copy_kept})
         listen.own_files(listen.fd_socket, state.lane.path)

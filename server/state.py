@@ -242,6 +242,9 @@ class WorkerState:
         self.factory.release_allocator(allocator)
 
     def _left(self, client: ClientState) -> None:
-        """A client said goodbye or was released: its tickets die with it."""
+        """A client said goodbye or was released: its tickets die with it, and its fast-lane connections end (what
+        they kept, kept calls over its buffers among it, goes with them)."""
         if self.fd_server is not None:
             self.fd_server.revoke(client.client_id)
+        if self.lane is not None:
+            self.lane.close_client(client.client_id)

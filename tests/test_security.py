@@ -378,3 +378,152 @@ def test_a_client_cannot_shrink_its_lane_slots_under_the_worker(hostile):
     finally:
         sock.close()
         os.close(fd)
+
+
+def _rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _unread(sock) -> int:
+    """Bytes this end sent that its peer has not read yet (TIOCOUTQ)."""
+    import array
+    import fcntl
+    import termios
+    out = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, out)
+    return out[0]
+
+
+def _until_read(sock, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _unread(sock) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _unread(sock), "the worker did not read what was sent"
+
+
+def test_a_frame_announcing_a_gigabyte_costs_the_worker_what_arrived(hostile):
+    """A header announcing a 1 GiB body, then a few bytes: the worker allocated (and zero-filled) the whole
+    gigabyte before the bytes came (two such connections took its RSS from 92 to 1,600 MiB)."""
+    w, raw = hostile
+    pid = w.proc.pid
+    before = _rss_kib(pid)
+    lanes = [_lane(raw, slots=False)[0] for _ in range(2)]
+    try:
+        for sock in lanes:
+            sock.send(fastlane.HEADER.pack(fastlane.MAGIC, 3, 0, 5.0, 1 << 30) + bytes(100))
+            sock.send(bytes(1000))  # read once the worker is past the header (and, before, past its allocation)
+        for sock in lanes:
+            _until_read(sock)
+        assert _rss_kib(pid) - before < 64 * 1024, "the worker allocated what a frame announced"
+    finally:
+        for sock in lanes:
+            sock.close()
+    assert w.proc.poll() is None
+
+
+def test_a_frame_longer_than_the_workers_message_limit_is_refused(worker):
+    w = worker("--ep", "reference", "--max-message-mb", "4", exit_with_parent=False)
+    raw = RawClient(w.address)
+    sock, _ = _lane(raw, slots=False)
+    try:
+        sock.send(fastlane.HEADER.pack(fastlane.MAGIC, 3, 0, 5.0, (4 << 20) + 1))
+        frame = fastlane.FrameReader(sock).read()
+        assert frame.status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert f"more than the {4 << 20} allowed" in fastlane.decode_error(frame.payload)[0]
+        assert fastlane.FrameReader(sock).read() is None  # and the connection is closed
+    finally:
+        sock.close()
+        raw.close()
+
+
+def test_fast_lane_connections_are_bounded_per_client_and_in_all(hostile, monkeypatch):
+    import socket
+    from ephost.server import fastlane as lane_server
+    w, raw = hostile
+    other = RawClient(w.address, "other")
+    lanes = []
+    try:
+        for _ in range(lane_server.MAX_CLIENT_CONNECTIONS):
+            lanes.append(_lane(raw, slots=False)[0])
+        reply = raw(raw.worker.OpenDataPlane, common_pb2.Empty())
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(10)
+            sock.connect(reply.socket)
+            sock.send(reply.ticket)
+            assert sock.recv(2) == fastlane.TICKET_NO, "one client held more connections than its bound"
+        lanes.append(_lane(other, slots=False)[0])  # another client is not refused
+        path = reply.socket
+        idle = []
+        while len(lanes) + len(idle) < lane_server.MAX_CONNECTIONS:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(path)  # and never says which client it is
+            idle.append(s)
+        lanes += idle
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(path)  # (blocking: it waits for room in the listening socket's queue)
+            sock.settimeout(10)
+            assert sock.recv(2) == b"", "the worker served more connections than its bound"
+    finally:
+        for sock in lanes:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while True:  # the worker lets go of them as it sees them closed
+        try:
+            lanes = [_lane(other, slots=False)[0]]
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, "the bound stayed taken after the connections closed"
+    lanes[0].close()
+    other.close()
+
+
+def test_goodbye_ends_the_clients_lanes_and_what_they_kept(hostile):
+    """A kept Compute names an input buffer and an output buffer; its client says Goodbye over gRPC and leaves
+    its lane open: the released allocator's memory was mapped in the worker until the lane closed."""
+    import struct
+    w, raw = hostile
+    pid = w.proc.pid
+
+    def regions() -> int:
+        with open(f"/proc/{pid}/maps") as f:
+            return sum(line.rstrip().endswith("/memfd:ephost (deleted)") for line in f)
+
+    before = regions()
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 18)])
+    (info,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(ep=ep, model=ep_pb2.ModelRef(model=model.SerializeToString()),
+                                                        graphs=[ep_pb2.FusedGraph(name="p", nodes=["relu"],
+                                                                                  inputs=["x"], outputs=["y"])])
+                  ).node_compute_infos
+    allocator, given, _ = _export(raw, 16)
+    taken = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16))
+    desc = common_pb2.TensorDesc(elem_type=TensorProto.FLOAT, shape=[4])
+    request = ep_pb2.ComputeRequest(node_compute_info=info, keep_call=True, inline_limit=1 << 20,
+                                    inputs=[common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc,
+                                                                                         buffer=given.buffer))])
+    request.output_buffers[0].CopyFrom(common_pb2.TensorRef(desc=desc, buffer=taken.buffer))
+    sock, _ = _lane(raw, slots=False)
+    reader = fastlane.FrameReader(sock, adopt=lambda region, size, fd: os.close(fd))
+    try:
+        fastlane.send_frame(sock, fastlane.METHODS["Ep/Compute"].id, 0, 10.0, request.SerializeToString())
+        frame = reader.read()
+        assert frame.status == 0, fastlane.decode_error(frame.payload)
+        kept = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
+        assert kept
+        fastlane.send_frame(sock, fastlane.KEPT, 0, 10.0, fastlane.KEPT_ID.pack(kept) +
+                            struct.pack("<2Q", given.buffer, taken.buffer))
+        frame = reader.read()
+        assert frame.status == 0, fastlane.decode_error(frame.payload)
+        assert regions() > before
+        raw(raw.worker.Goodbye, common_pb2.Empty())
+        assert reader.read() is None, "the client's lane served on after its Goodbye"
+        deadline = time.monotonic() + 10
+        while regions() > before and time.monotonic() < deadline:
+            time.sleep(0.05)  # the connection's thread lets go of what it kept as it ends
+        assert regions() <= before, "a released allocator's memory stayed mapped in the worker"
+    finally:
+        sock.close()
