@@ -16,7 +16,7 @@ import numpy as np
 
 from ephost.errors import EpError
 from ephost.progress import ATTRIBUTE as PROGRESS
-from ephost.wire import MAX_GRACE_S, MAX_SPIN_S, SPIN_S
+from ephost.wire import MAX_GRACE_S, MAX_SEND_TIMEOUT_S, MAX_SPIN_S, SEND_TIMEOUT_S, SPIN_S
 
 log = logging.getLogger(__name__)
 from ephost.run_command import add_environment_arguments, environment_options, format_table
@@ -105,7 +105,8 @@ def cmd_worker(args) -> int:
                  client_lease_s=lease, max_alloc_bytes=(args.max_alloc_mb << 20) if args.max_alloc_mb else None,
                  drain_grace_s=args.drain_grace_s, cache_dir=args.cache_dir,
                  cache_max_bytes=args.cache_max_mb << 20, model_dir=args.model_dir,
-                 lane_spin_s=args.lane_spin_us * 1e-6, metrics_listen=args.metrics_listen)
+                 lane_spin_s=args.lane_spin_us * 1e-6, metrics_listen=args.metrics_listen,
+                 send_timeout_s=args.send_timeout_s)
 
 
 def _grace(text: str) -> float:
@@ -120,6 +121,13 @@ def _spin(text: str) -> float:
     if not (math.isfinite(microseconds) and 0 <= microseconds <= MAX_SPIN_S * 1e6):
         raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SPIN_S * 1e6:g} microseconds")
     return microseconds
+
+
+def _send_timeout(text: str) -> float:
+    seconds = float(text)
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_SEND_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"must be over 0 and at most {MAX_SEND_TIMEOUT_S:g} seconds")
+    return seconds
 
 
 def _registered(args):
@@ -374,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--lane-spin-us", type=_spin, default=SPIN_S * 1e6,
                    help="how long a fast-lane connection's thread polls for the next request before it sleeps, "
                         f"while requests come that fast (default {SPIN_S * 1e6:g}; 0: never)")
+    w.add_argument("--send-timeout-s", type=_send_timeout, default=SEND_TIMEOUT_S,
+                   help="how long a reply to a fast-lane client that reads nothing may wait before its connection "
+                        f"is closed (default {SEND_TIMEOUT_S:g})")
     w.add_argument("--cache-dir", help="where external data files sent by clients that share no memory with the "
                                        "worker are kept, by content (default $EPHOST_CACHE_DIR/blobs, "
                                        "~/.cache/ephost/blobs)")

@@ -20,6 +20,10 @@ MAX_GRACE_S = 600.0
 # at most.
 SPIN_S = 500e-6
 MAX_SPIN_S = 0.1
+# The fast lane: how long a worker's send to a client that reads nothing may wait before the worker closes that
+# connection (the call whose reply it is holds a call slot meanwhile), by default and at most.
+SEND_TIMEOUT_S = 10.0
+MAX_SEND_TIMEOUT_S = 3600.0
 
 # A failed call may say *why* in its trailing metadata under this key, so that a peer can act on the reason
 # without matching the message text. The values are the REASON_* constants below.

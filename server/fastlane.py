@@ -35,6 +35,7 @@ from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid
 from ephost.server.kept_calls import KeptCalls, KeptReply
 from ephost.server.stats import WorkerStats
 from ephost.v1 import ep_pb2
+from ephost.wire import SEND_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,6 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # closed at once; past the second its ticket is refused (that client's calls go over gRPC).
 MAX_CONNECTIONS = 256
 MAX_CLIENT_CONNECTIONS = 64
-# How long a send to a peer that reads nothing may wait (SO_SNDTIMEO) before its connection is closed: the call
-# whose reply it is holds a call slot meanwhile.
-SEND_TIMEOUT_S = 10.0
 # (method key "Service/Method", request, client id, deadline in time.monotonic() or None, *, lane=True,
 #  respond=callable that sends the reply, ran=the early wake or None) -> reply;
 # raises EpError
@@ -74,7 +72,7 @@ class LaneServer:
         reply on a connection that names it. `kept`: by method ("Ep/Compute"), the handler that runs a kept call
         of it repeated (server/kept_calls.py: `handler((kept call, payload), call)`), dispatched as the method;
         calls of other methods, and all without it, are not kept. `max_length`: the longest payload a frame may
-        carry. `send_timeout_s`: how long a send may wait for its peer to read."""
+        carry. `send_timeout_s`: how long a send may wait for its peer to read (SO_SNDTIMEO)."""
         self.path = path
         self._max_length = max_length
         self._send_timeout_s = send_timeout_s

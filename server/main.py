@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ephost.errors import EpError
 from ephost.eps import load_factory
-from ephost.wire import SPIN_S
+from ephost.wire import SEND_TIMEOUT_S, SPIN_S
 from ephost.fdshare import DescriptorServer, remove_socket_file, remove_stale_socket, socket_file
 from ephost import tracing, wire
 from ephost.worker_env import cache_dir as default_cache_root
@@ -56,6 +56,8 @@ STOP_SLACK_S = 2.0
 # Once the last ephost call has returned, how long gRPC may still take to send its reply before the server
 # stops: what else it holds open then is health Watch streams, which never end by themselves.
 REPLY_SLACK_S = 1.0
+# How long every call slot may stay taken before health says NOT_SERVING (and SERVING again once one is free).
+FULL_S = 2.0
 
 
 @dataclass
@@ -113,13 +115,14 @@ def serve(ep: str, options: Mapping[str, str], listen: Listen, *, exit_with_pare
           max_message: int = DEFAULT_MAX_MESSAGE, threads: int = 16, security: Security = Security(),
           client_lease_s: float = 0.0, max_alloc_bytes: int | None = None, drain_grace_s: float = 5.0,
           cache_dir: str | None = None, cache_max_bytes: int = 10 << 30, model_dir: str | None = None,
-          lane_spin_s: float = SPIN_S, metrics_listen: str | None = None) -> int:
+          lane_spin_s: float = SPIN_S, metrics_listen: str | None = None,
+          send_timeout_s: float = SEND_TIMEOUT_S) -> int:
     limits = Limits(max_alloc_bytes=max_alloc_bytes or default_max_alloc(), max_message=max_message)
     blobs = BlobCache(cache_dir or str(default_cache_root() / "blobs"), cache_max_bytes) if cache_max_bytes > 0 \
         else None
     try:
         code = _serve(ep, options, listen, exit_with_parent, threads, security, client_lease_s, limits,
-                      drain_grace_s, blobs, model_dir, lane_spin_s, metrics_listen)
+                      drain_grace_s, blobs, model_dir, lane_spin_s, metrics_listen, send_timeout_s)
     finally:
         _remove_sockets(listen)
     log.info("exiting (code %d)", code)
@@ -134,7 +137,7 @@ def default_max_alloc() -> int:
 def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent: bool, threads: int,
            security: Security, client_lease_s: float, limits: Limits, drain_grace_s: float,
            blobs: BlobCache | None = None, model_dir: str | None = None, lane_spin_s: float = SPIN_S,
-           metrics_listen: str | None = None) -> int:
+           metrics_listen: str | None = None, send_timeout_s: float = SEND_TIMEOUT_S) -> int:
     max_message = limits.max_message
     tracing.configure_worker()
     try:
@@ -175,6 +178,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     if fd_server is not None:  # the fast lane, for clients on this host: the same dispatch, another transport
         state.lane = LaneServer(lane_path(listen.fd_socket), fd_server, dispatcher.dispatch, state.stats,
                                 export=state.export_region, spin_s=lane_spin_s, max_length=max_message,
+                                send_timeout_s=send_timeout_s,
                                 kept={"Ep/Compute": ep_service.compute_kept,
                                       "DataTransfer/CopyTensors": transfer_service.copy_kept})
         listen.own_files(listen.fd_socket, state.lane.path)
@@ -211,9 +215,18 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     log.info("listening on %s: EP %r, %s%s", address, ep, "TLS" if security.tls else "no TLS",
              ", a token required" if security.token_file else "")
     tick = min(0.5, client_lease_s / 4) if client_lease_s > 0 else 0.5
+    serving = True
     while not stop.wait(tick):
         if client_lease_s > 0:
             state.clients.release_silent(client_lease_s)
+        # A worker whose call slots have all been taken for a while cannot serve a new call: health says so.
+        if serving != (dispatcher.admission.full_for() < FULL_S):
+            serving = not serving
+            log.warning("every call slot taken for %.0f s: health says NOT_SERVING" if not serving
+                        else "a call slot is free again: health says SERVING", FULL_S)
+            for name in ("", *SERVICES):
+                health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING if serving
+                                    else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     # Drain: health says NOT_SERVING (clients watching it move on at once); the gRPC server stops listening and
     # the socket files go (a successor may take the address now, and new connections go to it or another

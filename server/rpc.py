@@ -89,16 +89,19 @@ class Method:
 
 class Admission:
     """Bounds on calls under way: per client, and for the whole worker (so that the server keeps threads for
-    health checks whatever clients do). Streams count for as long as they are open."""
+    health checks whatever clients do). Streams count for as long as they are open. A call whose reply is on its
+    way counts no more (a client that never reads its replies holds no slot), but a drain waits for it."""
 
     def __init__(self, per_client: int, total: int):
         self.per_client = per_client
         self.total = total
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the counts below
         self._idle = threading.Condition(self._lock)  # notified only while someone waits (drain): every call
         self._waiting = 0                             # leaves, and a notify costs more than the rest of it
         self._by_client: dict[str, int] = {}
         self._all = 0
+        self._replying = 0  # calls that left, whose replies are being sent
+        self._full_since: float | None = None  # time.monotonic() since when every slot is taken; None: one is free
 
     def enter(self, client_id: str) -> None:
         with self._lock:
@@ -110,13 +113,18 @@ class Admission:
                 raise EpResourceExhausted(f"this client has {mine} calls or streams under way, its limit; finish "
                                           "or cancel some first")
             self._all += 1
+            if self._all == self.total:
+                self._full_since = time.monotonic()
             if client_id:
                 self._by_client[client_id] = mine + 1
 
-    def leave(self, client_id: str) -> None:
+    def leave(self, client_id: str, replying: bool = False) -> None:
+        """A call ends (`replying`: its reply is about to be sent; `replied` follows once it went)."""
         with self._lock:
             self._all -= 1
-            if not self._all and self._waiting:
+            self._replying += replying
+            self._full_since = None
+            if not self._all and not self._replying and self._waiting:
                 self._idle.notify_all()
             if client_id:
                 left = self._by_client[client_id] - 1
@@ -125,16 +133,27 @@ class Admission:
                 else:
                     del self._by_client[client_id]
 
+    def replied(self) -> None:
+        with self._lock:
+            self._replying -= 1
+            if not self._all and not self._replying and self._waiting:
+                self._idle.notify_all()
+
     def under_way(self) -> int:
         with self._lock:
             return self._all
+
+    def full_for(self) -> float:
+        """How long every call slot has been taken (0.0: one is free)."""
+        with self._lock:
+            return 0.0 if self._full_since is None else time.monotonic() - self._full_since
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no call is under way (on any transport); False if some still are after `timeout`."""
         with self._lock:
             self._waiting += 1
             try:
-                return self._idle.wait_for(lambda: not self._all, timeout)
+                return self._idle.wait_for(lambda: not self._all and not self._replying, timeout)
             finally:
                 self._waiting -= 1
 
@@ -209,6 +228,7 @@ class Dispatcher:
         # call, measured); a GetStats waits for the calls answered before it (WorkerStats.settle).
         answered = self.state.stats.answering()
         answered.answered += 1
+        self.admission.leave(call.client_id, replying=True)  # a reply its client does not read holds no slot
         try:
             respond(reply)
             # The caller polls for this reply, and on a machine with fewer CPUs than busy threads it may be queued
@@ -219,7 +239,7 @@ class Dispatcher:
         finally:
             self._record(method, call, seconds, "", lane)
             answered.counted += 1
-            self.admission.leave(call.client_id)
+            self.admission.replied()
         return reply
 
     def _stream(self, method: Method, request, client_id, deadline) -> Iterator:

@@ -334,8 +334,12 @@ def test_streams_nobody_reads_cannot_starve_health_checks(worker):
         with grpc.insecure_channel(w.address) as channel:
             start = time.monotonic()
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            assert time.monotonic() - start < 5
+            assert time.monotonic() - start < 5, "a health check waited behind the streams"
+        # Every slot taken: once that lasts, health says the worker cannot serve, and says so until one is free.
+        _until_health(w.address, health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        for stream in streams:
+            stream.cancel()
+        _until_health(w.address, health_pb2.HealthCheckResponse.SERVING, 10)
     finally:
         for stream in streams:
             stream.cancel()
@@ -527,3 +531,99 @@ def test_goodbye_ends_the_clients_lanes_and_what_they_kept(hostile):
         assert regions() <= before, "a released allocator's memory stayed mapped in the worker"
     finally:
         sock.close()
+
+
+def test_a_call_whose_reply_is_on_its_way_holds_no_call_slot_but_a_drain_waits_for_it():
+    from ephost.server.rpc import Admission
+    admission = Admission(per_client=12, total=16)
+    for i in range(16):
+        admission.enter("a" if i < 12 else "b")
+    with pytest.raises(ephost.EpResourceExhausted, match="its limit of 16 calls"):
+        admission.enter("c")
+    assert admission.full_for() >= 0.0 and admission.under_way() == 16
+    admission.leave("a", replying=True)  # its reply is being sent (to a client that may never read it)
+    assert admission.full_for() == 0.0
+    admission.enter("c")
+    for who in ["a"] * 11 + ["b"] * 4 + ["c"]:
+        admission.leave(who)
+    assert not admission.wait_idle(0.0), "a drain ended with a reply still on its way"
+    admission.replied()
+    assert admission.wait_idle(0.0)
+
+
+def _flooding(client, lanes: int, nbytes: int = 60_000):
+    """`lanes` data-plane connections of `client`, and a frame to flood each with: a CopyTensors whose reply
+    carries `nbytes` inline."""
+    allocator = client(client.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest()).allocator
+    buffer = client(client.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=nbytes)).buffer
+    transfer = client(client.factory.CreateDataTransfer, common_pb2.Empty()).data_transfer
+    desc = common_pb2.TensorDesc(elem_type=TensorProto.UINT8, shape=[nbytes])
+    request = data_transfer_pb2.CopyTensorsRequest(
+        data_transfer=transfer, src=[common_pb2.TensorRef(desc=desc, buffer=buffer)],
+        dst=[common_pb2.TensorRef(desc=desc, reply=common_pb2.InlineReply())]).SerializeToString()
+    frame = fastlane.HEADER.pack(fastlane.MAGIC, fastlane.METHODS["DataTransfer/CopyTensors"].id, 0, 0.0,
+                                 len(request)) + request
+    return [(_lane(client, slots=False)[0], frame) for _ in range(lanes)]
+
+
+def _flood(lanes, calls: int = 200) -> None:
+    """Send each lane its frame `calls` times, never reading a reply."""
+    for sock, frame in lanes:
+        sock.setblocking(False)
+        for _ in range(calls):
+            try:
+                sock.send(frame)
+            except BlockingIOError:  # the worker stopped reading: it is stuck in a send
+                break
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def _until_health(address: str, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _health(address) != status:
+        assert time.monotonic() < deadline, \
+            f"health did not say {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+        time.sleep(0.1)
+
+
+def test_clients_that_never_read_their_replies_hold_no_call_slot(worker):
+    """Two clients whose 24 lanes send CopyTensors with 60,000-byte inline replies and never read them held all
+    16 call slots for as long as their lanes stayed open: everyone else's calls were RESOURCE_EXHAUSTED. A call
+    whose reply is on its way holds no slot, and a send waits at most --send-timeout-s."""
+    w = worker("--ep", "reference", "--send-timeout-s", "4", exit_with_parent=False)
+    clients = [RawClient(w.address, f"flood{i}") for i in range(2)]
+    lanes = []
+    try:
+        for client in clients:
+            lanes += _flooding(client, 12)
+        _flood(lanes)
+        deadline, last = time.monotonic() + 15, None
+        while True:  # until every lane's thread in the worker is stuck in a send (it reads no more requests)
+            unread = [_unread(sock) for sock, _ in lanes]
+            if all(unread) and unread == last:
+                break
+            assert time.monotonic() < deadline, f"lanes whose requests the worker refused: {unread.count(0)}"
+            last = unread
+            time.sleep(0.3)
+        late = RawClient(w.address, "late")
+        allocator = late(late.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest()).allocator
+        assert late(late.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16)).buffer
+        assert late(late.worker.OpenDataPlane, common_pb2.Empty()).ticket
+        late.close()
+        assert _health(w.address) == health_pb2.HealthCheckResponse.SERVING
+        deadline = time.monotonic() + 15
+        while True:  # the sends give up, and their connections close
+            with open(w.log_path) as f:
+                if f.read().count("peer read nothing for 4 s") == len(lanes):
+                    break
+            assert time.monotonic() < deadline, "sends to clients that read nothing waited on"
+            time.sleep(0.2)
+    finally:
+        for sock, _ in lanes:
+            sock.close()
+        for client in clients:
+            client.close()
