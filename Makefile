@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PROTOS := $(wildcard protos/ephost/v1/*.proto)
 
-.PHONY: run test fuzz conformance compat bench proto docs clean
+.PHONY: run test fuzz conformance compat bench soak proto docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ compat: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench
+
+# Rounds of new client processes against one shared onnxruntime worker: its RSS, descriptors and mappings after
+# each round, flat from the second on (bench/soak.py). Sizes can be set: make soak SOAK_ARGS="--rounds 10 --unix"
+SOAK_ARGS ?=
+soak: $(VENV)/.installed-test
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)

@@ -84,6 +84,7 @@ class ClientRegistry:
         self._lock = threading.Lock()
         self._release = release
         self._left = left  # told when a client is gone, after its handles are released
+        self.departures = 0  # clients gone so far (a worker trims its heap after some went: server/malloc.py)
 
     def hello(self, name: str) -> ClientState:
         client = ClientState(secrets.token_hex(16), name[:NAME_CHARS])
@@ -119,6 +120,8 @@ class ClientRegistry:
             left = len(self._clients)
         self.release_all(client)
         self._left(client)
+        with self._lock:
+            self.departures += 1
         if known:
             log.info("client %r gone (%s; %d connected)", client.name, why, left)
 

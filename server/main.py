@@ -31,6 +31,7 @@ from ephost.fdshare import DescriptorServer, remove_socket_file, remove_stale_so
 from ephost import tracing, wire
 from ephost.worker_env import cache_dir as default_cache_root
 from ephost.server.allocator_service import AllocatorService
+from ephost.server import malloc
 from ephost.server.blob_cache import BlobCache
 from ephost.server.contract import SERVICES as CONTRACT
 from ephost.server.ep_service import EpService
@@ -147,6 +148,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
         # The launcher reads this line instead of the address: the error keeps its type on the client's side.
         print(json.dumps({"ephost": "error", "code": e.code.name, "message": str(e)}), flush=True)
         return 2
+    malloc.configure()  # before the EP's sessions take memory (server/malloc.py)
     listen.make_private_dir()
     fd_server = DescriptorServer(listen.fd_socket) if listen.fd_socket else None
     state = WorkerState(ep, factory, options, fd_server, limits, launched=exit_with_parent, blobs=blobs,
@@ -215,10 +217,13 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     log.info("listening on %s: EP %r, %s%s", address, ep, "TLS" if security.tls else "no TLS",
              ", a token required" if security.token_file else "")
     tick = min(0.5, client_lease_s / 4) if client_lease_s > 0 else 0.5
-    serving = True
+    serving, departures = True, 0
     while not stop.wait(tick):
         if client_lease_s > 0:
             state.clients.release_silent(client_lease_s)
+        if departures != state.clients.departures:  # what the clients that left held goes back to the system
+            departures = state.clients.departures
+            malloc.trim()
         # A worker whose call slots have all been taken for a while cannot serve a new call: health says so.
         if serving != (dispatcher.admission.full_for() < FULL_S):
             serving = not serving
