@@ -5,6 +5,7 @@ model. Shared by the session (client) and the worker, which cuts partitions out 
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping
@@ -13,7 +14,7 @@ import onnx
 import onnx.defs
 from onnx import helper, shape_inference
 
-from ephost.errors import EpInvalidArgument
+from ephost.errors import EpDeadlineExceeded, EpInvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,14 @@ def subgraph_inputs(node: onnx.NodeProto) -> list[str]:
     return names
 
 
+_EVERY = 4095  # a deadline is looked at once every this many nodes (and one)
+
+
+def _in_time(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise EpDeadlineExceeded("the call's deadline passed while the worker indexed its model")
+
+
 @dataclass(eq=False)
 class GraphIndex:
     """Who produces and who consumes every value of a model's main graph, and a topological order."""
@@ -91,51 +100,65 @@ class GraphIndex:
     digest: str = ""  # the content hash the worker knows it by (its bytes and its external files), where it has one
 
     @classmethod
-    def of(cls, model: onnx.ModelProto) -> "GraphIndex":
+    def of(cls, model: onnx.ModelProto, deadline: float | None = None) -> "GraphIndex":
+        """The index of `model`; EpDeadlineExceeded once time.monotonic() passes `deadline` (a model of a million
+        nodes takes seconds: a caller that stops waiting stops the work too)."""
         g = model.graph
         index = cls(model)
         index.initializers = {t.name for t in g.initializer} | {t.values.name for t in g.sparse_initializer}
         index.graph_inputs = [i.name for i in g.input if i.name not in index.initializers]
         index.graph_outputs = [o.name for o in g.output]
-        for node in g.node:
-            if node.name in index.nodes:
-                raise EpInvalidArgument(f"two nodes are named {node.name!r}")
-            index.nodes[node.name] = node
+        nodes, inputs_of, producer, consumers = index.nodes, index.inputs_of, index.producer, index.consumers
+        for i, node in enumerate(g.node):
+            if not i & _EVERY:
+                _in_time(deadline)
+            name = node.name  # (each read of a field makes a new object: read once)
+            if name in nodes:
+                raise EpInvalidArgument(f"two nodes are named {name!r}")
+            nodes[name] = node
             reads = [n for n in node.input if n]
-            reads += [n for n in subgraph_inputs(node) if n not in reads]
-            index.inputs_of[node.name] = reads
+            if node.attribute:
+                reads += [n for n in subgraph_inputs(node) if n not in reads]
+            inputs_of[name] = reads
             for value in node.output:
                 if value:
-                    if value in index.producer:
+                    if value in producer:
                         raise EpInvalidArgument(f"value {value!r} is produced by two nodes")
-                    index.producer[value] = node.name
+                    producer[value] = name
             for value in reads:
-                index.consumers[value].append(node.name)
-        index.order = index._topological_order()
+                consumers[value].append(name)
+        index.order = index._topological_order(deadline)
         return index
 
     def preds(self, node: str) -> set[str]:
         return {self.producer[v] for v in self.inputs_of[node] if v in self.producer}
 
-    def _topological_order(self) -> list[str]:
-        pending = {n: len(self.preds(n)) for n in self.nodes}
-        ready = deque(n for n in self.nodes if pending[n] == 0)  # a deque: linear in the graph's size
+    def _topological_order(self, deadline: float | None = None) -> list[str]:
+        producer, inputs_of, consumers = self.producer, self.inputs_of, self.consumers
+        known = set(producer) | self.initializers | set(self.graph_inputs)
+        pending = {}
+        for i, (node, reads) in enumerate(inputs_of.items()):
+            if not i & _EVERY:
+                _in_time(deadline)
+            missing = [v for v in reads if v not in known]
+            if missing:
+                raise EpInvalidArgument(f"node {node!r} reads {missing[0]!r}, which nothing produces")
+            pending[node] = len(reads) if len(reads) < 2 and (not reads or reads[0] in producer) \
+                else len({producer[v] for v in reads if v in producer})
+        ready = deque(n for n, k in pending.items() if k == 0)  # a deque: linear in the graph's size
         order: list[str] = []
         while ready:
             node = ready.popleft()
+            if not len(order) & _EVERY:
+                _in_time(deadline)
             order.append(node)
             for value in self.nodes[node].output:
-                for consumer in dict.fromkeys(self.consumers.get(value, ())):
+                for consumer in dict.fromkeys(consumers.get(value, ())):
                     pending[consumer] -= 1
                     if pending[consumer] == 0:
                         ready.append(consumer)
         if len(order) != len(self.nodes):
             raise EpInvalidArgument("the graph has a cycle")
-        known = set(self.producer) | self.initializers | set(self.graph_inputs)
-        for node in order:
-            missing = [v for v in self.inputs_of[node] if v not in known]
-            if missing:
-                raise EpInvalidArgument(f"node {node!r} reads {missing[0]!r}, which nothing produces")
         return order
 
     def partition_io(self, nodes: Iterable[str]) -> tuple[list[str], list[str]]:

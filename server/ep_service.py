@@ -2,7 +2,9 @@
 Compute over graph values that stay in this worker's memory between partitions."""
 from __future__ import annotations
 
-from ephost.errors import EpInvalidArgument, EpNotFound, quoted
+import time
+
+from ephost.errors import EpDeadlineExceeded, EpInvalidArgument, EpNotFound, quoted
 from ephost.run_options import checked
 from ephost.eps.base import ComputeCall, FusedGraph, capability
 from ephost.tensor import Tensor
@@ -22,12 +24,14 @@ class EpService(Servicer):
     def GetCapability(self, request, call):
         client = call.client
         ep = client.get("ep", request.ep)
-        index = self.state.model(client, request.model)
+        index = self.state.model(client, request.model, call.deadline)
         claimed = frozenset(request.claimed_nodes)
         groups, cached = self.state.capabilities.answer(CapabilityCache.key(ep, index.digest, claimed),
                                                         lambda: capability(ep, index.model, claimed, index.external))
         if cached:
             self.state.stats.add(capability_cache_hits=1)
+        elif call.deadline is not None and time.monotonic() > call.deadline:  # (kept: a retry is answered at once)
+            raise EpDeadlineExceeded("the call's deadline passed while the EP looked at the model")
         kind = ep_pb2.NodeGroup.Kind
         return ep_pb2.GetCapabilityResponse(groups=[
             ep_pb2.NodeGroup(kind=kind.KIND_FUSED if g.fused else kind.KIND_SINGLE, node_names=list(g.node_names))
@@ -37,7 +41,7 @@ class EpService(Servicer):
     def Compile(self, request, call):
         client = call.client
         ep = client.get("ep", request.ep)
-        index = self.state.model(client, request.model)
+        index = self.state.model(client, request.model, call.deadline)
         for g in request.graphs:
             unknown = [n for n in g.nodes if n not in index.nodes]
             if unknown or not g.nodes:

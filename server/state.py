@@ -135,9 +135,9 @@ class WorkerState:
         fd = region.dup_fd()
         return (fd, region.size) if fd is not None else None
 
-    def model(self, client: ClientState, ref) -> GraphIndex:
+    def model(self, client: ClientState, ref, deadline: float | None = None) -> GraphIndex:
         """The model a ModelRef names, parsed and indexed once per client and content hash (of its bytes and of
-        the files its external data names)."""
+        the files its external data names); EpDeadlineExceeded where indexing it outlasts `deadline`."""
         source = ref.WhichOneof("source")
         if source == "sha256":
             index = client.models.get(ref.sha256)
@@ -171,7 +171,7 @@ class WorkerState:
                 refuse_external_data(model, "the model")
             else:
                 external.check(model)  # every location one of the files, every range inside it
-            index = GraphIndex.of(model)
+            index = GraphIndex.of(model, deadline)
             _check_names(index)
             index.external = external
             index.digest = digest
