@@ -27,6 +27,7 @@ PROBE_BYTES = 32
 IDLE_S = 2.0          # a connection that has not sent its ticket by then is dropped
 MAX_CONNECTIONS = 32  # served at once; more are closed at once
 SWEEP_S = 1.0         # expired tickets are closed at least this often, whatever else happens
+COPY_BYTES_PER_S = 50 << 20  # the slowest a worker is expected to copy an imported file
 _OK, _NO = b"OK", b"NO"
 
 
@@ -199,17 +200,20 @@ def _accept(sink, fd: int) -> bool:
 
 
 def hand_over_file(path: str, ticket: bytes, fd: int, timeout: float = 5.0) -> None:
-    """Redeem an import ticket at a worker's descriptor socket, handing it `fd` (an open, read-only file)."""
+    """Redeem an import ticket at a worker's descriptor socket, handing it `fd` (an open, read-only file). The
+    answer may take a copy's time on top of `timeout` (a worker others share copies a regular file: server/files.py)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
             socket.send_fds(sock, [ticket], [fd])
+            sock.settimeout(timeout + os.fstat(fd).st_size / COPY_BYTES_PER_S)
             reply = _recv_exact(sock, 2)
         except OSError as e:
             raise EpWorkerUnavailable(f"cannot reach the worker's descriptor socket: {e.strerror or e}") from None
     if reply != _OK:
-        raise EpPermissionDenied("the worker refused the file (ticket unknown or expired, or not a regular file)")
+        raise EpPermissionDenied("the worker refused the file (ticket unknown or expired, not a regular file, a memfd "
+                                 "it cannot seal against shrinking, or too large for its cache)")
 
 
 def _probe_digest(fds: list[int]) -> bytes:

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import threading
 
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpResourceExhausted, quoted
@@ -91,6 +92,41 @@ class BlobCache:
             raise EpInvalidArgument("the blob's bytes do not hash to its name; it was discarded: upload it again")
         os.replace(part, self._path(digest))
         self.evict(keep=digest)
+
+    def take(self, fd: int, nbytes: int) -> str:
+        """Copy `nbytes` of an open file into the cache, named by their hash (the digest returned; a blob already
+        here is kept as it is). Read by pread, never mapped: a file its owner shrinks meanwhile ends the copy with
+        an error, not a fault."""
+        if nbytes > self.max_bytes:
+            raise EpResourceExhausted(f"a file of {nbytes} bytes is over this worker's cache ({self.max_bytes} "
+                                      "bytes, --cache-max-mb)")
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self.evict()
+        part = self._path(secrets.token_hex(32), part=True)  # an upload's name: eviction clears one left behind
+        h = hashlib.sha256()
+        try:
+            with open(part, "xb") as out:
+                offset = 0
+                while offset < nbytes:
+                    chunk = os.pread(fd, min(HASH_CHUNK, nbytes - offset), offset)
+                    if not chunk:
+                        raise EpInvalidArgument(f"the file became shorter than its {nbytes} bytes as it was copied")
+                    h.update(chunk)
+                    out.write(chunk)
+                    offset += len(chunk)
+            digest = h.hexdigest()
+            if self.status(digest)[0]:
+                os.unlink(part)
+            else:
+                os.replace(part, self._path(digest))
+        except BaseException:
+            try:
+                os.unlink(part)
+            except FileNotFoundError:
+                pass
+            raise
+        self.evict(keep=digest)
+        return digest
 
     def open(self, digest: str, name: str) -> int:
         """A read-only descriptor of the complete blob (to be mapped); NOT_FOUND where it is not (all) here."""

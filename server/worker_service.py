@@ -8,7 +8,7 @@ import threading
 
 from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpPermissionDenied, quoted
 from ephost.server.blob_cache import check_digest
-from ephost.server.files import FileSlot
+from ephost.server.files import FileSlot, mappable
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.state import WorkerState
 from ephost.wire import MAX_GRACE_S, PROTOCOL
@@ -104,7 +104,7 @@ class WorkerService(Servicer):
         handle = client.add("file", slot)
 
         def attach(fd: int) -> None:
-            f = slot.attach(fd)
+            f = slot.attach(mappable(fd, not self.state.launched, self.state.blobs))
             self.state.stats.add(files_imported=1, file_bytes_imported=f.size)
 
         return worker_pb2.FileTicket(ticket=self.state.fd_server.issue_import(attach, owner=client.client_id),

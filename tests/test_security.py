@@ -653,3 +653,80 @@ def test_a_worker_gives_back_what_large_blocks_took_whatever_was_freed_before():
     run = [sys.executable, "-c", _HEAP_PROBE]
     assert subprocess.run(run + ["plain"], capture_output=True, text=True, check=True).stdout.strip() == "heap"
     assert subprocess.run(run + ["worker"], capture_output=True, text=True, check=True).stdout.strip() == "own"
+
+
+def _identity_of_external(nbytes: int) -> bytes:
+    """A model whose output is its initializer W, whose bytes are external data named "w"."""
+    w = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[nbytes // 4], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "w"), ("offset", "0"), ("length", str(nbytes))):
+        w.external_data.add(key=key, value=value)
+    graph = helper.make_graph([helper.make_node("Identity", ["W"], ["y"], name="id")], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [nbytes // 4])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+def _import_and_compile(raw, fd: int, nbytes: int) -> int:
+    """Hand `fd` over (ImportFile) and compile the model that reads it; the compute info."""
+    ticket = raw(raw.worker.ImportFile, common_pb2.Empty())
+    fdshare.hand_over_file(raw.hello.fd_socket, ticket.ticket, fd)
+    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+    model = ep_pb2.ModelRef(model=_identity_of_external(nbytes),
+                            files=[ep_pb2.ExternalFile(name="w", nbytes=nbytes, file=ticket.file)])
+    (info,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(ep=ep, model=model, graphs=[
+        ep_pb2.FusedGraph(name="p", nodes=["id"], inputs=[], outputs=["y"])])).node_compute_infos
+    return info
+
+
+def _computed(raw, info: int) -> np.ndarray:
+    (out,) = raw(raw.ep.Compute, ep_pb2.ComputeRequest(node_compute_info=info, inline_limit=8 << 20)).outputs
+    return np.frombuffer(out.tensor.inline, np.float32)
+
+
+@pytest.fixture
+def shared_with_cache(worker, tmp_path):
+    w = worker("--ep", "reference", "--cache-dir", str(tmp_path / "cache"), exit_with_parent=False)
+    raw = RawClient(w.address)
+    yield w, raw, tmp_path / "cache"
+    raw.close()
+
+
+def test_a_client_cannot_shrink_an_imported_file_under_a_shared_worker(shared_with_cache, tmp_path):
+    """ImportFile a 1 MiB file, compile Identity(W) with W in it, truncate the file, Compute: the worker died of
+    SIGBUS. A worker others share copies the file into its own cache and maps the copy."""
+    import hashlib
+    w, raw, cache = shared_with_cache
+    weights = np.arange(1 << 18, dtype=np.float32)
+    path = tmp_path / "w.bin"
+    path.write_bytes(weights.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        info = _import_and_compile(raw, fd, weights.nbytes)
+    finally:
+        os.close(fd)
+    os.truncate(path, 0)
+    np.testing.assert_array_equal(_computed(raw, info), weights)
+    assert w.proc.poll() is None
+    assert os.listdir(cache) == [hashlib.sha256(weights.tobytes()).hexdigest()]  # the copy the worker maps
+
+
+def test_an_imported_memfd_is_sealed_against_shrinking_or_refused(shared_with_cache):
+    w, raw, _ = shared_with_cache
+    weights = np.arange(1 << 18, dtype=np.float32)
+    fd = os.memfd_create("weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, weights.tobytes())
+        info = _import_and_compile(raw, fd, weights.nbytes)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # sealed as it was imported
+        np.testing.assert_array_equal(_computed(raw, info), weights)
+    finally:
+        os.close(fd)
+    fd = os.memfd_create("weights", os.MFD_CLOEXEC)  # no sealing allowed: the worker cannot make it safe
+    try:
+        os.write(fd, weights.tobytes())
+        ticket = raw(raw.worker.ImportFile, common_pb2.Empty())
+        with pytest.raises(ephost.EpPermissionDenied, match="cannot seal"):
+            fdshare.hand_over_file(raw.hello.fd_socket, ticket.ticket, fd)
+    finally:
+        os.close(fd)
+    assert w.proc.poll() is None
