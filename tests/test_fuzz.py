@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from ephost import fastlane, lane_slots, wire
+import ephost
+from ephost import fastlane, fdshare, lane_slots, wire
 from ephost.server.contract import SERVICES
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 
@@ -205,9 +206,11 @@ def _populate(client: RawClient) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def fuzzed():
-    # Not launched by this client (no --exit-with-parent): Shutdown is refused, as on a shared worker.
-    w = Worker("--ep", "reference", "--max-alloc-mb", "64", exit_with_parent=False)
+def fuzzed(tmp_path_factory):
+    # Not launched by this client (no --exit-with-parent): Shutdown is refused, as on a shared worker, which copies
+    # the files it is handed into its cache; a reply nobody reads holds its connection 2 s.
+    w = Worker("--ep", "reference", "--max-alloc-mb", "64", "--cache-dir", str(tmp_path_factory.mktemp("cache")),
+               "--send-timeout-s", "2", exit_with_parent=False)
     try:
         warm = RawClient(w.address, "warm-up")
         _populate(warm)
@@ -303,7 +306,7 @@ class _Lane:
 
     def __init__(self, client: RawClient, slots: bool = False):
         self.client, self.sock, self.ask = client, None, slots
-        self.slots = self.mapping = None
+        self.slots = self.mapping = self.fd = None
 
     def open(self) -> socket.socket:
         if self.sock is None:
@@ -315,6 +318,7 @@ class _Lane:
             answer, fds, _, _ = socket.recv_fds(self.sock, 2, 1)
             assert answer == fastlane.TICKET_OK and len(fds) == self.ask
             if fds:
+                self.fd = os.dup(fds[0])  # for the tests that hurt it
                 self.mapping = lane_slots.adopt(os.dup(fds[0]))
                 self.slots = lane_slots.Slots(lane_slots.adopt(fds[0]), self.sock, worker=False)
         return self.sock
@@ -359,7 +363,9 @@ class _Lane:
         for mapped in (self.slots, self.mapping):
             if mapped is not None:
                 mapped.close()
-        self.slots = self.mapping = None
+        if self.fd is not None:
+            os.close(self.fd)
+        self.slots = self.mapping = self.fd = None
 
 
 def _send_broken(lane: _Lane, kind: str, method: int, payload: bytes, rng: random.Random) -> None:
@@ -526,6 +532,259 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
     finally:
         lane.close()
         say_goodbye(owner)
+
+
+# --- descriptors, slots and floods: what a client holds in its own hands ---------------------------------------
+
+def _served_well(client: RawClient, info: int) -> None:
+    """A well-behaved call right after mischief: a Compute over gRPC, and one over a new lane, both right."""
+    x = np.array([-1, 2, -3, 4], np.float32)
+    request = ep_pb2.ComputeRequest(node_compute_info=info, inline_limit=1 << 20, inputs=[common_pb2.Value(
+        tensor=common_pb2.TensorRef(desc=common_pb2.TensorDesc(elem_type=TensorProto.FLOAT, shape=[4]),
+                                    inline=x.tobytes()))])
+    (out,) = client(client.ep.Compute, request).outputs
+    np.testing.assert_array_equal(np.frombuffer(out.tensor.inline, np.float32), np.maximum(x, 0))
+    lane = _Lane(client, slots=True)
+    try:
+        fastlane.send_frame(lane.open(), fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request.SerializeToString(),
+                            lane.slots)
+        (frame,) = lane.replies()
+        assert frame.status == 0, fastlane.decode_error(frame.payload)[0]
+        (out,) = ep_pb2.ComputeResponse.FromString(frame.payload).outputs
+        np.testing.assert_array_equal(np.frombuffer(out.tensor.inline, np.float32), np.maximum(x, 0))
+    finally:
+        lane.close()
+
+
+def _descriptor(kind: str, data: bytes, folder: str) -> tuple[int, list[int]]:
+    """An open descriptor of `kind` holding `data` where it can, and what else to close with it."""
+    if kind.startswith("memfd"):
+        flags = os.MFD_CLOEXEC | (0 if kind == "memfd_unsealable" else os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create("fuzz", flags)
+        os.write(fd, data)
+        if kind == "memfd_sealed":
+            import fcntl
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        return fd, []
+    if kind in ("file", "file_read_only"):
+        path = os.path.join(folder, "w.bin")
+        with open(path, "wb") as f:
+            f.write(data)
+        fd = os.open(path, os.O_RDONLY if kind == "file_read_only" else os.O_RDWR)
+        os.unlink(path)  # (its client keeps it open, and may still shrink it)
+        return fd, []
+    if kind == "pipe":
+        r, w = os.pipe()
+        return r, [w]
+    if kind == "socket":
+        a, b = socket.socketpair()
+        return a.detach(), [b.detach()]
+    if kind == "directory":
+        return os.open(folder, os.O_RDONLY), []
+    if kind == "eventfd":
+        return os.eventfd(0), []
+    return os.open("/dev/zero", os.O_RDONLY), []
+
+
+def _hurt(fd: int, how: str) -> None:
+    """What a client may do to a descriptor it handed over: nothing, or shrink, grow or hole it (refused or not)."""
+    import ctypes
+    try:
+        if how == "truncate":
+            os.ftruncate(fd, 0)
+        elif how == "grow":
+            os.ftruncate(fd, 1 << 20)
+        elif how == "punch":  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.fallocate(fd, 3, ctypes.c_long(0), ctypes.c_long(4096))
+    except OSError:
+        pass  # sealed, or no file: the worker's copy or seal holds
+
+
+DESCRIPTORS = ["file", "file", "file_read_only", "memfd", "memfd", "memfd_unsealable", "memfd_sealed", "pipe",
+               "socket", "directory", "eventfd", "dev_zero"]
+
+
+def test_hostile_descriptors_handed_over_cannot_hurt_a_shared_worker(fuzzed, tmp_path):
+    """ImportFile of descriptors of every kind, each then used by a model that reads it, hurt by its client
+    (truncated, grown, holed) and read again: the file is taken (copied, or sealed) or refused, every call gets a
+    result or a typed error, the worker serves on, and well-behaved calls right after are right."""
+    w, _ = fuzzed
+    TAKEN = ("file", "file_read_only", "memfd", "memfd_sealed")
+
+    @seed(SEED)
+    @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @given(kind=st.sampled_from(DESCRIPTORS), how=st.sampled_from(["nothing", "truncate", "grow", "punch"]),
+           n=st.sampled_from([4, 16, 4096, 65536]))
+    def fuzz(kind, how, n):
+        data = np.arange(n // 4, dtype=np.float32).tobytes()
+        fd, more = _descriptor(kind, data, str(tmp_path))
+        owner = RawClient(w.address, "importer")  # a client each: what it imported goes with it
+        try:
+            ep = owner(owner.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
+            ticket = owner(owner.worker.ImportFile, common_pb2.Empty())
+            try:
+                fdshare.hand_over_file(owner.hello.fd_socket, ticket.ticket, fd)
+            except ephost.EpPermissionDenied:
+                assert kind not in TAKEN, f"a {kind} was refused"
+                return
+            assert kind in TAKEN, f"a {kind} was taken"
+            t = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[n // 4], data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", "w"), ("offset", "0"), ("length", str(n))):
+                t.external_data.add(key=key, value=value)
+            model = _model([helper.make_node("Identity", ["W"], ["y"], name="id")], [],
+                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n // 4])], [t])
+            ref = ep_pb2.ModelRef(model=model.SerializeToString(),
+                                  files=[ep_pb2.ExternalFile(name="w", nbytes=n, file=ticket.file)])
+            (info,) = owner(owner.ep.Compile, ep_pb2.CompileRequest(ep=ep, model=ref, graphs=[
+                ep_pb2.FusedGraph(name="p", nodes=["id"], inputs=[], outputs=["y"])])).node_compute_infos
+            _hurt(fd, how)
+            for _ in range(2):
+                try:
+                    (out,) = owner(owner.ep.Compute, ep_pb2.ComputeRequest(node_compute_info=info,
+                                                                          inline_limit=1 << 20)).outputs
+                    # (a memfd is memory both share: what its client writes, a hole too, the worker reads)
+                    assert out.tensor.inline == data or kind.startswith("memfd"), \
+                        "the worker read a file its client changed under it"
+                except grpc.RpcError as e:
+                    assert e.code() not in BAD, e.details()
+        finally:
+            for d in (fd, *more):
+                os.close(d)
+            say_goodbye(owner)
+        assert w.proc.poll() is None, f"the worker died of a {kind} its client hurt ({how})"
+
+    fuzz()
+    owner = RawClient(w.address, "after")
+    try:
+        _served_well(owner, _populate(owner)["compute_info"][0])
+    finally:
+        say_goodbye(owner)
+
+
+def test_lane_slots_in_hostile_hands(fuzzed):
+    """The slots memfd of a lane, shrunk, grown, holed, resealed and scribbled on by its client between frames:
+    the worker either answers the next frame or closes that one connection, and serves on."""
+    import fcntl
+    w, _ = fuzzed
+    owner = RawClient(w.address, "slots")
+    handles = _populate(owner)
+    info = handles["compute_info"][0]
+    request = ep_pb2.ComputeRequest(node_compute_info=info, inline_limit=1 << 20, inputs=[common_pb2.Value(
+        tensor=common_pb2.TensorRef(desc=common_pb2.TensorDesc(elem_type=TensorProto.FLOAT, shape=[4]),
+                                    inline=bytes(16)))]).SerializeToString()
+    lane = _Lane(owner, slots=True)
+
+    @seed(SEED)
+    @settings(max_examples=EXAMPLES * 2, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @given(how=st.sampled_from(["truncate", "grow", "punch", "seal_write", "scribble", "nothing"]),
+           rng=st.randoms(use_true_random=False))
+    def fuzz(how, rng):
+        lane.open()
+        fd = lane.fd
+        if how == "seal_write":
+            try:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            except OSError:
+                pass  # the slots are mapped writable, and sealed against further seals
+        elif how == "scribble":
+            lane.scribble(rng)
+        elif how != "nothing":
+            if how == "truncate":
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, 0)  # sealed
+            _hurt(fd, how)
+        if how != "scribble":
+            fastlane.send_frame(lane.sock, fastlane.METHODS["Ep/Compute"].id, 0, DEADLINE_S, request, lane.slots)
+        frames = lane.replies()
+        if frames and frames[0].status == grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+            assert lane.replies() == [], "a connection served on after its slots went wrong"
+        elif frames:
+            assert frames[0].status == 0, fastlane.decode_error(frames[0].payload)[0]
+        lane.close()
+        assert w.proc.poll() is None, f"the worker died of slots its client hurt ({how})"
+
+    try:
+        fuzz()
+        _served_well(owner, info)
+    finally:
+        lane.close()
+        say_goodbye(owner)
+
+
+def test_floods_cost_a_shared_worker_nothing_that_lasts(fuzzed):
+    """Connections past every bound, frames announcing a gigabyte, clients that die mid-frame or in the
+    handshake, replies nobody reads: each costs the worker what arrived while it lasts, other clients are
+    served meanwhile, and all of it goes with the connections (the test after this one counts)."""
+    w, (_, _, rss) = fuzzed
+    owner = RawClient(w.address, "flooder")
+    other = RawClient(w.address, "bystander")
+    handles = _populate(owner)
+    info = _populate(other)["compute_info"][0]
+    copy = _copy_request(owner, handles)
+
+    @seed(SEED)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @given(kind=st.sampled_from(["connections", "gigabyte", "mid_frame", "handshake", "unread", "tickets"]),
+           n=st.integers(1, 80))
+    def fuzz(kind, n):
+        socks = []
+        try:
+            path = owner(owner.worker.OpenDataPlane, common_pb2.Empty()).socket
+            for _ in range(n if kind in ("connections", "handshake", "tickets") else max(1, n // 16)):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                socks.append(sock)
+                sock.connect(path)
+                if kind == "handshake":
+                    continue  # says nothing
+                if kind == "tickets":
+                    sock.send(os.urandom(32))
+                    continue
+                ticket = owner(owner.worker.OpenDataPlane, common_pb2.Empty()).ticket
+                sock.send(ticket)
+                sock.settimeout(DEADLINE_S)
+                if sock.recv(2) != fastlane.TICKET_OK:
+                    continue  # past the bound for this client
+                sock.setblocking(False)
+                header = fastlane.HEADER.pack
+                try:
+                    if kind == "gigabyte":
+                        sock.send(header(fastlane.MAGIC, 3, 0, 5.0, 1 << 30) + os.urandom(100))
+                    elif kind == "mid_frame":
+                        sock.send(header(fastlane.MAGIC, 1, 0, 5.0, 3 * fastlane.PACKET) +
+                                  bytes(fastlane.PACKET - fastlane.HEADER.size))
+                    elif kind == "unread":
+                        for _ in range(40):
+                            sock.send(copy)
+                except BlockingIOError:
+                    pass
+            _served_well(other, info)  # while the flood lasts
+            assert _rss_kib(w.proc.pid) - rss < 256 * 1024, f"a flood ({kind}) took the worker's memory"
+        finally:
+            for sock in socks:
+                sock.close()  # the client dies
+        assert w.proc.poll() is None, f"the worker died of a flood ({kind})"
+
+    try:
+        fuzz()
+        _served_well(other, info)
+    finally:
+        say_goodbye(owner, other)
+
+
+def _copy_request(client: RawClient, handles) -> bytes:
+    """A frame of a CopyTensors whose reply carries 60,000 bytes inline."""
+    allocator = handles["allocator"][0]
+    buffer = client(client.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=60_000)).buffer
+    desc = common_pb2.TensorDesc(elem_type=TensorProto.UINT8, shape=[60_000])
+    request = data_transfer_pb2.CopyTensorsRequest(
+        data_transfer=handles["data_transfer"][0], src=[common_pb2.TensorRef(desc=desc, buffer=buffer)],
+        dst=[common_pb2.TensorRef(desc=desc, reply=common_pb2.InlineReply())]).SerializeToString()
+    return fastlane.HEADER.pack(fastlane.MAGIC, fastlane.METHODS["DataTransfer/CopyTensors"].id, 0, 0.0,
+                                len(request)) + request
 
 
 def test_nothing_is_left_after_the_clients_leave(fuzzed):
