@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ephost.errors import EpPermissionDenied, EpWorkerUnavailable
+from ephost.errors import EpPermissionDenied, EpResourceExhausted, EpWorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ TICKET_TTL_S = 30.0
 PROBE_BYTES = 32
 IDLE_S = 2.0          # a connection that has not sent its ticket by then is dropped
 MAX_CONNECTIONS = 32  # served at once; more are closed at once
+MAX_TICKETS = 128     # not yet presented, per owner: each may hold a descriptor, of which a process has a few thousand
 SWEEP_S = 1.0         # expired tickets are closed at least this often, whatever else happens
 COPY_BYTES_PER_S = 50 << 20  # the slowest a worker is expected to copy an imported file
 _OK, _NO = b"OK", b"NO"
@@ -69,7 +70,13 @@ class DescriptorServer:
         ticket = secrets.token_bytes(TICKET_BYTES)
         entry = _Ticket(fd, size, time.monotonic() + TICKET_TTL_S, owner, group, **kind)
         with self._lock:
-            self._tickets[ticket] = entry
+            held = owner is not None and sum(e.owner == owner for e in self._tickets.values()) >= MAX_TICKETS
+            if not held:
+                self._tickets[ticket] = entry
+        if held:
+            entry.close()
+            raise EpResourceExhausted(f"this client holds {MAX_TICKETS} tickets it has not presented; present them, "
+                                      f"or let them expire ({TICKET_TTL_S:g} s), first")
         return ticket
 
     def issue(self, fd: int, size: int, *, owner: Any = None, group: Any = None) -> bytes:

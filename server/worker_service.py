@@ -6,7 +6,8 @@ import math
 import os
 import threading
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpPermissionDenied, quoted
+from ephost.errors import (EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpPermissionDenied,
+                           EpResourceExhausted, quoted)
 from ephost.server.blob_cache import check_digest
 from ephost.server.files import FileSlot, mappable
 from ephost.server.rpc import Servicer, rpc
@@ -16,6 +17,8 @@ from ephost.external_data import load_model
 from ephost.v1 import common_pb2, ep_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
+
+MAX_FILES = 1024  # imported files one client may hold (each holds a descriptor in the worker)
 
 
 class WorkerService(Servicer):
@@ -100,6 +103,9 @@ class WorkerService(Servicer):
         if self.state.fd_server is None:
             raise EpFailedPrecondition("this worker has no descriptor socket (it listens on TCP): it cannot take "
                                        "files by descriptor")
+        if client.count("file") >= MAX_FILES:
+            raise EpResourceExhausted(f"this client holds {MAX_FILES} imported files, this worker's limit for one "
+                                      "client")
         slot = FileSlot("an imported file")
         handle = client.add("file", slot)
 
@@ -107,8 +113,12 @@ class WorkerService(Servicer):
             f = slot.attach(mappable(fd, not self.state.launched, self.state.blobs))
             self.state.stats.add(files_imported=1, file_bytes_imported=f.size)
 
-        return worker_pb2.FileTicket(ticket=self.state.fd_server.issue_import(attach, owner=client.client_id),
-                                     file=handle)
+        try:
+            ticket = self.state.fd_server.issue_import(attach, owner=client.client_id)
+        except EpResourceExhausted:
+            client.pop("file", handle)
+            raise
+        return worker_pb2.FileTicket(ticket=ticket, file=handle)
 
     def _blobs(self):
         if self.state.blobs is None:

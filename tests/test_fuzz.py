@@ -724,6 +724,7 @@ def test_floods_cost_a_shared_worker_nothing_that_lasts(fuzzed):
     handles = _populate(owner)
     info = _populate(other)["compute_info"][0]
     copy = _copy_request(owner, handles)
+    path = owner(owner.worker.OpenDataPlane, common_pb2.Empty()).socket
 
     @seed(SEED)
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
@@ -733,7 +734,6 @@ def test_floods_cost_a_shared_worker_nothing_that_lasts(fuzzed):
     def fuzz(kind, n):
         socks = []
         try:
-            path = owner(owner.worker.OpenDataPlane, common_pb2.Empty()).socket
             for _ in range(n if kind in ("connections", "handshake", "tickets") else max(1, n // 16)):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 socks.append(sock)

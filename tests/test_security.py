@@ -730,3 +730,42 @@ def test_an_imported_memfd_is_sealed_against_shrinking_or_refused(shared_with_ca
     finally:
         os.close(fd)
     assert w.proc.poll() is None
+
+
+def test_what_holds_a_descriptor_in_the_worker_is_bounded_per_client(hostile):
+    """Tickets (each ExportRegion's holds a duplicate of the region's descriptor until presented, or 30 s) and
+    imported files were unbounded: one client could take every descriptor the worker may open, and every other
+    client's next region, lane or file then failed."""
+    w, raw = hostile
+    pid = w.proc.pid
+    before = _fds(pid)
+    _, buffer, _ = _export(raw)
+    region = buffer.shm.region
+    issued = 0
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in range(fdshare.MAX_TICKETS + 1):
+            raw(raw.worker.ExportRegion, worker_pb2.ExportRegionRequest(region=region))
+            issued += 1
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tickets" in e.value.details()
+    assert issued == fdshare.MAX_TICKETS - 1  # (with the one _export made)
+    assert _fds(pid) - before < fdshare.MAX_TICKETS + 16
+    other = RawClient(w.address, "other")  # another client is not refused
+    other(other.worker.ExportRegion, worker_pb2.ExportRegionRequest(region=_export(other)[1].shm.region))
+    fd = os.memfd_create("w", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, bytes(16))
+    try:
+        from ephost.server.worker_service import MAX_FILES
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in range(MAX_FILES + 1):
+                ticket = other(other.worker.ImportFile, common_pb2.Empty())
+                fdshare.hand_over_file(other.hello.fd_socket, ticket.ticket, fd)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "imported files" in e.value.details()
+    finally:
+        os.close(fd)
+    for client in (raw, other):
+        client(client.worker.Goodbye, common_pb2.Empty())
+    other.close()
+    deadline = time.monotonic() + 10
+    while _fds(pid) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _fds(pid) <= before
