@@ -26,6 +26,7 @@ TICKET_TTL_S = 30.0
 PROBE_BYTES = 32
 IDLE_S = 2.0          # a connection that has not sent its ticket by then is dropped
 MAX_CONNECTIONS = 32  # served at once; more are closed at once
+BACKLOG = 1024        # connections queued until accepted: a client connecting to a full queue is refused
 MAX_TICKETS = 128     # not yet presented, per owner: each may hold a descriptor, of which a process has a few thousand
 SWEEP_S = 1.0         # expired tickets are closed at least this often, whatever else happens
 COPY_BYTES_PER_S = 50 << 20  # the slowest a worker is expected to copy an imported file
@@ -265,7 +266,7 @@ def listen_unix(path: str, kind: int) -> socket.socket:
     sock.bind(path)
     if not abstract:
         os.chmod(path, 0o600)
-    sock.listen(64)
+    sock.listen(BACKLOG)
     return sock
 
 
