@@ -483,8 +483,9 @@ def test_fast_lane_connections_are_bounded_per_client_and_in_all(hostile, monkey
 
 
 def test_goodbye_ends_the_clients_lanes_and_what_they_kept(hostile):
-    """A kept Compute names an input buffer and an output buffer; its client says Goodbye over gRPC and leaves
-    its lane open: the released allocator's memory was mapped in the worker until the lane closed."""
+    """A kept call naming buffers of the client's (here a CopyTensors, repeated) holds tensors over them; its
+    client says Goodbye over gRPC and leaves its lane open: the released allocator's memory stayed mapped in the
+    worker until the lane closed."""
     import struct
     w, raw = hostile
     pid = w.proc.pid
@@ -494,32 +495,24 @@ def test_goodbye_ends_the_clients_lanes_and_what_they_kept(hostile):
             return sum(line.rstrip().endswith("/memfd:ephost (deleted)") for line in f)
 
     before = regions()
-    ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
-    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x], [y]),
-                              opset_imports=[helper.make_opsetid("", 18)])
-    (info,) = raw(raw.ep.Compile, ep_pb2.CompileRequest(ep=ep, model=ep_pb2.ModelRef(model=model.SerializeToString()),
-                                                        graphs=[ep_pb2.FusedGraph(name="p", nodes=["relu"],
-                                                                                  inputs=["x"], outputs=["y"])])
-                  ).node_compute_infos
     allocator, given, _ = _export(raw, 16)
     taken = raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=16))
     desc = common_pb2.TensorDesc(elem_type=TensorProto.FLOAT, shape=[4])
-    request = ep_pb2.ComputeRequest(node_compute_info=info, keep_call=True, inline_limit=1 << 20,
-                                    inputs=[common_pb2.Value(tensor=common_pb2.TensorRef(desc=desc,
-                                                                                         buffer=given.buffer))])
-    request.output_buffers[0].CopyFrom(common_pb2.TensorRef(desc=desc, buffer=taken.buffer))
+    transfer = raw(raw.factory.CreateDataTransfer, common_pb2.Empty()).data_transfer
+    request = data_transfer_pb2.CopyTensorsRequest(data_transfer=transfer, keep_call=True,
+                                                   src=[common_pb2.TensorRef(desc=desc, buffer=given.buffer)],
+                                                   dst=[common_pb2.TensorRef(desc=desc, buffer=taken.buffer)])
     sock, _ = _lane(raw, slots=False)
     reader = fastlane.FrameReader(sock, adopt=lambda region, size, fd: os.close(fd))
     try:
-        fastlane.send_frame(sock, fastlane.METHODS["Ep/Compute"].id, 0, 10.0, request.SerializeToString())
+        fastlane.send_frame(sock, fastlane.METHODS["DataTransfer/CopyTensors"].id, 0, 10.0,
+                            request.SerializeToString())
         frame = reader.read()
         assert frame.status == 0, fastlane.decode_error(frame.payload)
-        kept = ep_pb2.ComputeResponse.FromString(frame.payload).kept_call
+        kept = data_transfer_pb2.CopyTensorsResponse.FromString(frame.payload).kept_call
         assert kept
         fastlane.send_frame(sock, fastlane.KEPT, 0, 10.0, fastlane.KEPT_ID.pack(kept) +
-                            struct.pack("<2Q", given.buffer, taken.buffer))
+                            struct.pack("<2Q", given.buffer, taken.buffer))  # the repeat: its buffers' handles
         frame = reader.read()
         assert frame.status == 0, fastlane.decode_error(frame.payload)
         assert regions() > before
