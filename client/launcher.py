@@ -49,7 +49,10 @@ class WorkerProcess:
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit
         self.stopping = False  # set when this side asked the worker to go: its exit is not a crash
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        # The worker's errors reach this process as status codes: it need not import onnxruntime to make them
+        # ORT's classes too (ephost.errors), which would cost every worker's start (a reference one's) its load.
+        env = {**os.environ, "EPHOST_ORT_ERRORS": "0"}
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=env)
         self.pid = self.proc.pid
         self.exited = threading.Event()
         try:

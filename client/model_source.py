@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from ephost.errors import EpError, EpInvalidArgument
+from ephost.errors import EpError, EpInvalidArgument, EpInvalidModel
 from ephost.external_data import ExternalData, WorkerFile, check_inline_size, has_external_data, load_model
 from ephost.v1 import worker_pb2
 
@@ -58,10 +58,10 @@ def load(model, env=None) -> tuple[onnx.ModelProto, ExternalData | None]:
         except EpError:
             raise
         except Exception as e:
-            raise EpInvalidArgument(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+            raise EpInvalidModel(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
         if external is None and has_external_data(loaded):
             raise EpInvalidArgument(f"{what} keeps tensors in external files, and bytes do not say where they were "
                                     "loaded from: give the model's path instead")
     if not loaded.HasField("graph") or not loaded.opset_import:
-        raise EpInvalidArgument(f"{what} is not an ONNX model: it has no graph or no opset import")
+        raise EpInvalidModel(f"{what} is not an ONNX model: it has no graph or no opset import")
     return loaded, external

@@ -9,7 +9,8 @@ import threading
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
-                           EpInternal, EpInvalidArgument, EpNotFound, EpOutOfRange, EpPermissionDenied,
+                           EpInternal, EpInvalidArgument, EpInvalidGraph, EpInvalidModel, EpNoSuchFile, EpNotFound,
+                           EpOutOfRange, EpPermissionDenied,
                            EpResourceExhausted, EpUnauthenticated, EpUnimplemented, EpWorkerCrashed,
                            EpTlsError, EpUnknownClient, EpWorkerDraining, EpWorkerEnvironmentFailed,
                            EpWorkerFailed, EpWorkerReplaced, EpWorkerUnavailable)
@@ -93,4 +94,5 @@ __all__ = [
     "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
     "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed",
     "EpWorkerEnvironmentFailed", "EpUnknownClient", "EpWorkerDraining", "EpWorkerReplaced", "EpTlsError",
+    "EpInvalidModel", "EpInvalidGraph", "EpNoSuchFile",
 ]

@@ -3,30 +3,78 @@
 An EP implementation raises these; the worker turns them into a gRPC status; the client turns the status
 back into the same class. Messages must help the user and must never carry a shared-memory name, key or
 address.
+
+Code written for ONNX Runtime catches its exception classes (onnxruntime.capi.onnxruntime_pybind11_state.Fail,
+InvalidArgument, NoSuchFile, ...) or RuntimeError: every class here is a RuntimeError, and also the ORT class of
+its kind where onnxruntime is installed. A process that sets EPHOST_ORT_ERRORS=0 (the workers this package
+launches) does not import onnxruntime for that: its errors reach the application as status codes.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+from types import ModuleType
 
 import grpc
 
 from ephost import wire
 
 
-class EpError(Exception):
-    """Base of every error ephost raises. `reason`, where a class sets one, travels beside the status (in the
-    call's trailing metadata, see ephost.wire.REASON_KEY) so that the peer decodes the same class."""
+def _ort_exceptions() -> ModuleType | None:
+    """ORT's pybind module, whose exception classes ours extend; None where ORT is absent or not wanted here."""
+    if os.environ.get("EPHOST_ORT_ERRORS", "1") == "0" or importlib.util.find_spec("onnxruntime") is None:
+        return None
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state
+    except Exception:  # a broken install: ephost's errors stay RuntimeErrors
+        return None
+    return onnxruntime_pybind11_state
+
+
+_ORT = _ort_exceptions()
+
+
+def ort(name: str) -> tuple[type, ...]:
+    """ORT's exception class of that name as a base (none where ORT is absent or lacks it)."""
+    cls = getattr(_ORT, name, None)
+    return (cls,) if isinstance(cls, type) and issubclass(cls, BaseException) else ()
+
+
+class EpError(*ort("Fail"), RuntimeError):
+    """Base of every error ephost raises (ORT's Fail, its generic failure, where onnxruntime is installed).
+    `reason`, where a class sets one, travels beside the status (in the call's trailing metadata, see
+    ephost.wire.REASON_KEY) so that the peer decodes the same class."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     reason: str = ""
 
 
-class EpInvalidArgument(EpError, ValueError):
+class EpInvalidArgument(EpError, *ort("InvalidArgument"), ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class EpNotFound(EpError, LookupError):
+class EpInvalidModel(EpInvalidArgument, *ort("InvalidProtobuf")):
+    """The model is not a readable ONNX model (ORT's InvalidProtobuf)."""
+
+    reason = wire.REASON_INVALID_MODEL
+
+
+class EpInvalidGraph(EpInvalidArgument, *ort("InvalidGraph")):
+    """The model reads, but its graph is not valid (ORT's InvalidGraph): a type or shape that contradicts an
+    operator, a value nobody produces."""
+
+    reason = wire.REASON_INVALID_GRAPH
+
+
+class EpNotFound(EpError, *ort("NotFound"), LookupError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+class EpNoSuchFile(EpNotFound, *ort("NoSuchFile"), FileNotFoundError):
+    """A file the caller named does not exist (ORT's NoSuchFile): a model path, an external data file."""
+
+    reason = wire.REASON_NO_SUCH_FILE
 
 
 class EpAlreadyExists(EpError):
@@ -63,7 +111,7 @@ class EpDeadlineExceeded(EpError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class EpUnimplemented(EpError, NotImplementedError):
+class EpUnimplemented(EpError, *ort("NotImplemented"), NotImplementedError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
@@ -79,12 +127,13 @@ class EpCancelled(EpError):
     code = grpc.StatusCode.CANCELLED
 
 
-class EpInternal(EpError):
+class EpInternal(EpError, *ort("RuntimeException")):
     code = grpc.StatusCode.INTERNAL
 
 
-class EpWorkerUnavailable(EpError, ConnectionError):
-    """The worker cannot be reached (not started yet, gone, or the network is down)."""
+class EpWorkerUnavailable(EpError, *ort("EPFail"), ConnectionError):
+    """The worker cannot be reached (not started yet, gone, or the network is down): the EP failed, as ORT's
+    EPFail says."""
 
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -150,7 +199,8 @@ _BY_CODE: dict[grpc.StatusCode, type[EpError]] = {
 
 # Structured reason -> class, for the errors that say more than their status code.
 _BY_REASON: dict[str, type[EpError]] = {cls.reason: cls for cls in (EpUnknownClient, EpUnknownKeptCall,
-                                                                     EpWorkerDraining)}
+                                                                     EpWorkerDraining, EpInvalidModel,
+                                                                     EpInvalidGraph, EpNoSuchFile)}
 
 
 def error_for_status(code: grpc.StatusCode, message: str, reason: str = "") -> EpError:

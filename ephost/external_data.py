@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpNotFound, EpOutOfRange, quoted
+from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpInvalidModel, EpNoSuchFile, EpOutOfRange, quoted
 from ephost.types import dtype_of, nbytes_of
 
 log = logging.getLogger(__name__)
@@ -322,8 +322,8 @@ def open_external_data(model: onnx.ModelProto, base_dir: str, what: str) -> Exte
             try:
                 files[ref.location] = ExternalFile.open(ref.location, path)
             except FileNotFoundError:
-                raise EpNotFound(f"initializer {ref.tensor!r} of {what}: its external data file {path!r} does "
-                                 "not exist") from None
+                raise EpNoSuchFile(f"initializer {ref.tensor!r} of {what}: its external data file {path!r} does "
+                                   "not exist") from None
             except IsADirectoryError:
                 raise EpInvalidArgument(f"initializer {ref.tensor!r} of {what}: its external data {path!r} is "
                                         "a directory") from None
@@ -359,7 +359,7 @@ def load_model(path: str) -> tuple[onnx.ModelProto, ExternalData | None]:
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:
-        raise EpNotFound(f"{what} does not exist") from None
+        raise EpNoSuchFile(f"{what} does not exist") from None
     except OSError as e:
         raise EpInvalidArgument(f"{what} cannot be read: {e.strerror}") from None
     if size > PROTOBUF_LIMIT:
@@ -369,7 +369,7 @@ def load_model(path: str) -> tuple[onnx.ModelProto, ExternalData | None]:
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception as e:
-        raise EpInvalidArgument(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
+        raise EpInvalidModel(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
     return model, open_external_data(model, os.path.dirname(os.path.abspath(path)), what)
 
 

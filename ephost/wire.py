@@ -41,6 +41,13 @@ REASON_UNKNOWN_KEPT_CALL = "unknown-kept-call"
 # UNAVAILABLE.
 REASON_DRAINING = "draining"
 
+# Kinds of bad input ONNX Runtime names with classes of their own (ephost.errors raises them as those classes
+# too): a model that is no readable ONNX (ORT's InvalidProtobuf), a graph that is not valid (InvalidGraph), a
+# file the caller named that does not exist (NoSuchFile). Status INVALID_ARGUMENT, INVALID_ARGUMENT, NOT_FOUND.
+REASON_INVALID_MODEL = "invalid-model"
+REASON_INVALID_GRAPH = "invalid-graph"
+REASON_NO_SUCH_FILE = "no-such-file"
+
 
 def read_file(path: str) -> bytes:
     """The bytes of a file an operator or user named (a certificate, a key, a token); a clear error if not."""
