@@ -1,7 +1,8 @@
 """A session's profiler, like ONNX Runtime's: with SessionOptions.enable_profiling, each run records its
 partitions (where each ran, its Compute call), the fallbacks a failure policy made, and the copies the session
 made between memories, as Chrome trace events ("ph": "X", microseconds since the profiler started).
-end_profiling() writes them as a JSON array (chrome://tracing, Perfetto) and returns the file's name.
+end_profiling() writes them as ORT does, a JSON array with one event per line (chrome://tracing and Perfetto read
+it whole, tools read it line by line), and returns the file's name.
 """
 from __future__ import annotations
 
@@ -60,5 +61,5 @@ class Profiler:
             self.enabled = False
         path = f"{self._prefix}_{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}_{time.monotonic_ns() % 10**6}.json"
         with open(path, "w") as f:
-            json.dump(events, f, indent=0)
+            f.write("[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events) + "\n]\n")
         return path

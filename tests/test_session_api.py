@@ -52,6 +52,23 @@ def test_profiling_writes_a_chrome_trace_of_partitions_calls_and_copies(env, tmp
     assert len(copies) == 1 and copies[0]["args"]["bytes"] == 12 and copies[0]["args"]["src"] == "ref:reference"
 
 
+def test_the_profile_is_a_json_array_with_one_event_per_line_as_ort_writes_it(env, tmp_path):
+    options = options_for(env, "ref")
+    options.enable_profiling = True
+    options.profile_file_prefix = str(tmp_path / "lines")
+    with InferenceSession(models.chain(["Sigmoid", "Relu"], shape=(3,)), options, env=env) as session:
+        session.run(None, {"x": np.ones(3, np.float32)})
+        path = session.end_profiling()
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "[" and lines[-1] == "]" and len(lines) >= 5
+    events = [json.loads(line.rstrip(",")) for line in lines[1:-1]]  # each line one event, tools read them so
+    assert all(line.endswith(",") for line in lines[1:-2]) and not lines[-2].endswith(",")
+    assert [e["name"] for e in events if e["cat"] == "Session"] == ["session_initialization", "model_run"]
+    with open(path) as f:
+        assert json.load(f) == events
+
+
 def test_profiling_is_off_by_default(env):
     with InferenceSession(models.chain(["Relu"]), options_for(env, "ref"), env=env) as session:
         assert session.get_profiling_start_time_ns() == 0
