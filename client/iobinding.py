@@ -22,6 +22,7 @@ from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, DeviceMemoryType, MemoryInfo, checked_shape, dtype_of, nbytes_of
 from ephost.values import as_value
 from ephost.client.devices import EpDevice
+from ephost.client.feeds import foreign
 
 if TYPE_CHECKING:
     from ephost.client.environment import Environment
@@ -132,7 +133,9 @@ class IOBinding:
         self._inputs[name] = host_tensor_at(buffer_ptr, element_type, shape)
 
     def bind_ortvalue_input(self, name: str, ortvalue) -> None:
-        """Bind an ephost.Tensor (in any memory; one in a worker's memory stays there) or an array."""
+        """Bind an ephost.Tensor (in any memory; one in a worker's memory stays there), an array, or an
+        onnxruntime.OrtValue in this process's memory (read where it is)."""
+        ortvalue = foreign(ortvalue)
         if not isinstance(ortvalue, (Tensor, np.ndarray, np.generic)):
             raise EpInvalidArgument(f"input {name!r}: bind an ephost.Tensor or a numpy array, not "
                                     f"{type(ortvalue).__name__}")
@@ -168,7 +171,9 @@ class IOBinding:
         self.bind_ortvalue_output(name, host_tensor_at(buffer_ptr, element_type, shape))
 
     def bind_ortvalue_output(self, name: str, ortvalue: Tensor) -> None:
-        """Bind an output to a tensor it is written into (in any memory)."""
+        """Bind an output to a tensor it is written into (in any memory), or to an onnxruntime.OrtValue in this
+        process's memory."""
+        ortvalue = foreign(ortvalue)
         if isinstance(ortvalue, np.ndarray):
             ortvalue = as_value(ortvalue)
         if not isinstance(ortvalue, Tensor):

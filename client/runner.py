@@ -23,6 +23,7 @@ from ephost.tensor import Tensor
 from ephost.types import HOST_MEMORY, MemoryInfo
 from ephost.values import as_value
 from ephost.eps.base import ComputeCall
+from ephost.client.feeds import passed_through
 from ephost.client.handles import owned
 from ephost.client.planner import Partition
 
@@ -196,7 +197,9 @@ class PartitionRunner:
                 out.append(self._constant(name))
                 continue
             value = values[at]
-            if maker is not None and type(value) is Tensor and value.memory_info is not HOST_MEMORY:
+            if maker is None:  # a graph input asked for as an output: a copy, as ORT gives it
+                value = passed_through(value)
+            elif type(value) is Tensor and value.memory_info is not HOST_MEMORY:
                 self._label(value, maker)
             out.append(value)
         return out

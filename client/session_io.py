@@ -12,7 +12,7 @@ from ephost.errors import EpError, EpInvalidArgument
 from ephost.types import dtype_of, is_plain_dtype
 from ephost.tensor import Tensor
 from ephost.values import host_value
-from ephost.client.feeds import FeedCheck, check_feed_names, shape_of, type_string
+from ephost.client.feeds import FeedCheck, check_feed_names, foreign, shape_of, type_string
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,7 @@ class ModelIO:
         values = {}
         for name, value in input_feed.items():
             check = checks.get(name)
-            if check is not None:
-                if type(value) is list:
-                    value = check.from_list(value)
-                check(value)
-            value = host_value(value)
+            value = host_value(check.take(value) if check is not None else foreign(value))
             if type(value) is Tensor and not value.addressable and value.buffer.owner is None:
                 value = to_host(value)
             values[name] = value
