@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import onnx
 
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 FALLBACK = "fallback"  # the registration name the fallback's placements go by in assignment info
 # Each fallback: the in-process EPs it chains, in the order they are asked.
 CHAINS: dict[str, tuple[str, ...]] = {"onnxruntime": ("onnxruntime", "reference"), "reference": ("reference",)}
+# The name each of those EPs goes by (its factory's get_name), known without making it
+EP_NAMES = {"onnxruntime": "CPUExecutionProvider", "reference": "reference"}
 
 
 def check_domains(model: onnx.ModelProto, names) -> None:
@@ -65,11 +67,24 @@ def default_fallback() -> str:
 class CpuFallback:
     """The fallback's placements, in the order they are asked (ORT's CPU EP, then the reference evaluator)."""
 
-    def __init__(self, kind: str | None):
+    def __init__(self, kind: str | None, ep_config: Mapping[str, str] | None = None):
+        """`ep_config`: the session's config entries and settings, which each fallback EP is created with (as
+        every EP of the session is)."""
         if kind is not None and kind not in CHAINS:
             raise EpInvalidArgument(f"SessionOptions.fallback must be one of {sorted(CHAINS)} or None, got {kind!r}")
         self.kind = kind
         self._chain: tuple[str, ...] = tuple(CHAINS.get(kind, ()))
+        self._ep_config = dict(ep_config or {})
+
+    @property
+    def ep_names(self) -> tuple[str, ...]:
+        """The names its EPs go by, in the order they are asked."""
+        return tuple(EP_NAMES[ep] for ep in self._chain)
+
+    @property
+    def cpu_ep_name(self) -> str | None:
+        """ORT's CPU EP's name where the fallback is that EP (a session's providers= naming it means the fallback)."""
+        return EP_NAMES["onnxruntime"] if self._chain[:1] == ("onnxruntime",) else None
 
     @functools.cached_property
     def placements(self) -> tuple[Placement, ...]:
@@ -77,10 +92,9 @@ class CpuFallback:
         one in a process costs a quarter of a second: ORT's factory, the evaluator's op list)."""
         return tuple(self._placement(ep) for ep in self._chain)
 
-    @staticmethod
-    def _placement(ep: str) -> Placement:
+    def _placement(self, ep: str) -> Placement:
         factory = load_factory(ep, {})  # as `inproc:NAME` hosts it
-        return Placement(FALLBACK, factory.get_name(), factory.create_ep([0], {}))
+        return Placement(FALLBACK, factory.get_name(), factory.create_ep([0], dict(self._ep_config)))
 
     def __bool__(self) -> bool:
         return bool(self._chain)

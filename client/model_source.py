@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
+import numpy as np
 import onnx
 
 from ephost.errors import EpError, EpInvalidArgument, EpInvalidModel
-from ephost.external_data import ExternalData, WorkerFile, check_inline_size, has_external_data, load_model
+from ephost.external_data import (ExternalData, WorkerFile, check_inline_size, has_external_data, inline_tensors,
+                                  load_model, open_external_data)
 from ephost.v1 import worker_pb2
 
 
@@ -35,15 +38,23 @@ def _from_worker(model: ModelOnWorker, env) -> tuple[onnx.ModelProto, ExternalDa
     return loaded, external
 
 
-def load(model, env=None) -> tuple[onnx.ModelProto, ExternalData | None]:
-    """The model's graph, and its external data files (opened, checked, not read) where it has any."""
+def load(model, env=None, inline: Mapping[str, np.ndarray] | None = None,
+         in_memory: Mapping[str, bytes] | None = None) -> tuple[onnx.ModelProto, ExternalData | None]:
+    """The model's graph, and its external data files (opened, checked, not read) where it has any. `inline`:
+    values the application gives for initializers the model keeps in external files; `in_memory`: contents it
+    gives for external files, by location (SessionOptions.add_external_initializers...): in place of files."""
     external = None
     if isinstance(model, ModelOnWorker):
         loaded, external = _from_worker(model, env)
         what = f"model {model.path!r} of {model.registration!r}"
     elif isinstance(model, onnx.ModelProto):
         loaded, what = model, "the model"
-        if has_external_data(loaded):
+        if has_external_data(loaded) and (inline or in_memory):
+            loaded = onnx.ModelProto()
+            loaded.CopyFrom(model)  # the caller's model stays as it is
+            inline_tensors(loaded, inline or {})
+            external = open_external_data(loaded, None, what, in_memory)
+        elif has_external_data(loaded):
             raise EpInvalidArgument("the model's tensors keep their data in external files, and a ModelProto does "
                                     "not say where it was loaded from: give the model's path instead")
         check_inline_size(loaded)
@@ -52,16 +63,16 @@ def load(model, env=None) -> tuple[onnx.ModelProto, ExternalData | None]:
             if isinstance(model, (bytes, bytearray, memoryview)):
                 what = "the model bytes"
                 loaded = onnx.load_model_from_string(bytes(model))
+                if inline:
+                    inline_tensors(loaded, inline)
+                external = open_external_data(loaded, None, what, in_memory)
             else:
                 what = f"model file {os.fspath(model)!r}"
-                loaded, external = load_model(os.fspath(model))
+                loaded, external = load_model(os.fspath(model), inline, in_memory)
         except EpError:
             raise
         except Exception as e:
             raise EpInvalidModel(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
-        if external is None and has_external_data(loaded):
-            raise EpInvalidArgument(f"{what} keeps tensors in external files, and bytes do not say where they were "
-                                    "loaded from: give the model's path instead")
     if not loaded.HasField("graph") or not loaded.opset_import:
         raise EpInvalidModel(f"{what} is not an ONNX model: it has no graph or no opset import")
     return loaded, external

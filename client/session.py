@@ -3,6 +3,7 @@ across EPs, compiled: client/session_plan.py) and its runs (client/runner.py). I
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -22,7 +23,13 @@ from ephost.values import as_value, to_python
 from ephost.client import metrics
 from ephost.client.failure_policy import FailurePolicy
 from ephost.client.fallback import CpuFallback
+from ephost.client.devices import EpDevice
+from ephost.client.io_places import input_ep_devices, input_memory_infos, output_memory_infos
 from ephost.client.iobinding import IOBinding
+from ephost.client.loading import load, session_kwargs
+from ephost.client.lora import Adapters
+from ephost.client.overrides import Overrides
+from ephost.client.providers import normalized
 from ephost.client.profiler import Profiler
 from ephost.client.runner import PartitionRunner
 from ephost.client.session_io import ModelIO, NodeArg, static_shapes
@@ -55,7 +62,8 @@ class InferenceSession:
     SessionOptions."""
 
     def __init__(self, model, sess_options: SessionOptions | None = None, env=None,
-                 providers: Iterable[str | tuple[str, Mapping[str, str]]] | None = None):
+                 providers: Iterable[str | tuple[str, Mapping[str, str]]] | None = None,
+                 provider_options: Sequence[Mapping[str, str]] | None = None, **kwargs):
         if env is None:
             from ephost import get_default_environment
             env = get_default_environment()
@@ -63,24 +71,34 @@ class InferenceSession:
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy is inert: the partitions are the parent's
         self._lock = threading.Lock()  # guards close, set_providers and the run_async executor's making
-        options = sess_options or SessionOptions()
+        self._plan: SessionPlan | None = None
+        self._overrides: Overrides | None = None
+        # The model with what the options change in it (ORT's loading: client/loading.py), and the options the
+        # session runs by (a copy with the model's own settings, where ORT_LOAD_CONFIG_FROM_MODEL asks for them)
+        loaded = load(model, sess_options or SessionOptions(), env, session_kwargs(kwargs))
+        options = loaded.options
         self._options = options
         self._timeout = options.compute_timeout_s
         self._runs = itertools.count(1)
         self._foreign_options = ForeignOptions()  # ORT's RunOptions objects runs were given, and their entries
         self._async: ThreadPoolExecutor | None = None
-        self._plan: SessionPlan | None = None
-        fallback = CpuFallback(options.fallback)
+        fallback = CpuFallback(options.fallback, options.ep_config())
         self._failures = FailurePolicy(options.ep_failure_policy, self._link_of, fallback)
         self.profiler = Profiler(bool(options.enable_profiling), options.profile_file_prefix)
         try:
-            self._plan = SessionPlan(model, env, options, self._failures, fallback)
+            self._plan = SessionPlan(loaded, env, options, self._failures, fallback)
             self._io = ModelIO(self._plan.model.graph, self._plan.constants)
             self._shapes = static_shapes(self._plan.model.graph)
             self._runner = PartitionRunner(env, self._failures, self.profiler, self._link_of, self._plan.constants,
                                            self._plan.external)
+            # Runs that feed initializers the model lets them override, LoRA adapters' parameters among them,
+            # run on a variant of this session (client/overrides.py, client/lora.py)
+            overridable = frozenset(self._plan.index.overridable)
+            self._overrides = Overrides(overridable, lambda fed: InferenceSession(
+                model, options.for_variant(fed, self._plan.entries), env=env))
+            self._adapters = Adapters(self._plan.model, overridable, self._plan.external)
             with self.profiler.span("Session", "session_initialization"):
-                self._plan.set_up(list(providers or []))
+                self._plan.set_up(normalized(providers, provider_options))
             self._runner.plan_for(self._plan.partitions, self._io.input_names, self._shapes)
         except BaseException:
             self.close()
@@ -120,6 +138,18 @@ class InferenceSession:
         """The session's EPs by name, in order of preference, the fallback's last (ORT lists its CPU EP last)."""
         return self._plan.ep_names()
 
+    def get_input_memory_infos(self) -> list[MemoryInfo]:
+        """Where each input is read: the memory of the EP that reads it first (client/io_places.py)."""
+        return input_memory_infos(self._env, self._plan.partitions, self._io.input_names)
+
+    def get_output_memory_infos(self) -> list[MemoryInfo]:
+        """Where each output is made."""
+        return output_memory_infos(self._env, self._plan.partitions, self._io.output_names(None))
+
+    def get_input_epdevices(self) -> list[EpDevice | None]:
+        """The device of the EP that reads each input first (None for the CPU fallback)."""
+        return input_ep_devices(self._plan.partitions, self._io.input_names, self._plan.entries)
+
     def get_provider_options(self) -> dict[str, dict[str, str]]:
         """Each EP's options by EP name, as ONNX Runtime's get_provider_options."""
         return self._plan.provider_options()
@@ -142,11 +172,7 @@ class InferenceSession:
         "CPUExecutionProvider" names the fallback, which is always last. None: the SessionOptions' devices."""
         if self._closed:
             raise EpFailedPrecondition("the session is closed")
-        providers = list(providers or [])
-        if provider_options is not None:
-            if len(provider_options) != len(providers) or any(not isinstance(p, str) for p in providers):
-                raise EpInvalidArgument("provider_options needs one dict per provider, and providers given as names")
-            providers = [(p, dict(o)) for p, o in zip(providers, provider_options)]
+        providers = normalized(list(providers or []), provider_options)
         with self._lock:
             self._plan.replan(providers)
             self._runner.plan_for(self._plan.partitions, self._io.input_names, self._shapes)
@@ -233,8 +259,14 @@ class InferenceSession:
         if self._closed:
             raise EpFailedPrecondition("the session is closed")
         names = self._io.output_names(output_names)
-        values = self._io.feeds(input_feed, self._env.to_host)
         options = None if run_options is None else self._foreign_options.read(run_options)
+        if options is not None and options.adapters:
+            input_feed = {**self._adapters.feeds(options.adapters), **input_feed}
+            options = dataclasses.replace(options, adapters=[])
+        variant = self._overrides.variant(input_feed)
+        if variant is not None:
+            return variant._execute(names, input_feed, options, placed, targets)
+        values = self._io.feeds(input_feed, self._env.to_host)
         timeout = options.compute_timeout_s if options is not None and options.compute_timeout_s is not None \
             else self._timeout
         self._failures.counters["runs"] += 1
@@ -256,6 +288,8 @@ class InferenceSession:
             self._async.shutdown(wait=True)  # runs asked for before close still run, and call back
         if getattr(self, "_runner", None) is not None:
             self._runner.plan_for([], [], {})  # the runs' plans go, and the tensors they hold in workers
+        if self._overrides is not None:
+            self._overrides.close()
         if self._plan is not None:
             self._plan.release()
 

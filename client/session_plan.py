@@ -16,7 +16,9 @@ from ephost.client.context_model import ENABLE, CompiledPartition, ContextSettin
 from ephost.client.devices import EpDevice
 from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.fallback import CpuFallback
-from ephost.client.model_source import load
+from ephost.client.loading import Loaded
+from ephost.client.optimized_model import write_optimized_model
+from ephost.client.providers import provider_names, session_entries
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 
 log = logging.getLogger(__name__)
@@ -48,16 +50,16 @@ class SessionPlan:
     """The prepared model and its partitions, compiled. `partitions` is a new list each time it is planned
     (set_up), in the order the partitions run."""
 
-    def __init__(self, model, env, options, failures: FailurePolicy, fallback: CpuFallback):
-        path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
-        loaded, self.external = load(model, env)
+    def __init__(self, loaded: Loaded, env, options, failures: FailurePolicy, fallback: CpuFallback):
+        """`loaded`: the model, its SessionOptions' changes made (client/loading.py)."""
+        path, self.external = loaded.path, loaded.external
         if self.external:
             log.info("read the graph (%d nodes); %d external data file(s), %.2f GiB, mapped where used, not read",
-                     len(loaded.graph.node), len(self.external.files), self.external.nbytes / (1 << 30))
+                     len(loaded.model.graph.node), len(self.external.files), self.external.nbytes / (1 << 30))
         self._env, self._options, self._failures, self._fallback = env, options, failures, fallback
         # Compiled forms kept in files beside a context model are read into our prepared copy of it (after shape
         # inference, which need not see them): workers never read the application's files.
-        self.model = embed_files(prepare_model(loaded), os.path.dirname(os.path.abspath(path)) if path else None)
+        self.model = embed_files(prepare_model(loaded.model), os.path.dirname(os.path.abspath(path)) if path else None)
         self.index = GraphIndex.of(self.model)
         # Kept for the session's life: a restarted worker gets the same descriptors again, nothing re-read.
         self.index.external = self.external
@@ -67,42 +69,33 @@ class SessionPlan:
         self.entries: list[Entry] = []
         self.ep_context_files: list[str] = []  # what ep.context_enable=1 wrote: the context model, its files
         self.launched: list[str] = []  # registrations this plan made itself: unregistered as it is released
+        self._ep_config = options.ep_config()  # what every EP of the session is created with (CreateEp)
         self._eps: list[tuple[Any, Any]] = []  # (registration, ep), to release
 
-    def set_up(self, providers: Sequence[str | tuple[str, Mapping[str, str]]]) -> None:
-        """Partition and compile on the SessionOptions' EPs, then `providers` (registration names, or targets
-        registered under their own name)."""
-        self.entries = self._options.providers + self._provider_entries(providers)
+    def set_up(self, providers: Sequence[tuple[str, Mapping[str, str]]]) -> None:
+        """Partition and compile on the SessionOptions' EPs, then `providers` ((name, options): what a name
+        means is client/providers.py's to say), or those a selection policy picks where none is given."""
+        self.entries, launched = session_entries(self._env, self._options, providers, self._fallback, self.model)
+        self.launched.extend(launched)
         self.partitions = self._partition(self.entries)
         self._compile()
         if self._context.enabled:
             self._write_context_model()
+        if self._options.optimized_model_filepath:  # honoured (written) or refused, never ignored
+            write_optimized_model(self.model, self.external, self._options, self.partitions)
 
     def replan(self, providers: Sequence[str | tuple[str, Mapping[str, str]]]) -> None:
         """Partition and compile again on other EPs (ORT's set_providers; the fallback's names, ORT's
         "CPUExecutionProvider" among them, name the fallback, which is always last); workers launched for
         providers no longer used are unregistered."""
-        fallback = {p.ep_name for p in self._fallback.placements}
-        providers = [p for p in providers if (p if isinstance(p, str) else p[0]) not in fallback]
         old = list(self.launched)
         self.release_eps()
         self.set_up(providers)
-        wanted = {p if isinstance(p, str) else p[0] for p in providers}
+        wanted = {p for p, _ in providers}
         for name in old:
             if name not in wanted:
                 self.launched.remove(name)
                 self._unregister(name)
-
-    def _provider_entries(self, providers) -> list[Entry]:
-        out = []
-        for entry in providers:
-            target, options = (entry, {}) if isinstance(entry, str) else entry
-            if not self._env.is_registered(target):
-                self._env.register_execution_provider_library(target, target)
-                self.launched.append(target)
-            devices = [d for d in self._env.get_ep_devices() if d.registration_name == target]
-            out.append((devices, dict(options)))
-        return out
 
     def _partition(self, entries: list[Entry]) -> list[Partition]:
         claims: list[Claim] = []
@@ -110,6 +103,7 @@ class SessionPlan:
         for devices, options in entries:
             registration = self._env.registration_of(devices[0])
             log.info("asking %s which nodes it takes", registration.name)
+            options = {**self._ep_config, **options}
             if self._context.enabled or self._options.keep_compiled:  # the EP hands over each compiled form
                 options = {**options, ENABLE: "1"}
             try:
@@ -163,10 +157,8 @@ class SessionPlan:
             AssignedNode(n, nodes[n].op_type, nodes[n].domain) for n in p.graph.nodes)) for p in self.partitions]
 
     def ep_names(self) -> list[str]:
-        """The EPs' names, in order of preference, the fallback's last (ORT lists its CPU EP last)."""
-        names = [devices[0].ep_name for devices, _ in self.entries]
-        names += [p.ep_name for p in self._fallback.placements]
-        return list(dict.fromkeys(names))
+        """The EPs' names, in order of preference, the fallback's last (client/providers.py)."""
+        return provider_names(self.entries, self._fallback, self.partitions)
 
     def provider_options(self) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ephost.errors import (EpAlreadyExists, EpCancelled, EpDeadlineExceeded, EpError, EpFailedPrecondition,
                            EpInternal, EpInvalidArgument, EpInvalidGraph, EpInvalidModel, EpNoSuchFile, EpNotFound,
-                           EpOutOfRange, EpPermissionDenied,
+                           EpOutOfRange, EpPermissionDenied, EpUnknownOption,
                            EpResourceExhausted, EpUnauthenticated, EpUnimplemented, EpWorkerCrashed,
                            EpTlsError, EpUnknownClient, EpWorkerDraining, EpWorkerEnvironmentFailed,
                            EpWorkerFailed, EpWorkerReplaced, EpWorkerUnavailable)
@@ -94,5 +94,5 @@ __all__ = [
     "EpFailedPrecondition", "EpOutOfRange", "EpDeadlineExceeded", "EpUnimplemented", "EpUnauthenticated",
     "EpPermissionDenied", "EpCancelled", "EpInternal", "EpWorkerUnavailable", "EpWorkerCrashed", "EpWorkerFailed",
     "EpWorkerEnvironmentFailed", "EpUnknownClient", "EpWorkerDraining", "EpWorkerReplaced", "EpTlsError",
-    "EpInvalidModel", "EpInvalidGraph", "EpNoSuchFile",
+    "EpInvalidModel", "EpInvalidGraph", "EpNoSuchFile", "EpUnknownOption",
 ]

@@ -54,6 +54,11 @@ class EpInvalidArgument(EpError, *ort("InvalidArgument"), ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class EpUnknownOption(EpInvalidArgument, AttributeError):
+    """An option by a name nothing has (a typo, or an ONNX Runtime option ephost does not have): refused, naming
+    it, rather than set and ignored. An AttributeError too, as ORT's SessionOptions raises one."""
+
+
 class EpInvalidModel(EpInvalidArgument, *ort("InvalidProtobuf")):
     """The model is not a readable ONNX model (ORT's InvalidProtobuf)."""
 

@@ -22,7 +22,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ephost.errors import EpFailedPrecondition, EpInvalidArgument, EpInvalidModel, EpNoSuchFile, EpOutOfRange, quoted
+from ephost.errors import (EpFailedPrecondition, EpInvalidArgument, EpInvalidModel, EpNoSuchFile, EpNotFound,
+                           EpOutOfRange, quoted)
 from ephost.types import dtype_of, nbytes_of
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,20 @@ class ExternalFile:
     def open(cls, name: str, path: str) -> "ExternalFile":
         fd = os.open(path, OPEN_FLAGS)
         return cls(name, fd, label=path)
+
+    @classmethod
+    def in_memory(cls, name: str, data: bytes) -> "ExternalFile":
+        """A file's contents the application gave in memory, as an anonymous file (a memfd: a worker is handed
+        it as any other, and it has no name anywhere)."""
+        fd = os.memfd_create("ephost-external", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, fd, label=f"{name} (given in memory)")
 
     def view(self, offset: int, length: int) -> memoryview:
         """`length` bytes at `offset`, mapped (no copy)."""
@@ -304,17 +319,27 @@ def path_inside(base: str, location: str) -> str | None:
     return path
 
 
-def open_external_data(model: onnx.ModelProto, base_dir: str, what: str) -> ExternalData | None:
+def open_external_data(model: onnx.ModelProto, base_dir: str | None, what: str,
+                       in_memory: Mapping[str, bytes] | None = None) -> ExternalData | None:
     """Open, read-only, every file the model's external tensors name (relative to `base_dir`, never outside
-    it), and check every reference against the files' sizes. Nothing is read. None where it has none."""
+    it; those `in_memory` gives by location, from there), and check every reference against the files' sizes.
+    Nothing is read. None where it has none."""
     refs = external_refs(model)
     if not refs:
         return None
+    in_memory = in_memory or {}
     files: dict[str, ExternalFile] = {}
     try:
         for t, ref in refs:
             if ref.location in files:
                 continue
+            if ref.location in in_memory:
+                files[ref.location] = ExternalFile.in_memory(ref.location, in_memory[ref.location])
+                continue
+            if base_dir is None:
+                raise EpInvalidArgument(f"{what} keeps initializer {ref.tensor!r} in external file {ref.location!r}, "
+                                        "and bytes do not say where they were loaded from: give the model's path, "
+                                        "or the file's contents (add_external_initializers_from_files_in_memory)")
             path = path_inside(base_dir, ref.location)
             if path is None:
                 raise EpInvalidArgument(f"initializer {ref.tensor!r} of {what} names external data "
@@ -352,9 +377,29 @@ def check_inline_size(model: onnx.ModelProto) -> None:
                                 "save_as_external_data=True)) and give its path")
 
 
-def load_model(path: str) -> tuple[onnx.ModelProto, ExternalData | None]:
+def inline_tensors(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    """Put these values in place of the external data of the model's initializers of those names (the
+    application gave them: ORT's add_external_initializers), checked against each initializer's type and shape."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for name, value in values.items():
+        t = initializers.get(name)
+        if t is None or t.data_location != TensorProto.EXTERNAL:
+            raise EpNotFound(f"the model has no initializer {name!r} kept in an external file (given by "
+                             "add_external_initializers)")
+        value = np.ascontiguousarray(value)
+        if value.dtype != dtype_of(t.data_type) or tuple(value.shape) != tuple(t.dims):
+            raise EpInvalidArgument(f"initializer {name!r} is {list(t.dims)} of {dtype_of(t.data_type)}; the value "
+                                    f"given for it is {list(value.shape)} of {value.dtype}")
+        del t.external_data[:]
+        t.data_location = TensorProto.DEFAULT
+        t.raw_data = value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def load_model(path: str, inline: Mapping[str, np.ndarray] | None = None,
+               in_memory: Mapping[str, bytes] | None = None) -> tuple[onnx.ModelProto, ExternalData | None]:
     """The model at `path`, its graph only: external tensors stay references, their files opened read-only
-    (and checked) but not read."""
+    (and checked) but not read. `inline`: values given for external initializers (inline_tensors); `in_memory`:
+    contents given for external files, by location."""
     what = f"model file {path!r}"
     try:
         size = os.path.getsize(path)
@@ -370,7 +415,9 @@ def load_model(path: str) -> tuple[onnx.ModelProto, ExternalData | None]:
         model = onnx.load(path, load_external_data=False)
     except Exception as e:
         raise EpInvalidModel(f"{what} is not a readable ONNX model ({type(e).__name__}: {e})") from None
-    return model, open_external_data(model, os.path.dirname(os.path.abspath(path)), what)
+    if inline:
+        inline_tensors(model, inline)
+    return model, open_external_data(model, os.path.dirname(os.path.abspath(path)), what, in_memory)
 
 
 def model_key(data_sha256: str, files: Mapping[str, tuple[int, int]] | None = None) -> str:

@@ -92,6 +92,8 @@ class GraphIndex:
     consumers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     order: list[str] = field(default_factory=list)
     initializers: set[str] = field(default_factory=set)
+    # Initializers that are also graph inputs: defaults a run may override (ORT's overridable initializers)
+    overridable: set[str] = field(default_factory=set)
     graph_inputs: list[str] = field(default_factory=list)
     graph_outputs: list[str] = field(default_factory=list)
     # The model's external data files (ephost.external_data.ExternalData), where its tensors keep their bytes
@@ -107,6 +109,7 @@ class GraphIndex:
         index = cls(model)
         index.initializers = {t.name for t in g.initializer} | {t.values.name for t in g.sparse_initializer}
         index.graph_inputs = [i.name for i in g.input if i.name not in index.initializers]
+        index.overridable = {i.name for i in g.input if i.name in index.initializers}
         index.graph_outputs = [o.name for o in g.output]
         nodes, inputs_of, producer, consumers = index.nodes, index.inputs_of, index.producer, index.consumers
         for i, node in enumerate(g.node):
@@ -252,7 +255,9 @@ def _value_infos(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
 def extract(index: GraphIndex, name: str, nodes: Iterable[str], inputs: Iterable[str],
             outputs: Iterable[str]) -> onnx.ModelProto:
     """The partition as a standalone model: these nodes, inputs and outputs, and the initializers it reads
-    (its control-flow subgraphs' outer-scope reads included)."""
+    (its control-flow subgraphs' outer-scope reads included). An initializer the model lists as a graph input
+    stays one here too, after the partition's inputs: a default, not a constant (a runtime neither folds it nor
+    reads its data to infer shapes, which it cannot where the data is in an external file)."""
     members = set(nodes)
     unknown = sorted(members - set(index.nodes))
     if unknown:
@@ -266,8 +271,9 @@ def extract(index: GraphIndex, name: str, nodes: Iterable[str], inputs: Iterable
     def info(value: str) -> onnx.ValueInfoProto:
         return infos.get(value) or helper.make_empty_tensor_value_info(value)
 
+    defaults = [v for v in (i.name for i in g.input) if v in index.overridable and v in reads and v not in inputs]
     graph = helper.make_graph(
-        chosen, name, [info(v) for v in inputs], [info(v) for v in outputs],
+        chosen, name, [info(v) for v in [*inputs, *defaults]], [info(v) for v in outputs],
         initializer=[t for t in g.initializer if t.name in reads],
         sparse_initializer=[t for t in g.sparse_initializer if t.values.name in reads],
         value_info=[infos[v] for n in chosen for v in n.output if v in infos and v not in set(outputs)],

@@ -44,7 +44,9 @@ class RunOptions:
     Runtime's run, `memory.enable_memory_arena_shrinkage` among them). `compute_timeout_s` is ephost's own:
     the deadline of each of the run's partition calls (None: the session's; 0: none); in ORT's RunOptions it is
     the entry `ephost.compute_timeout_s`. `only_execute_path_to_fetches` is taken and changes nothing: every
-    partition runs (ORT's default)."""
+    partition runs (ORT's default). `add_active_adapter` activates a LoRA adapter for the run (client/lora.py: its
+    parameters are fed in place of the model's overridable initializers); ORT's own RunOptions does not show the
+    adapters added to it, so a run given one with adapters runs without them: give ephost's."""
 
     # What each attribute means (docs/options.md is made from this and the defaults below)
     OPTIONS: ClassVar[dict[str, str]] = {
@@ -64,6 +66,7 @@ class RunOptions:
     terminate: bool = False
     only_execute_path_to_fetches: bool = False
     config: dict[str, str] = field(default_factory=dict)
+    adapters: list = field(default_factory=list, repr=False, compare=False)  # LoRA adapters, in the order added
     # ORT's RunOptions this was read from: its terminate flag is the one a run watches
     source: Any = field(default=None, repr=False, compare=False)
 
@@ -72,6 +75,11 @@ class RunOptions:
         if key not in self.config and len(self.config) >= MAX_ENTRIES:
             raise EpInvalidArgument(f"a run takes at most {MAX_ENTRIES} run config entries")
         self.config[key] = value
+
+    def add_active_adapter(self, adapter: Any) -> None:
+        """Activate a LoRA adapter for the runs given these options: an onnxruntime.LoraAdapter, an
+        onnxruntime.AdapterFormat, a path to an .onnx_adapter file, or a dict of parameter names to arrays."""
+        self.adapters.append(adapter)
 
     def get_run_config_entry(self, key: str) -> str:
         if key not in self.config:
@@ -107,9 +115,9 @@ class RunOptions:
 
     @property
     def plain(self) -> bool:
-        """Nothing for the EPs and no deadline of its own: a run with these runs as one without them, but that
-        it reads the terminate flag."""
-        return self.compute_timeout_s is None and not self._for_eps()
+        """Nothing for the EPs, no deadline of its own, no adapters: a run with these runs as one without them,
+        but that it reads the terminate flag."""
+        return self.compute_timeout_s is None and not self._for_eps() and not self.adapters
 
     def _for_eps(self) -> bool:
         return bool(self.logid or self.log_severity_level != -1 or self.log_verbosity_level or self.config)

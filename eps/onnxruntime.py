@@ -26,7 +26,7 @@ import onnx
 from onnx import helper
 
 from ephost.eps import check_options
-from ephost import ep_context
+from ephost import ep_context, session_config
 from ephost.ep_context import EpContext
 from ephost.eps.base import (EP_CONTEXT_ENABLE, ComputeCall, EpDefaults, FusedGraph, NodeGroup, ProfilingEvent,
                              split_session_options)
@@ -89,12 +89,33 @@ PLACE_BYTES = 64 << 10
 COPY_BYTES = 16 << 10
 
 
-def _ort():
+@functools.cache
+def ort_api() -> "OrtApi":
+    """onnxruntime, whose session classes are ORT's own whatever the application put in their place."""
     try:
         import onnxruntime
     except ImportError:
         raise EpNotFound("the onnxruntime EP needs ONNX Runtime: pip install 'ephost[onnxruntime]'") from None
-    return onnxruntime
+    return OrtApi(onnxruntime)
+
+
+_ort = ort_api
+
+
+class OrtApi:
+    """The onnxruntime module, its session classes taken where ORT defines them: an application may replace
+    onnxruntime.InferenceSession, SessionOptions or RunOptions with ephost's (code written for ORT, run on
+    ephost), and the sessions this EP makes must stay ORT's."""
+
+    def __init__(self, module):
+        from onnxruntime.capi import _pybind_state, onnxruntime_inference_collection
+        self._module = module
+        self.InferenceSession = onnxruntime_inference_collection.InferenceSession
+        self.SessionOptions = _pybind_state.SessionOptions
+        self.RunOptions = _pybind_state.RunOptions
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
 
 
 @functools.cache
@@ -441,6 +462,11 @@ class OrtEp(EpDefaults):
         self._devices = devices
         self._provider_options, config = split_session_options(session_options)
         self._keep_context = config.get(EP_CONTEXT_ENABLE) == "1"
+        # The session's settings (threads, optimization level...) and its other session config entries, which
+        # every ORT session of this EP runs by
+        self._settings = session_config.read(config)
+        self._entries = {k: v for k, v in config.items()
+                         if k.startswith("session.") and not session_config.is_setting(k)}
         self._profile: _Profile | None = None  # while profiling: the partition sessions that record their runs
 
     # --- profiling ---
@@ -462,7 +488,8 @@ class OrtEp(EpDefaults):
         """What GetCapability's answer depends on beside the model and the claimed nodes (server/capabilities.py):
         this factory (its provider, libraries and session configuration are fixed), the devices and the EP's
         options."""
-        return id(self._factory), tuple(self._devices), tuple(sorted(self._provider_options.items()))
+        return (id(self._factory), tuple(self._devices), tuple(sorted(self._provider_options.items())),
+                tuple(sorted(self._settings.items())), tuple(sorted(self._entries.items())))
 
     def _session(self, model: onnx.ModelProto | bytes, external: ExternalData | None = None, *,
                  capability: bool = False, restore: bool = False, context_path: str | None = None):
@@ -487,10 +514,17 @@ class OrtEp(EpDefaults):
         for key in ("intra_op_num_threads", "inter_op_num_threads"):
             if key in f.options:
                 setattr(options, key, int(f.options[key]))
-        for key, value in {**SESSION_DEFAULTS, **f.session_config}.items():
+        for key, value in {**SESSION_DEFAULTS, **f.session_config, **self._entries}.items():
             options.add_session_config_entry(key, value)
+        for name, value in self._settings.items():  # the session's own, over the worker's
+            if name != "graph_optimization_level":
+                kind = type(getattr(options, name))
+                setattr(options, name, kind(int(value)) if hasattr(kind, "__members__") else value)
         level = "disable" if capability or restore else f.options.get("graph_optimization_level", "all")
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+        session_level = self._settings.get("graph_optimization_level")
+        if session_level is not None and not (capability or restore):
+            options.graph_optimization_level = ort.GraphOptimizationLevel(int(session_level))
         if context_path is not None:
             if self._factory.provider == CPU:
                 options.optimized_model_filepath = context_path

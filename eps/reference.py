@@ -82,7 +82,9 @@ class ReferenceComputeInfo:
         self._constants = constants or {}
         if self._constants:
             keep_context = False  # no compiled form: see CONTEXT_FORM
-        self._input_names = [i.name for i in model.graph.input if i.name not in self._constants]
+        initializers = {t.name for t in model.graph.initializer}  # (graph inputs too: defaults, not fed)
+        self._input_names = [i.name for i in model.graph.input
+                             if i.name not in self._constants and i.name not in initializers]
         try:
             self._evaluator = ReferenceEvaluator(model)
         except Exception as e:
