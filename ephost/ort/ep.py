@@ -261,8 +261,9 @@ class BridgeComputeInfo:
             else:
                 inputs.append(array)  # ORT's memory, this process's: its bytes go
                 in_bytes += array.nbytes
-        into = copies.targets(brought, addresses, lambda o, shape: factory.kernel_io.output(context, o, shape)[1]) \
+        at = copies.targets(brought, addresses, lambda o, shape: factory.kernel_io.output(context, o, shape)[1]) \
             if brought else {}
+        into = {o: tensor for o, (tensor, _) in at.items()}
         # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory, or kept
         # as the copy of ORT's memory they are brought out into); small ones come back inline: a buffer per
         # small output and its free cost more than the copy.
@@ -270,13 +271,14 @@ class BridgeComputeInfo:
         outputs = compute_held(self.remote, call, self._held.calls, 0)
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
-        self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place, addresses=addresses)
+        self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place, addresses=addresses, at=at)
 
     def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0,
-                       addresses: list[int] = ()) -> None:
+                       addresses: list[int] = (), at: dict[int, tuple[Tensor, int]] = {}) -> None:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
         output tensor is the worker's buffer), or brought out of it into ORT's memory, where ORT had that
-        allocated, as the worker's kept copy of it (resident.py); the others' bytes copied into ORT's."""
+        allocated, as the worker's kept copy of it (resident.py; `at`: those the worker wrote into an input's
+        copy, and where ORT made them); the others' bytes copied into ORT's."""
         factory = self.ep.factory
         memory, io, copies = factory.memory, factory.kernel_io, self.copies
         learned = Learned()
@@ -290,6 +292,9 @@ class BridgeComputeInfo:
                                     f"{self._output_count}")
         out_place = out_bytes = 0
         for i, out in enumerate(outputs):
+            if i in at:  # made already, in the memory of the input whose copy the worker wrote it into
+                out_bytes += copies.bring_out(learned, i, at[i][1], out.nbytes, out, addresses)
+                continue
             array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
             offered = memory.offer(out.buffer) if memory is not None and isinstance(out, Tensor) \
                 and out.buffer is not None else None

@@ -260,15 +260,16 @@ class PartitionCopies:
         return made
 
     def targets(self, brought: dict[int, Tensor], addresses: list[int], output_at: Callable[[int, tuple], int]) \
-            -> dict[int, Tensor]:
-        """The outputs the worker writes into an input's copy, in place: those ORT gave that input's memory the
-        Compute before and gives it again (`output_at(o, shape)` makes ORT's output o, of the input's shape, and
-        says where it lies), as ORT's own kernel would write them (genai's shared past/present)."""
+            -> dict[int, tuple[Tensor, int]]:
+        """The outputs the worker writes into an input's copy, in place, and where ORT's output lies: those ORT
+        gave that input's memory the Compute before and gives it again (`output_at(o, shape)` makes ORT's output
+        o, of the input's shape, and says where it lies), as ORT's own kernel would write them (genai's shared
+        past/present)."""
         into = {}
         for o, i in self._last.aliases.items():
             tensor = brought.get(i)
             if tensor is not None and output_at(o, tensor.shape) == addresses[i]:
-                into[o] = tensor
+                into[o] = (tensor, addresses[i])
         return into
 
     def keep(self, into: dict[int, Tensor]) -> tuple[int, ...]:
