@@ -130,3 +130,21 @@ def test_a_released_partition_lets_go_of_its_inputs_copies(worker, sync):
     first.release()
     assert len(copies) == 2, "the other partition's input and the copy of ORT's memory stay"
     assert second.bring_in(0, mask.ctypes.data, mask.nbytes)[1] == 0
+
+
+def test_an_output_is_kept_in_the_worker_once_its_memory_comes_back_as_an_input(worker, sync):
+    """genai's present comes back as the next step's past (its memory given as an input): from then on the worker
+    leaves it in its memory to be kept as the copy. Its logits never come back: written the plain way."""
+    from ephost.ort.resident import Learned, PartitionCopies
+    copies = KeptCopies(lambda: worker, sync)
+    partition = PartitionCopies(copies, 1)
+    present, logits = np.zeros(4096, np.float32), np.zeros(8192, np.float32)
+    learned = Learned()
+    for o, t in enumerate((present, logits)):
+        assert partition.bring_out(learned, o, t.ctypes.data, t.nbytes, None, []) is None  # (written plainly)
+    partition.done(learned)
+    assert partition.keep({}) == ()
+    partition.bring_in(0, present.ctypes.data, present.nbytes)  # the next step's past, in the present's memory
+    assert partition.keep({}) == (0,), "the present only"
+    partition.release()
+    assert len(copies) == 0, "the copy of its input went with the partition"

@@ -73,7 +73,10 @@ class KeptCopies:
         self._copies: OrderedDict[Hashable, _Copy] = OrderedDict()  # least recently used first
         self._keys: dict[int, Hashable] = {}  # id(buffer) -> the key its copy is under
         self._bytes = 0
-        self._lock = threading.Lock()  # guards _copies, _keys and _bytes
+        # ORT's memory the last Compute of a partition wrote each large output into: address -> (partition, output)
+        self._writers: dict[int, tuple["PartitionCopies", int]] = {}
+        self._wrote: dict[tuple["PartitionCopies", int], int] = {}  # (partition, output) -> where it wrote last
+        self._lock = threading.Lock()  # guards _copies, _keys, _bytes, _writers and _wrote
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +142,30 @@ class KeptCopies:
             self._free([old.buffer])
         self._put(address, copy)
         return copied
+
+    def written(self, address: int, partition: "PartitionCopies", o: int) -> None:
+        """Partition `partition` wrote its output `o` into ORT's memory at `address` (its last write of `o`)."""
+        with self._lock:
+            last = self._wrote.get((partition, o))
+            if last is not None and last != address and self._writers.get(last) == (partition, o):
+                del self._writers[last]
+            self._wrote[(partition, o)] = address
+            self._writers[address] = (partition, o)
+
+    def forget_writer(self, partition: "PartitionCopies") -> None:
+        """A released partition's writes are forgotten."""
+        with self._lock:
+            for key in [k for k in self._wrote if k[0] is partition]:
+                address = self._wrote.pop(key)
+                if self._writers.get(address) == key:
+                    del self._writers[address]
+
+    def read_back(self, address: int) -> None:
+        """A Compute was given ORT's memory at `address` as an input: the output last written there is read back
+        (genai's present as the next past), and its partition keeps it in the worker from now on."""
+        writer = self._writers.get(address)
+        if writer is not None:
+            writer[0].was_read_back(writer[1])
 
     def forget(self, which: Callable[[Hashable], bool] | None = None) -> None:
         """The copies under the keys `which` says (every copy: the registration closing, say) freed."""
@@ -224,23 +251,24 @@ class KeptCopies:
 class Learned:
     """What one Compute's outputs showed (PartitionCopies.bring_out), for the partition's next Compute."""
 
-    __slots__ = ("aliases", "large")
+    __slots__ = ("aliases",)
 
     def __init__(self):
         self.aliases: dict[int, int] = {}  # output -> input ORT gave the same memory
-        self.large: set[int] = set()  # outputs brought out of the worker's memory
 
 
 class PartitionCopies:
     """What one partition's Computes keep in the worker, for the bridge's Compute (ephost/ort/ep.py): which inputs
     go as a kept copy, which outputs the worker writes into an input's copy in place, which it leaves in its memory
-    to keep. What one Compute's outputs show (an output ORT gave an input's memory, a large output) the next uses:
-    the same partition is called the same way step after step."""
+    to be kept as the copy of ORT's. What its Computes show (an output ORT gave an input's memory; an output whose
+    memory a later Compute was given as an input, genai's present as the next past) the next ones use: the same
+    partition is called the same way step after step."""
 
     def __init__(self, kept: KeptCopies, partition: int):
         self.kept, self._partition = kept, partition
         self._last = Learned()
         self._changing: set[int] = set()  # inputs mostly new every Compute: sent as they are
+        self._read_back: set[int] = set()  # outputs whose memory a later Compute got as an input
 
     def bring_in(self, i: int, address: int, nbytes: int) -> tuple[Buffer, int] | None:
         """Input `i` (ORT's `nbytes` at `address`) as a copy in the worker, brought up to date: the copy of what an
@@ -248,6 +276,7 @@ class PartitionCopies:
         every step); None (sent as it is) for a small one, or one mostly new every time."""
         if nbytes < MIN_BYTES:
             return None
+        self.kept.read_back(address)
         made = self.kept.bring_in(address, address, nbytes)
         if made is not None or i in self._changing:
             return made
@@ -273,8 +302,12 @@ class PartitionCopies:
         return into
 
     def keep(self, into: dict[int, Tensor]) -> tuple[int, ...]:
-        """The outputs the worker leaves in its memory, to be brought out (and kept) rather than sent."""
-        return tuple(sorted(self._last.large - set(into)))
+        """The outputs the worker leaves in its memory, to be kept as the copy of ORT's they are brought out into:
+        those whose memory a later Compute was given (not the logits, written and read by the application)."""
+        return tuple(sorted(self._read_back - set(into)))
+
+    def was_read_back(self, o: int) -> None:
+        self._read_back.add(o)
 
     def bring_out(self, learned: Learned, o: int, address: int, nbytes: int, out, addresses: list[int]) \
             -> int | None:
@@ -285,7 +318,7 @@ class PartitionCopies:
             learned.aliases[o] = addresses.index(address)
         if nbytes < MIN_BYTES:
             return None
-        learned.large.add(o)
+        self.kept.written(address, self, o)
         if not isinstance(out, Tensor) or out.buffer is None:
             return None
         copied = self.kept.bring_out(address, nbytes, out.buffer)
@@ -301,3 +334,4 @@ class PartitionCopies:
         may be given that memory)."""
         partition = self._partition
         self.kept.forget(lambda key: type(key) is tuple and key[0] == partition)
+        self.kept.forget_writer(self)
