@@ -65,6 +65,8 @@ class SessionOptions:
                          "it instead of compiling it (ep.context_enable=1 implies it)",
         "enable_profiling": "record every run as a Chrome trace, written by InferenceSession.end_profiling()",
         "profile_file_prefix": "the start of the profile file's name",
+        "optimized_model_filepath": "where to write the model as ONNX Runtime optimized it (only where ORT's CPU "
+                                    "EP runs the whole session; refused otherwise)",
     }
 
     def __init__(self):
