@@ -10,6 +10,7 @@ it was handed (`ExternalData.check` does the same checks against the sizes it se
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -24,6 +25,7 @@ from onnx import TensorProto
 
 from ephost.errors import (EpFailedPrecondition, EpInvalidArgument, EpInvalidModel, EpNoSuchFile, EpNotFound,
                            EpOutOfRange, quoted)
+from ephost.memory import SIZE_SEALS
 from ephost.types import dtype_of, nbytes_of
 
 log = logging.getLogger(__name__)
@@ -142,12 +144,14 @@ class ExternalFile:
     @classmethod
     def in_memory(cls, name: str, data: bytes) -> "ExternalFile":
         """A file's contents the application gave in memory, as an anonymous file (a memfd: a worker is handed
-        it as any other, and it has no name anywhere)."""
-        fd = os.memfd_create("ephost-external", os.MFD_CLOEXEC)
+        it as any other, and it has no name anywhere), sealed against changing size as a worker others share
+        requires."""
+        fd = os.memfd_create("ephost-external", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
         except BaseException:
             os.close(fd)
             raise

@@ -33,7 +33,7 @@ class WorkerService(Servicer):
         if request.protocol and request.protocol != PROTOCOL:
             client = f" (ephost {quoted(request.ephost_version)})" if request.ephost_version else ""
             raise EpInvalidArgument(f"client speaks {quoted(request.protocol)}{client}; this worker speaks "
-                                    f"{PROTOCOL!r} (ephost {self.state.ephost_version or 'unknown'})")
+                                    f"{PROTOCOL!r} (ephost {quoted(self.state.ephost_version or 'unknown')})")
         if request.ephost_version and request.ephost_version != self.state.ephost_version:
             log.info("client %r runs ephost %s, this worker %s (both speak %s)", request.client_name,
                      request.ephost_version, self.state.ephost_version, PROTOCOL)

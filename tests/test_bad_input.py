@@ -417,23 +417,23 @@ def _varint(k: int) -> bytes:
 
 def test_a_huge_model_stops_costing_the_worker_at_the_callers_deadline(raw):
     """GetCapability of a 400,000-node fan-out model took the worker 6.5-8.4 s whatever the caller's deadline:
-    the worker stops indexing it once the deadline passes (the caller sees DEADLINE_EXCEEDED at its deadline
-    either way; the worker's own record of the call shows where it stopped)."""
+    the worker stops indexing it once the deadline passes, and records the call as failed (indexed to the end,
+    it would record it as answered)."""
     import time
     data = _fan_out(400_000)
     ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
 
-    def failed() -> int:
+    def recorded() -> tuple[int, int]:
         stats = raw(raw.worker.GetStats, common_pb2.Empty()).methods
-        return stats["Ep/GetCapability"].errors if "Ep/GetCapability" in stats else 0
+        method = stats["Ep/GetCapability"] if "Ep/GetCapability" in stats else None
+        return (method.calls, method.errors) if method is not None else (0, 0)
 
-    before = failed()
+    calls, errors = recorded()
     code, _ = status_of(lambda: raw.ep.GetCapability(ep_pb2.GetCapabilityRequest(
         ep=ep, model=ep_pb2.ModelRef(model=data)), metadata=raw.metadata, timeout=1.0))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 2.5
-    while failed() == before:
-        assert time.monotonic() < deadline, "the worker worked on past the caller's deadline"
+    deadline = time.monotonic() + 60  # (a bound on the wait for the worker's record, not a timing)
+    while recorded()[0] == calls:
+        assert time.monotonic() < deadline, "the worker never finished the call"
         time.sleep(0.05)
-    stats = raw(raw.worker.GetStats, common_pb2.Empty()).methods["Ep/GetCapability"]
-    assert stats.max_s < 2.5  # (unbounded, indexing the model alone takes it 4 s and more)
+    assert recorded() == (calls + 1, errors + 1)  # stopped at the deadline, not answered

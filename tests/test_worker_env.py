@@ -306,4 +306,4 @@ def test_a_client_speaking_another_protocol_is_refused_by_the_worker(served):
                 worker_pb2.HelloRequest(protocol="ephost.v0", ephost_version="0.0.1"), timeout=10, wait_for_ready=True)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = caught.value.details()
-    assert "'ephost.v0' (ephost 0.0.1)" in details and f"'ephost.v1' (ephost {ephost.__version__})" in details
+    assert "'ephost.v0' (ephost '0.0.1')" in details and f"'ephost.v1' (ephost '{ephost.__version__}')" in details
