@@ -46,8 +46,12 @@ class Registration:
     def session_memory(self) -> MemoryInfo | None:
         """The memory sessions leave outputs in (qualified, as users see it): the EP's HOST_ACCESSIBLE memory,
         which the application maps, or its DEFAULT memory where there is none."""
-        ordered = sorted(self.memory, key=lambda m: not m.host_accessible)
-        return ordered[0] if ordered else None
+        first = None
+        for info in self.memory:
+            if info.host_accessible:
+                return info
+            first = first or info
+        return first
 
     def session_allocator(self):
         """The allocator (made on first use) of `session_memory()`, in the EP's own terms."""
@@ -57,6 +61,9 @@ class Registration:
     def allocator_for(self, memory_info: MemoryInfo):
         """The EP's allocator (made on first use, kept with the registration) of one of its memories."""
         raw = self.memory[memory_info]
+        allocator = self._allocators.get(raw)  # (made once: read without the lock after that)
+        if allocator is not None:
+            return allocator
         with self._lock:
             allocator = self._allocators.get(raw)
             if allocator is None:

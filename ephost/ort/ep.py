@@ -21,7 +21,7 @@ from ephost.ort.context import ContextRequest, context_node
 from ephost.ort.profiler import BridgeProfiler
 from ephost.ort.graph_reader import GraphReader
 from ephost.ort.resident import Learned, PartitionCopies
-from ephost.ort.values import tensor_view, write_strings
+from ephost.ort.values import array_over, write_strings
 from ephost.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -298,9 +298,9 @@ class BridgeComputeInfo:
             array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
             offered = memory.offer(out.buffer) if memory is not None and isinstance(out, Tensor) \
                 and out.buffer is not None else None
-            value = address = 0
+            value = address = elem = 0
             try:
-                value, address = io.output(context, i, array.shape)
+                value, address, elem = io.output(context, i, array.shape)
             finally:
                 taken = offered is not None and memory.taken(offered, address)
             if taken:  # ORT's output is the worker's buffer: it is ORT's to free now
@@ -315,7 +315,7 @@ class BridgeComputeInfo:
             if array.dtype == object:
                 write_strings(self.abi, value, array)
             elif array.size:
-                np.copyto(tensor_view(self.abi, value), array, casting="no")
+                np.copyto(array_over(address, elem, array.shape), array, casting="no")
                 out_bytes += array.nbytes
             if isinstance(out, Tensor):
                 out.release()

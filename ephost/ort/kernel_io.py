@@ -46,10 +46,8 @@ class KernelIO:
         self._read.argtypes = [c_void_p, c_void_p, c_void_p, c_size_t, c_void_p]
         self._make = shim.ephost_ort_output
         self._make.restype = c_void_p
-        self._make.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_int64), c_size_t, c_void_p, c_void_p]
-        self._put = shim.ephost_ort_put
-        self._put.restype = c_void_p
-        self._put.argtypes = [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_void_p, c_size_t]
+        self._make.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_int64), c_size_t, c_void_p, c_void_p,
+                               c_void_p]
         self._local = threading.local()  # per thread: the records the helpers fill
 
     def inputs(self, context: int) -> tuple[list[np.ndarray | None], list[int]]:
@@ -83,25 +81,19 @@ class KernelIO:
             addresses.append(0 if elem == STRING else t.data or 0)
         return arrays, addresses
 
-    def output(self, context: int, index: int, shape: tuple[int, ...]) -> tuple[int, int]:
-        """Output `index` made by ORT with this shape: its OrtValue, and where its data lies (0 for none)."""
+    def output(self, context: int, index: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """Output `index` made by ORT with this shape: its OrtValue, where its data lies (0 for none) and its ONNX
+        element type."""
         local = self._local
-        value = getattr(local, "value", None)
-        if value is None:
-            value, data = local.value, local.data = c_void_p(), c_void_p()
-        else:
-            data = local.data
+        made = getattr(local, "made", None)
+        if made is None:  # this thread's records the helper fills, and their addresses
+            records = (c_void_p(), c_void_p(), c_int32())
+            made = local.made = (records, tuple(ctypes.addressof(r) for r in records))
+        (value, data, elem), at = made
         value.value = data.value = None
-        dims = shape_of(shape)
-        self._abi.check(self._make(self._api_at, context, index, dims, len(shape), ctypes.addressof(value),
-                                   ctypes.addressof(data)), "KernelContext_GetOutput")
-        return value.value or 0, data.value or 0
-
-    def put(self, context: int, index: int, dims: "ctypes.Array", array: np.ndarray) -> None:
-        """Output `index` made with these dimensions (`shape_of(array.shape)`) and the array's bytes copied in: a
-        C-contiguous array of the type ORT's output was found to have (not checked here)."""
-        self._abi.check(self._put(self._api_at, context, index, dims, len(dims), array.ctypes.data, array.nbytes),
+        self._abi.check(self._make(self._api_at, context, index, shape_of(shape), len(shape), *at),
                         "KernelContext_GetOutput")
+        return value.value or 0, data.value or 0, elem.value
 
 
 def shape_of(shape: tuple[int, ...]) -> "ctypes.Array":

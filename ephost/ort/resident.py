@@ -310,7 +310,9 @@ class PartitionCopies:
     def keep(self, into: dict[int, Tensor]) -> tuple[int, ...]:
         """The outputs the worker leaves in its memory, to be kept as the copy of ORT's they are brought out into:
         those whose memory a later Compute was given (not the logits, written and read by the application)."""
-        return tuple(sorted(self._read_back - set(into)))
+        if not self._read_back:
+            return ()
+        return tuple(sorted(self._read_back.difference(into)))
 
     def was_read_back(self, o: int) -> None:
         self._read_back.add(o)

@@ -280,20 +280,18 @@ EXPORT void *ephost_ort_inputs(const ephost_kernel_api_t *api, const void *conte
   return 0;
 }
 
-/* Output `index` of the context, made with these dimensions: its OrtValue, and where its data lies. */
+/* Output `index` of the context, made with these dimensions: its OrtValue, where its data lies, and its ONNX
+ * element type (what the caller's bytes are checked against before they are copied in). */
 EXPORT void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims,
-                        size_t rank, void **value, void **data) {
+                        size_t rank, void **value, void **data, int32_t *elem) {
+  void *info = 0;
+  int type = 0;
   void *status = api->output(context, index, dims, rank, value);
-  return status ? status : api->data(*value, data);
-}
-
-/* Output `index` made with these dimensions and `nbytes` copied into it from src (a steady Compute's output, of
- * the type ORT's was found to have before). */
-EXPORT void *ephost_ort_put(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims,
-                            size_t rank, const void *src, size_t nbytes) {
-  void *value = 0, *data = 0;
-  void *status = ephost_ort_output(api, context, index, dims, rank, &value, &data);
-  if (!status && nbytes) memcpy(data, src, nbytes);
+  if (status || (status = api->data(*value, data))) return status;
+  if ((status = api->type_and_shape(*value, &info))) return status;
+  status = api->element_type(info, &type);
+  api->release_info(info);
+  *elem = type;
   return status;
 }
 
