@@ -17,6 +17,7 @@ import grpc
 from ephost.errors import EpWorkerCrashed, EpWorkerUnavailable, error_for_status
 from ephost.worker_env import WorkerEnvironment
 
+PROTOBUF_IMPLEMENTATION = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 log = logging.getLogger(__name__)
 
 
@@ -28,6 +29,18 @@ def describe_exit(returncode: int) -> str:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
 
+
+
+def worker_environ() -> dict[str, str]:
+    """The environment a launched worker starts with: this process's, with two exceptions. The worker's errors
+    reach this process as status codes, so it need not import onnxruntime to make them ORT's classes too
+    (ephost.errors), which would cost every worker's start its load. And it parses with the compiled protobuf:
+    onnxruntime-extensions sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in the application as it is
+    imported, and a worker with pure-Python protobuf reads every message and model many times slower."""
+    env = {**os.environ, "EPHOST_ORT_ERRORS": "0"}
+    if env.get(PROTOBUF_IMPLEMENTATION) == "python":
+        del env[PROTOBUF_IMPLEMENTATION]
+    return env
 
 class WorkerProcess:
     """A local worker serving `ep` on a unix socket in a private (0700) directory made for it. It runs under
@@ -49,10 +62,8 @@ class WorkerProcess:
             command += ["--option", f"{key}={value}"]
         self._on_exit = on_exit
         self.stopping = False  # set when this side asked the worker to go: its exit is not a crash
-        # The worker's errors reach this process as status codes: it need not import onnxruntime to make them
-        # ORT's classes too (ephost.errors), which would cost every worker's start (a reference one's) its load.
-        env = {**os.environ, "EPHOST_ORT_ERRORS": "0"}
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=env)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+                                     env=worker_environ())
         self.pid = self.proc.pid
         self.exited = threading.Event()
         try:

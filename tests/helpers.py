@@ -49,8 +49,11 @@ class Worker:
             cmd.append("--exit-with-parent")
         # Its log goes to a file: a pipe nobody reads fills up and blocks the worker's next log line.
         self.log_path = os.path.join(self.dir, "worker.log")
+        # An operator's shell has no PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python (which importing
+        # onnxruntime-extensions sets in this process): the worker parses with the compiled protobuf.
+        env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
         self.ready_line = self.proc.stdout.readline().decode()
 
     @property

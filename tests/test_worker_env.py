@@ -307,3 +307,26 @@ def test_a_client_speaking_another_protocol_is_refused_by_the_worker(served):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = caught.value.details()
     assert "'ephost.v0' (ephost '0.0.1')" in details and f"'ephost.v1' (ephost '{ephost.__version__}')" in details
+
+
+def test_a_launched_worker_parses_with_the_compiled_protobuf_whatever_the_application_set(monkeypatch):
+    """Importing onnxruntime-extensions sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in the application; a
+    worker it launches does not inherit it (pure-Python protobuf reads every message many times slower, and fails
+    a model whose names are not UTF-8 as unreadable rather than naming the node)."""
+    from helpers import worker_pids
+    monkeypatch.setenv("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    before = worker_pids()
+    environment = ephost.Environment()
+    try:
+        environment.register_execution_provider_library("ref", "reference")
+        (pid,) = worker_pids() - before
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert not [v for v in f.read().split(b"\0") if v.startswith(b"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=")]
+        model = models.chain(["Relu"])
+        model.graph.node[0].name = "n0_Relu"
+        data = model.SerializeToString().replace(b"n0_Relu", b"n0_\xff\xfelu")
+        with pytest.raises(ephost.EpInvalidArgument, match="UTF-8") as caught:
+            ephost.InferenceSession(data, options_for(environment, "ref"), env=environment)
+        assert "node 0" in str(caught.value)
+    finally:
+        environment.close()
