@@ -31,7 +31,7 @@ class RemoteAllocator(RemoteHandle):
         self.memory_info = memory_info
         self._frees = frees
         self._regions: set[tuple[Any, int]] = set()
-        self._regions_lock = threading.Lock()
+        self._regions_lock = threading.Lock()  # guards _regions
         self.handle  # made now, so that bad options fail here
 
     def _make(self) -> int:
@@ -138,7 +138,7 @@ class FreeQueue:
     def __init__(self, name: str):
         self._pending: dict[RemoteAllocator, list[Buffer]] = {}
         self._queued = 0
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards _pending, _queued, _sending, _urgent and _closed
         self._closed = False
         self._sending = 0
         self._urgent = 0  # callers waiting in flush

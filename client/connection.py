@@ -105,7 +105,7 @@ class WorkerConnection:
         self._closed = False
         self.draining = False  # its worker said it drains (WorkerLink.run: a call it ends then is made again)
         self._regions: dict[int, Region | None] = {}
-        self._regions_lock = threading.Lock()
+        self._regions_lock = threading.Lock()  # guards _regions
         self.lane: FastLane | None = None
         self.kept_calls = kept_calls  # repeat Computes and copies as kept calls on the lane (FastLane.call_kept)
         self._lane_methods: dict = {}

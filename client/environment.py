@@ -41,7 +41,7 @@ class Registration:
     # qualified MemoryInfo (what users see) -> the EP's own MemoryInfo
     memory: dict[MemoryInfo, MemoryInfo] = field(default_factory=dict)
     _allocators: dict = field(default_factory=dict)  # the EP's MemoryInfo -> allocator sessions use
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _allocators
 
     def session_memory(self) -> MemoryInfo | None:
         """The memory sessions leave outputs in (qualified, as users see it): the EP's HOST_ACCESSIBLE memory,
@@ -89,7 +89,7 @@ class Environment:
     def __init__(self):
         self._registrations: dict[str, Registration] = {}
         self._allocators: dict[MemoryInfo, SharedAllocator] = {}
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards _registrations, _allocators and _closed
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy is inert: the workers are the parent's
         metrics.track(self)

@@ -164,7 +164,7 @@ class _Connection:
         self.clock = 0  # new calls made that may be kept (repeats do not count: a kept call's `used` is this)
         self.busy = False  # a call on it waits for its reply
         self.closed = False  # close() was called (the descriptors may stay until a call under way ends)
-        self._closing = threading.Lock()  # taken by the first close of the descriptors, never given back
+        self._closing = threading.Lock()  # guards the descriptors' close: taken by the first, never given back
 
     def close(self) -> None:
         """Close: at once where no call is under way on it; else (FastLane.close, from another thread) end that
@@ -215,7 +215,7 @@ class FastLane:
         self._adopt = adopt    # (region, size, fd): a region's descriptor, handed over with a reply naming it
         self._local = threading.local()
         self._connections: "weakref.WeakSet[_Connection]" = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _connections
         self._closed = False
         _LANES.add(self)
 
@@ -430,7 +430,7 @@ class FastLane:
         for conn in list(self._connections):
             conn.release()
         self._connections = weakref.WeakSet()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _connections
 
     def close(self) -> None:
         self._closed = True

@@ -23,7 +23,7 @@ class RemoteHandle:
         self.link = link
         self._generation = generation if handle else -1
         self._id = handle
-        self._make_lock = threading.Lock()
+        self._make_lock = threading.Lock()  # guards _id and _generation as the handle is made
 
     def _make(self) -> int:
         raise NotImplementedError

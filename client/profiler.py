@@ -21,7 +21,7 @@ class Profiler:
         self._prefix = prefix
         self._start_ns = time.monotonic_ns() if enabled else 0
         self._events: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _events and enabled
         self._pid = os.getpid()
 
     @property

@@ -304,7 +304,7 @@ class WorkerLink:
         self._last = ""          # what the last attempt to bring it back met
         self._retired: list[WorkerConnection] = []  # earlier generations' connections, closed once their calls end
         self._cond = threading.Condition()  # guards the fields above; notified as they change
-        self._open_lock = threading.Lock()  # one new connection at a time
+        self._open_lock = threading.Lock()  # guards opening: one new connection at a time
         self.supervisor = ProcessSupervisor(self, ep, ep_options or {}, policy) if ep is not None else None
         with self._open_lock:
             self._open()

@@ -53,7 +53,7 @@ class Stager:
         self._allocator: RemoteAllocator | None = None
         self._idle: dict[int, list[Buffer]] = {}
         self._idle_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _allocator, _idle and _idle_bytes
 
     @property
     def available(self) -> bool:
@@ -137,7 +137,7 @@ class ThreadStaging:
         self._link, self._stager = link, stager
         self._threads: "weakref.WeakKeyDictionary[threading.Thread, dict]" = weakref.WeakKeyDictionary()
         self._local = threading.local()  # the calling thread's entry of _threads, found without hashing it
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _threads
 
     def buffers(self, kinds: tuple, sizes: Sequence[int]) -> tuple[Buffer, ...]:
         """This thread's buffers for large inputs of these types and ranks (`kinds`), of at least these sizes."""
@@ -223,7 +223,7 @@ class ModelSender:
 
     def __init__(self, link: WorkerLink, stager: Stager):
         self._link, self._stager = link, stager
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _hashes, _files and _sent_to
         self._hashes: dict[int, tuple[onnx.ModelProto, str]] = {}
         self._inlined_models: dict[int, tuple[onnx.ModelProto, onnx.ModelProto]] = {}  # for workers off this host
         self._sent: set[str] = set()

@@ -42,7 +42,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ephost' has no attribute {name!r}")
 
 _default: Environment | None = None
-_default_lock = threading.Lock()
+_default_lock = threading.Lock()  # guards _default
 
 
 def get_default_environment() -> Environment:

@@ -134,7 +134,7 @@ class ExternalFile:
         self.version = (st.st_dev, st.st_ino, self.size, st.st_mtime_ns)
         self._map: mmap.mmap | None = None
         self._sha256: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _map and _sha256
 
     @classmethod
     def open(cls, name: str, path: str) -> "ExternalFile":

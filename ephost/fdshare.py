@@ -59,8 +59,8 @@ class DescriptorServer:
     def __init__(self, path: str):
         self.path = path
         self._tickets: dict[bytes, _Ticket] = {}
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()  # guards _tickets
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # bounds the connections served at once
         self._sock = listen_unix(path, socket.SOCK_STREAM)
         self._sock.settimeout(SWEEP_S)  # the accept loop wakes to sweep expired tickets
         self._closed = False

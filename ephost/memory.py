@@ -48,7 +48,7 @@ class Region:
         self._whole = ctypes.c_char * size
         self._bytes: np.ndarray | None = None  # the whole mapping as one array, made once: see view
         self.fd = fd
-        self._fd_lock = threading.Lock()  # a duplicate is never made of a number closed meanwhile (and reused)
+        self._fd_lock = threading.Lock()  # guards fd: never duplicated as another thread closes it
         self.id = next(_region_ids) if region_id is None else region_id
 
     @classmethod

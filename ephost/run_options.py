@@ -140,7 +140,7 @@ class ForeignOptions:
     def __init__(self, size: int = 8):
         self._size = size
         self._seen: OrderedDict[int, tuple[Any, tuple[str, ...]]] = OrderedDict()  # id -> (the object, its keys)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _seen
 
     def read(self, options: Any) -> RunOptions:
         if isinstance(options, RunOptions):

@@ -100,7 +100,7 @@ class ArenaAllocator:
         self._limit = _int_option(options, "arena.max_mem", _physical_memory())
         self._initial = _int_option(options, "arena.initial_chunk_size_bytes", 64 * MiB)
         self._growth = _int_option(options, "arena.initial_growth_chunk_size_bytes", 64 * MiB)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _chunks, _reserved, _live and _stats
         self._chunks: list[_Chunk] = []
         self._reserved: dict[int, Region] = {}
         self._live: dict[int, Buffer] = {}

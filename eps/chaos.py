@@ -53,7 +53,7 @@ class Fault:
         if not self.after and not self.every:
             self.after = 1
         self._counts = {site: itertools.count(1) for site in SITES}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _counts
         self._leaked: list[bytearray] = []
 
     def check(self, site: str) -> None:

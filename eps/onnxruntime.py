@@ -744,7 +744,7 @@ class OrtEpFactory(HostMemoryFactory):
         # them: concurrent sessions on one model (one client's or several) compile each partition once and hold
         # its weights once. ORT runs one session from several threads at once.
         self._compiled: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._compiled_lock = threading.Lock()
+        self._compiled_lock = threading.Lock()  # guards _compiled
         self._init_memory(self.provider, cpu_device().vendor_id)
         self._devices = [self._device_info(i, d) for i, d in enumerate(self.ort_devices)]
         if not self.ort_devices and not library:

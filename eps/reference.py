@@ -91,7 +91,7 @@ class ReferenceComputeInfo:
             raise EpInvalidArgument(f"reference EP cannot compile {name!r}: {type(e).__name__}: {e}") from None
         plan = Plan.of(self._evaluator)
         self._run = plan.run if plan is not None else lambda feeds: self._evaluator.run(None, feeds)
-        self._lock = threading.Lock()  # the evaluator keeps state while it runs
+        self._lock = threading.Lock()  # guards the evaluator, which keeps state while it runs
         self.restored = restored
         self.ep_context = EpContext(CONTEXT_FORM, model.SerializeToString(), VERSION) if keep_context else None
 

@@ -31,7 +31,7 @@ class BlobCache:
     def __init__(self, directory: str, max_bytes: int):
         self.directory = directory
         self.max_bytes = max_bytes  # made when the first blob arrives
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _writing
         self._writing: set[str] = set()
 
     def _path(self, digest: str, part: bool = False) -> str:

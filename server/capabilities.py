@@ -18,7 +18,7 @@ class CapabilityCache:
 
     def __init__(self):
         self._answers: OrderedDict[tuple, list[NodeGroup]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _answers
 
     @staticmethod
     def key(ep: Any, digest: str, claimed: frozenset[str]) -> tuple | None:

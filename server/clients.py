@@ -36,7 +36,7 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _tables: dict[str, dict[int, Any]] = field(default_factory=lambda: {k: {} for k in KINDS})
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _ids and _tables
 
     def add(self, kind: str, obj: Any) -> int:
         with self._lock:
@@ -81,7 +81,7 @@ class ClientState:
 class ClientRegistry:
     def __init__(self, release: Callable[[str, Any], None], left: Callable[[ClientState], None] = lambda c: None):
         self._clients: dict[str, ClientState] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _clients
         self._release = release
         self._left = left  # told when a client is gone, after its handles are released
         self.departures = 0  # clients gone so far (a worker trims its heap after some went: server/malloc.py)

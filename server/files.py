@@ -61,7 +61,7 @@ class FileSlot:
     def __init__(self, handle_label: str):
         self._label = handle_label
         self._file: ExternalFile | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _file
 
     def attach(self, fd: int) -> ExternalFile:
         """Take the descriptor (owned from here on): refused, and closed, unless it is a regular file and the

@@ -39,7 +39,7 @@ class StatsSnapshot:
 
 class WorkerStats:
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards counters, _methods and _answering
         self._local = threading.local()
         self._answering: "weakref.WeakSet[_Answered]" = weakref.WeakSet()  # a thread's goes when the thread ends
         # method -> [calls, errors, total s, max s, then the latency histogram's counts (ephost.histogram)]

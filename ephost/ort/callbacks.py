@@ -19,7 +19,7 @@ from ephost.ort import abi as A
 log = logging.getLogger(__name__)
 
 _live: dict[int, object] = {}  # struct address -> the Python object that owns it
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _live
 _null_function: int | None = None
 
 

@@ -67,7 +67,7 @@ class BridgeMemory:
                                               ctypes.byref(info)), "CreateMemoryInfo_V2")
         self.info = info.value
         self._blocks: dict[int, Block] = {}  # address -> what ORT holds there, or the pool holds idle
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _blocks
         self._offered = threading.local()  # the output Compute is about to hand over, on the thread that asks
         self._pools = pools
         self._worker = self._current_worker()  # whose memory the pool's blocks are in

@@ -16,6 +16,7 @@ class BridgeStats:
     bytes_out_copied: int = 0
     inputs_in_place: int = 0
     outputs_in_place: int = 0
+    # guards the counters
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, bytes_in: int, bytes_out: int, inputs_in_place: int = 0, outputs_in_place: int = 0) -> None:
