@@ -86,5 +86,5 @@ def main(quick: bool = False) -> None:
             ep = "onnxruntime (ORT CPU)" if target == "onnxruntime" else target
             print(f"| {ep} | {model} | {r['compile'] * 1000:.0f} ms | {r['restore'] * 1000:.0f} ms | "
                   f"{r['restore'] / r['compile']:.2f} | {r['create_compile'] * 1000:.0f} ms | "
-                  f"{r['create_restore'] * 1000:.0f} ms | {os.path.getsize(with_weights(model, directory)) / 2**20:.1f} "
-                  f"MiB | {r['bytes'] / 2**20:.1f} MiB |")
+                  f"{r['create_restore'] * 1000:.0f} ms | "
+                  f"{os.path.getsize(with_weights(model, directory)) / 2**20:.1f} MiB | {r['bytes'] / 2**20:.1f} MiB |")

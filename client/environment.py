@@ -185,7 +185,8 @@ class Environment:
         with self._lock:
             return self._allocators.get(memory_info)
 
-    def release_shared_allocator(self, ep_device: EpDevice, mem_type: DeviceMemoryType = DeviceMemoryType.DEFAULT) -> None:
+    def release_shared_allocator(self, ep_device: EpDevice,
+                                 mem_type: DeviceMemoryType = DeviceMemoryType.DEFAULT) -> None:
         info = ep_device.memory_info(mem_type)
         with self._lock:
             if info not in self._allocators:
@@ -229,7 +230,8 @@ class Environment:
             for s, d in zip(s_list, d_list):
                 if not transfer.can_copy(owner.memory.get(s.memory_info, HOST_MEMORY),
                                          owner.memory.get(d.memory_info, HOST_MEMORY)):
-                    raise EpInvalidArgument(f"EP {owner.name!r} cannot copy {s.memory_info.name} to {d.memory_info.name}")
+                    raise EpInvalidArgument(
+                        f"EP {owner.name!r} cannot copy {s.memory_info.name} to {d.memory_info.name}")
             inner_stream = None
             if stream is not None:
                 if stream.registration is not owner:

@@ -68,7 +68,8 @@ def plan_partitions(index: GraphIndex, claims: Sequence[Claim], fallbacks: Seque
     left = [name for name in index.nodes if name not in key_of]
     if left:
         shown = ", ".join(left[:10]) + (f" and {len(left) - 10} more" if len(left) > 10 else "")
-        asked = ", ".join(dict.fromkeys(c.placement.ep_name for c in fallbacks)) or "none (SessionOptions.fallback is None)"
+        asked = (", ".join(dict.fromkeys(c.placement.ep_name for c in fallbacks))
+                 or "none (SessionOptions.fallback is None)")
         raise EpInvalidArgument(f"no EP takes node(s) {shown}; fallback EPs asked: {asked}")
 
     partitions = []

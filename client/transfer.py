@@ -378,8 +378,10 @@ class RemoteDataTransfer(RemoteHandle):
     def can_copy(self, src: MemoryInfo, dst: MemoryInfo) -> bool:
         key = (src, dst)
         if key not in self._can_copy:
-            self._can_copy[key] = self.call(lambda c: c.data_transfer.CanCopy, lambda h: data_transfer_pb2.CanCopyRequest(
-                data_transfer=h, src=src.to_proto(), dst=dst.to_proto())).can_copy
+            self._can_copy[key] = self.call(
+                lambda c: c.data_transfer.CanCopy,
+                lambda h: data_transfer_pb2.CanCopyRequest(data_transfer=h, src=src.to_proto(), dst=dst.to_proto()),
+            ).can_copy
         return self._can_copy[key]
 
     def copy_tensors(self, src: Sequence[Tensor], dst: Sequence[Tensor], stream=None) -> None:

@@ -85,7 +85,8 @@ def register_metrics(registry=None) -> None:
 
 
 __all__ = [
-    "Environment", "EpDevice", "InferenceSession", "IOBinding", "SessionOptions", "RunOptions", "NodeArg", "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
+    "Environment", "EpDevice", "InferenceSession", "IOBinding", "SessionOptions", "RunOptions", "NodeArg",
+    "SharedAllocator", "SyncStream", "SyncNotification", "Tensor", "MemoryInfo",
     "ModelOnWorker", "WorkerStats", "MethodStats", "HardwareDevice", "HardwareDeviceType", "DeviceMemoryType",
     "AllocatorType", "HOST_MEMORY",
     "get_default_environment", "register_execution_provider_library", "unregister_execution_provider_library",

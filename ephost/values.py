@@ -2,8 +2,9 @@
 
 A plain tensor (an element type numpy has natively) is an ephost.Tensor, or, in this process's own memory, a
 C-contiguous numpy array (what a session's runs hand along where they can: no wrapper made and unmade per
-value), and travels by reference: a buffer, a shared-memory slice, or its raw bytes. Anything else ONNX passes along an edge (sequences,
-optionals, maps, tensors of strings or of bfloat16, float8, int4...) travels as its ONNX protobuf.
+value), and travels by reference: a buffer, a shared-memory slice, or its raw bytes. Anything else ONNX passes
+along an edge (sequences, optionals, maps, tensors of strings or of bfloat16, float8, int4...) travels as its ONNX
+protobuf.
 """
 from __future__ import annotations
 

@@ -116,8 +116,9 @@ class ComputeCall:
     """One Compute of a partition, as a value (ORT's kernel context): what an EP reads and where its outputs go.
 
     `inputs`: graph values, in the order the partition takes them: a Tensor, or a C-contiguous numpy array (this
-    process's memory), for plain tensors; a list, None, dict or numpy array (strings, bfloat16...) for the rest. `allocator`: memory outputs may be placed in (the caller
-    can hand that memory on without a copy); None: host memory. `keep`: the outputs (by position) that must stay
+    process's memory), for plain tensors; a list, None, dict or numpy array (strings, bfloat16...) for the rest.
+    `allocator`: memory outputs may be placed in (the caller can hand that memory on without a copy); None: host
+    memory. `keep`: the outputs (by position) that must stay
     in `allocator`'s memory because the same EP reads them next. `into`: outputs (by position) to write into
     given tensors (an IOBinding's bound outputs): a worker writes them there and returns those tensors; an EP in
     this process may ignore it (the caller copies then). `leave`: kept outputs nobody in the calling process

@@ -90,7 +90,8 @@ def test_unknown_and_released_handles(raw, setup):
 
 def test_negative_and_absurd_allocation_sizes(raw, setup):
     allocator, _, _ = setup
-    code, message = status_of(lambda: raw(raw.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=-5)))
+    code, message = status_of(lambda: raw(raw.allocator.Alloc,
+                                          allocator_pb2.AllocRequest(allocator=allocator, nbytes=-5)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "-5" in message
     code, message = status_of(lambda: raw(raw.allocator.Alloc,
                                           allocator_pb2.AllocRequest(allocator=allocator, nbytes=1 << 62)))
@@ -99,7 +100,8 @@ def test_negative_and_absurd_allocation_sizes(raw, setup):
 
 def test_slices_outside_their_region(raw, setup, served):
     allocator, buffer, transfer = setup
-    region, size = buffer.shm.region, raw(raw.allocator.GetStats, common_pb2.Handle(id=allocator)).stats["TotalAllocated"]
+    region = buffer.shm.region
+    size = raw(raw.allocator.GetStats, common_pb2.Handle(id=allocator)).stats["TotalAllocated"]
     dst = [common_pb2.TensorRef(desc=desc(4), buffer=buffer.buffer)]
     cases = [
         (common_pb2.ShmSlice(region=region, offset=size, nbytes=16), grpc.StatusCode.OUT_OF_RANGE),
@@ -122,18 +124,22 @@ def test_descriptions_that_do_not_fit(raw, setup):
     into_buffer = [common_pb2.TensorRef(desc=desc(100), buffer=buffer.buffer)]
     cases = [
         ([common_pb2.TensorRef(desc=desc(100), inline=b"\0" * 400)], into_buffer, "does not fit its buffer"),
-        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 15)], [common_pb2.TensorRef(desc=desc(4), buffer=buffer.buffer)], "15 inline bytes"),
+        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 15)],
+         [common_pb2.TensorRef(desc=desc(4), buffer=buffer.buffer)], "15 inline bytes"),
         ([common_pb2.TensorRef(desc=desc(2, -3), inline=b"")], into_buffer, "negative dimension"),
         ([common_pb2.TensorRef(desc=desc(1 << 40, 1 << 40), inline=b"")], into_buffer, "more than any tensor"),
         ([common_pb2.TensorRef(desc=desc(1, elem_type=TensorProto.STRING), inline=b"")], into_buffer, "STRING"),
         ([common_pb2.TensorRef(desc=desc(1, elem_type=999), inline=b"")], into_buffer, "999"),
         ([common_pb2.TensorRef(desc=desc(4))], into_buffer, "says nowhere"),
-        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)], [common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)], "cannot be a destination"),
+        ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)],
+         [common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)], "cannot be a destination"),
         ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)], [], "1 sources but 0 destinations"),
         ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)],
-         [common_pb2.TensorRef(desc=desc(4, elem_type=TensorProto.INT32), buffer=buffer.buffer)], "source is float32[4] but destination is int32[4]"),
+         [common_pb2.TensorRef(desc=desc(4, elem_type=TensorProto.INT32), buffer=buffer.buffer)],
+         "source is float32[4] but destination is int32[4]"),
         ([common_pb2.TensorRef(desc=desc(4), inline=b"\0" * 16)],
-         [common_pb2.TensorRef(desc=desc(2, 2), buffer=buffer.buffer)], "source is float32[4] but destination is float32[2, 2]"),
+         [common_pb2.TensorRef(desc=desc(2, 2), buffer=buffer.buffer)],
+         "source is float32[4] but destination is float32[2, 2]"),
     ]
     for src, dst, expected in cases:
         code, message = status_of(lambda: copy(raw, transfer, src, dst))
@@ -161,7 +167,8 @@ def test_bytes_that_are_not_a_message(raw):
 def test_stream_misuse(raw):
     stream = raw(raw.factory.CreateSyncStreamForDevice, factory_pb2.CreateSyncStreamRequest()).id
     notification = raw(raw.stream.CreateNotification, common_pb2.Handle(id=stream)).id
-    code, message = status_of(lambda: raw(raw.stream.WaitOnHost, stream_pb2.WaitOnHostRequest(notification=notification)))
+    code, message = status_of(lambda: raw(raw.stream.WaitOnHost,
+                                          stream_pb2.WaitOnHostRequest(notification=notification)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "never activated" in message
     code, _ = status_of(lambda: raw(raw.stream.WaitOnDevice,
                                     stream_pb2.WaitOnDeviceRequest(notification=notification, stream=notification)))
@@ -238,7 +245,8 @@ def test_inputs_that_used_to_fail_inside_the_worker_get_a_status_that_says_why(r
          grpc.StatusCode.INVALID_ARGUMENT, "rank 65"),
         (lambda: copy(raw, transfer, [common_pb2.TensorRef(desc=desc(1 << 62, 1 << 62, 0), inline=b"")], into),
          grpc.StatusCode.INVALID_ARGUMENT, "more bytes than any tensor"),
-        (lambda: copy(raw, transfer, inline, [common_pb2.TensorRef(desc=desc(1 << 42), reply=common_pb2.InlineReply())]),
+        (lambda: copy(raw, transfer, inline,
+                      [common_pb2.TensorRef(desc=desc(1 << 42), reply=common_pb2.InlineReply())]),
          grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than a message"),
         (lambda: raw(raw.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(device_mem_type=7)),
          grpc.StatusCode.INVALID_ARGUMENT, "device_mem_type 7"),

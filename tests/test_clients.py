@@ -9,8 +9,8 @@ from ephost.v1 import allocator_pb2, common_pb2, factory_pb2, worker_pb2
 def test_another_clients_handles_are_not_found(served):
     alice, mallory = RawClient(served.address, "alice"), RawClient(served.address, "mallory")
     try:
-        allocator = alice(alice.factory.CreateAllocator,
-                          factory_pb2.CreateAllocatorRequest(device_mem_type=common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE)).allocator
+        allocator = alice(alice.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
+            device_mem_type=common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE)).allocator
         buffer = alice(alice.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=128))
         probes = [
             (mallory.allocator.Alloc, allocator_pb2.AllocRequest(allocator=allocator, nbytes=8)),

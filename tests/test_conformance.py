@@ -156,8 +156,9 @@ def test_the_onnx_runtime_fallback_passes_what_ort_or_the_evaluator_passes(cases
     assert passed > len(ort_passing)
 
 
-# ep_failure_policy -> the cases of the whole suite that must pass at least (`make conformance`; issue 12: bfloat16/float8/int4 reach ORT as OrtValues;
-# under "fallback" the three cases ORT fails at run time on a node it claimed re-run on the fallback).
+# ep_failure_policy -> the cases of the whole suite that must pass at least (`make conformance`; bfloat16, float8
+# and int4 reach ORT as OrtValues; under "fallback" the three cases ORT fails at run time on a node it claimed re-run
+# on the fallback).
 WORKER_TARGETS = {"raise": 1640, "fallback": 1643}
 
 

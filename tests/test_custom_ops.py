@@ -46,7 +46,8 @@ def tokenizer_model():
                               name="tokenize", vocab_file=vocab, do_lower_case=1, strip_accents=1),
              helper.make_node("Cast", ["ids"], ["ids32"], name="cast", to=TensorProto.INT32)]
     return contrib_model(nodes, [models.tensor("text", [None], TensorProto.STRING)],
-                         [models.tensor("ids32", None, TensorProto.INT32), models.tensor("mask", None, TensorProto.INT64)])
+                         [models.tensor("ids32", None, TensorProto.INT32),
+                          models.tensor("mask", None, TensorProto.INT64)])
 
 
 def in_process(model, feeds):

@@ -24,7 +24,8 @@ def test_compose_file_starts_two_workers_and_a_client_that_uses_both():
     assert set(client["depends_on"]) == set(workers)
     assert all(c["condition"] == "service_healthy" for c in client["depends_on"].values())
     command = client["entrypoint"]
-    assert command[:2] == ["ephost", "run"] and {command[i + 1] for i, a in enumerate(command) if a == "--ep"} == sockets
+    assert command[:2] == ["ephost", "run"]
+    assert {command[i + 1] for i, a in enumerate(command) if a == "--ep"} == sockets
     for service in services.values():
         assert service["build"]["dockerfile"] == "docker/Dockerfile"
         assert "sockets:/run/ephost" in service["volumes"]

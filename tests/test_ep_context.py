@@ -259,6 +259,7 @@ def test_a_failed_context_partition_goes_to_a_fallback_that_restores_it_or_says_
                 # each (restarted) chaos worker segfaults on its first Compute: both ORT partitions fall back
                 assert session.failure_counters["crashed"] == session.failure_counters["fell back"] == 2
             else:
-                with pytest.raises(ephost.EpNotFound, match=r"the fallback cannot run EPContext node "
-                                                            r"'EPContext_ort_0': only its EP \('CPUExecutionProvider'\)"):
+                with pytest.raises(ephost.EpNotFound,
+                                   match=r"the fallback cannot run EPContext node "
+                                         r"'EPContext_ort_0': only its EP \('CPUExecutionProvider'\)"):
                     session.run(None, {"x": X})

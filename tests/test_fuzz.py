@@ -74,9 +74,12 @@ STRINGS = ["", "x", "y", "relu", "reference", "Cpu", "arena.max_mem", "arena.ini
            "../../etc/passwd", "00" * 32, "\udcff".encode("utf-8", "surrogatepass").decode("utf-8", "replace")]
 EDGES = [0, 1, 2, 3, 4, 7, 8, 16, 63, 64, 65, 4096, 2 ** 31 - 1, 2 ** 32, 2 ** 42, 2 ** 62, 2 ** 63 - 1,
          -1, -16, -2 ** 31, -2 ** 63]
-RANGES = {D.FieldDescriptor.TYPE_INT32: (-2 ** 31, 2 ** 31 - 1), D.FieldDescriptor.TYPE_INT64: (-2 ** 63, 2 ** 63 - 1),
-          D.FieldDescriptor.TYPE_UINT32: (0, 2 ** 32 - 1), D.FieldDescriptor.TYPE_UINT64: (0, 2 ** 64 - 1),
-          D.FieldDescriptor.TYPE_SINT32: (-2 ** 31, 2 ** 31 - 1), D.FieldDescriptor.TYPE_SINT64: (-2 ** 63, 2 ** 63 - 1)}
+RANGES = {D.FieldDescriptor.TYPE_INT32: (-2 ** 31, 2 ** 31 - 1),
+          D.FieldDescriptor.TYPE_INT64: (-2 ** 63, 2 ** 63 - 1),
+          D.FieldDescriptor.TYPE_UINT32: (0, 2 ** 32 - 1),
+          D.FieldDescriptor.TYPE_UINT64: (0, 2 ** 64 - 1),
+          D.FieldDescriptor.TYPE_SINT32: (-2 ** 31, 2 ** 31 - 1),
+          D.FieldDescriptor.TYPE_SINT64: (-2 ** 63, 2 ** 63 - 1)}
 
 
 # Field name -> the kind of handle it names, so that most requests reach past the handle lookup.
@@ -186,9 +189,9 @@ def _populate(client: RawClient) -> dict[str, list[int]]:
     made = {kind: [] for kind in set(KIND_OF_FIELD.values())}
     ep = client(client.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
     made["ep"].append(ep)
-    made["compute_info"] += client(client.ep.Compile, ep_pb2.CompileRequest(ep=ep, model=ep_pb2.ModelRef(model=RELU.SerializeToString()),
-                                                    graphs=[ep_pb2.FusedGraph(name="p", nodes=["relu"], inputs=["x"],
-                                                                              outputs=["y"])])).node_compute_infos
+    made["compute_info"] += client(client.ep.Compile, ep_pb2.CompileRequest(
+        ep=ep, model=ep_pb2.ModelRef(model=RELU.SerializeToString()),
+        graphs=[ep_pb2.FusedGraph(name="p", nodes=["relu"], inputs=["x"], outputs=["y"])])).node_compute_infos
     for mem_type in (common_pb2.DEVICE_MEMORY_TYPE_HOST_ACCESSIBLE, common_pb2.DEVICE_MEMORY_TYPE_DEFAULT):
         allocator = client(client.factory.CreateAllocator, factory_pb2.CreateAllocatorRequest(
             device_mem_type=mem_type, options={"arena.initial_chunk_size_bytes": str(1 << 20)})).allocator

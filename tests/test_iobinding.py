@@ -79,8 +79,8 @@ def test_a_decoding_loop_whose_state_grows_repeats_one_kept_call_with_its_state_
     """The loop a decoder runs: its state (the present) grows every step, stays bound in the worker and is the
     next step's past. On the fast lane the second step's call (its past in the worker, named by handle) is kept
     whatever its shapes and every later step repeats it: the frame names the past by handle and carries the
-    dimensions and the row's bytes, the reply the score and a new buffer's record. No past is ever sent or fetched; the ORT
-    EP copies each present, whose shape ORT learns as it runs, from ORT's memory straight into a buffer of the
+    dimensions and the row's bytes, the reply the score and a new buffer's record. No past is ever sent or fetched;
+    the ORT EP copies each present, whose shape ORT learns as it runs, from ORT's memory straight into a buffer of the
     allocator (`compute_outputs_in_place`), not the worker after it; and every score and the final state are
     those of ORT in process."""
     from bench.data_plane import decoding_model  # the bench's decoding loop runs the same step

@@ -23,7 +23,8 @@ try:
     import onnxruntime_ep_openvino as OPENVINO
 except ImportError:  # only the OpenVINO tests need it
     OPENVINO = None
-needs_openvino = pytest.mark.skipif(OPENVINO is None, reason="onnxruntime-ep-openvino is installed by the openvino extra")
+needs_openvino = pytest.mark.skipif(OPENVINO is None,
+                                    reason="onnxruntime-ep-openvino is installed by the openvino extra")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,9 @@ def test_devices_are_what_onnx_runtime_reports(ort_env):
     assert (device.ep_name, device.ep_vendor, device.ep_metadata) == \
            (expected.ep_name, expected.ep_vendor, {**expected.ep_metadata, "onnxruntime_version": ort.__version__})
     hw = device.device
+    want = expected.device
     assert (int(hw.type), hw.vendor_id, hw.vendor, hw.device_id) == \
-           (int(expected.device.type.value), expected.device.vendor_id, expected.device.vendor, expected.device.device_id)
+           (int(want.type.value), want.vendor_id, want.vendor, want.device_id)
     assert device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE) is not None
 
 

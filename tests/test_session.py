@@ -36,7 +36,8 @@ def split_env(request):
 
 
 def assignment(session):
-    return [(s.registration, sorted(n.name for n in s.get_nodes())) for s in session.get_provider_graph_assignment_info()]
+    return [(s.registration, sorted(n.name for n in s.get_nodes()))
+            for s in session.get_provider_graph_assignment_info()]
 
 
 def test_a_whole_model_on_one_worker_matches_the_evaluator(env):
