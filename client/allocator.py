@@ -130,7 +130,7 @@ class FreeQueue:
     """Buffers waiting to be freed, per allocator, sent in batches by one thread per worker link.
 
     A free waits up to LINGER_S for others to go in the same call: a loop of runs that each leave an output in
-    the worker would otherwise cost one Free call per run, a round trip on both of two shared cores. `flush`
+    the worker would otherwise cost one Free call per run, a round trip that takes both processes' CPUs. `flush`
     sends at once."""
 
     LINGER_S = 0.005

@@ -93,8 +93,8 @@ class Environment:
         self._closed = False
         self._pid = os.getpid()  # a forked child's copy is inert: the workers are the parent's
         metrics.track(self)
-        # One the application never closes is closed as it exits, while its threads still run: left to the
-        # interpreter's teardown (__del__), stopping a worker waited forever for a watcher thread frozen there.
+        # One the application never closes is closed as it exits, while its threads still run: in the
+        # interpreter's teardown (__del__), stopping a worker would wait forever for a watcher thread frozen there.
         self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
         # While workers start (this thread waits on them), so that the first session's shape inference does not.

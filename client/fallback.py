@@ -89,7 +89,7 @@ class CpuFallback:
     @functools.cached_property
     def placements(self) -> tuple[Placement, ...]:
         """Made on first use: a session whose EPs take every node never loads the fallback's EPs (the first
-        one in a process costs a quarter of a second: ORT's factory, the evaluator's op list)."""
+        one in a process is slow to make: ORT's factory, the evaluator's op list)."""
         return tuple(self._placement(ep) for ep in self._chain)
 
     def _placement(self, ep: str) -> Placement:

@@ -133,9 +133,9 @@ def _room(kept: dict, clock: int, capacity: int):
     `clock` (its new calls so far): None where there is room; else the key of a kept call it takes the place of, one not
     used during the last 2 x `capacity` new calls; else _FULL (it goes whole). The kept calls looked at and used since
     go to the back, to be looked at after the others. A plan that cycles through more calls than a connection keeps thus
-    repeats those it keeps, run after run, and sends the rest whole; one that moved on lets the old ones go. (Where the
-    oldest went for each new call, each went before it came round again, and every run kept every call anew: a chain of
-    65 partitions a worker, 64 a connection, each would be kept anew every run.)"""
+    repeats those it keeps, run after run, and sends the rest whole; one that moved on lets the old ones go. (Were the
+    oldest to go for each new call, each would go before it came round again, and every run would keep every call
+    anew.)"""
     if len(kept) < capacity:
         return None
     horizon = clock - 2 * capacity

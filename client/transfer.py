@@ -34,8 +34,8 @@ from ephost.v1 import common_pb2, data_transfer_pb2, ep_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 # Tensors smaller than this travel inline; larger ones through the worker's shared memory. Going through
-# shared memory costs a call or two more (allocate, free) and saves copying the bytes through gRPC: on a
-# 2-core machine a call costs about 1 ms and inline bytes move at about 0.15 GB/s, so they cross near here.
+# shared memory costs a call or two more (allocate, free) and saves copying the bytes through gRPC; the two
+# costs cross near this size (bench/RESULTS.md, "Why the code chooses ...").
 INLINE_LIMIT = 512 << 10
 SHM_MODEL_BYTES = 16 << 20  # models at least this large go to the worker in a buffer (shared memory or chunks)
 BLOB_CHUNK = 4 << 20  # external data goes to a worker's blob cache in chunks of this size

@@ -77,8 +77,8 @@ class ConsoleHandler(logging.StreamHandler):
         self.flush()
 
 
-# Set in the environment of a worker re-run inside its own environment, which then takes it as it is. (Editing
-# the command line instead missed abbreviated flags, which argparse accepts, and re-ran the worker forever.)
+# Set in the environment of a worker re-run inside its own environment, which then takes it as it is. A flag in
+# the environment, not an edit of the command line: argparse accepts abbreviated flags, which an edit would miss.
 IN_WORKER_ENV = "EPHOST_IN_WORKER_ENV"
 
 

@@ -43,8 +43,8 @@ KEPT_ID = struct.Struct("<I")  # the first bytes of a KEPT frame's payload
 PLACED = struct.Struct("<QQqq")
 # Kept calls a worker keeps for one connection: a thread's every partition on it, each at the input shapes it
 # runs at. Past the bound the worker keeps a new call only in the place of one its caller names (replace_kept):
-# the caller knows which it repeats (client/fastlane.py, _room). A kept call costs the worker about 1 KB, and a
-# tensor for each buffer it names.
+# the caller knows which it repeats (client/fastlane.py, _room). A kept call costs the worker a small record, and
+# a tensor for each buffer it names.
 MAX_KEPT = 1024
 MAX_FDS = 16
 _TRUNC = int(socket.MSG_TRUNC)  # a plain int: an IntFlag's & costs more than the rest of a frame's reading
@@ -71,8 +71,8 @@ def _methods(*pairs) -> dict[str, Method]:
 
 
 # The methods the lane carries: those of a run, then those that make and release a session's EPs, partitions,
-# allocators and external data files (a session per request pays them every time; gRPC costs about a
-# millisecond a call here, more for a method's first call). Ids are positions here: append, never reorder.
+# allocators and external data files (a session per request pays them every time, and a gRPC call costs far
+# more than a lane call). Ids are positions here: append, never reorder.
 METHODS: dict[str, Method] = _methods(
     (ep_pb2, "Ep", "Compute"),
     (data_transfer_pb2, "DataTransfer", "CopyTensors"),
@@ -192,17 +192,16 @@ class FrameReader:
     without it, descriptors a peer attaches are never received (the kernel closes them).
 
     With `spin_s`, a read first polls the socket for up to that long before it sleeps in the kernel, as ORT's thread
-    pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine waking an
-    idle CPU costs a hundred microseconds or more, several times what a small call costs. It spins only while frames
-    keep coming within `spin_s` (a wait longer than that turns spinning off until a wait is short again; for each
-    kind of call apart, where the caller names them in `read`), so that idle connections burn no CPU. After a long
-    wait it sleeps until the frame comes: a caller does not poll for the end of a long call (a CNN's run), as
-    that took a CPU from the worker's threads (ORT's run 1.5-3.5% longer on the small CNNs than with its caller
-    asleep, measured in one process); nor does a worker for a caller's next request after a pause (polling
-    through it would take a CPU from whatever the caller does meanwhile). With `expect` (a caller reading the
-    replies to its own calls), a long call's reply is expected about as late as the last one: the first sleep
-    is bounded at twice that rather than at FIRST_SLEEP_S (see read); and where the slots have an early wake
-    (ephost/lane_slots.py), the worker wakes it as its EP finishes, and it polls for the reply from there.
+    pool spins before it waits: a sleeping reader is woken by the peer's send, and on a virtual machine waking an idle
+    CPU costs several times what a small call costs. It spins only while frames keep coming within `spin_s` (a wait
+    longer than that turns spinning off until a wait is short again; for each kind of call apart, where the caller names
+    them in `read`), so that idle connections burn no CPU. After a long wait it sleeps until the frame comes: a caller
+    does not poll for the end of a long call (a CNN's run), as that would take a CPU from the worker's threads; nor does
+    a worker for a caller's next request after a pause (polling through it would take a CPU from whatever the caller
+    does meanwhile). With `expect` (a caller reading the replies to its own calls), a long call's reply is expected
+    about as late as the last one: the first sleep is bounded at twice that rather than at FIRST_SLEEP_S (see read); and
+    where the slots have an early wake (ephost/lane_slots.py), the worker wakes it as its EP finishes, and it polls for
+    the reply from there.
 
     With `slots` (ephost/lane_slots.py), a frame comes through the slot or on the socket: polling looks at the
     slot (and at the socket every 8th turn, for frames sent there and for end of file), and a reader about to

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 # Operator domains ONNX defines: every domain of the onnx package's schemas (tests/test_partition.py checks this
-# against onnx.defs; listing the schemas here would cost every worker 13 MiB and 30 ms at start).
+# against onnx.defs; listing the schemas here would cost every worker memory and time at start).
 ONNX_DOMAINS = frozenset({"", "ai.onnx.ml", "ai.onnx.preview", "ai.onnx.preview.training"})
 # Those, and the domains ONNX Runtime implements itself (its contrib and internal ones). A node of any other
 # domain needs a custom op library, unless its model defines it as a function.
@@ -29,8 +29,8 @@ BUILTIN_DOMAINS = frozenset({"ai.onnx", "ai.onnx.training", "com.microsoft", "co
 
 
 def load_schemas() -> None:
-    """Have the onnx package register its operator schemas (once per process: about 14 ms and 7 MiB here, paid
-    by the first shape inference otherwise, that is by the first session)."""
+    """Have the onnx package register its operator schemas (once per process; paid by the first shape inference
+    otherwise, that is by the first session)."""
     onnx.defs.has("Relu")
 
 

@@ -1,40 +1,20 @@
 """The fast lane's shared slots: a page pair of shared memory per connection, one slot for each direction,
-through which a frame that fits one packet passes without a system call at either end while its reader polls.
+through which a frame that fits one packet passes without a system call at either end while its reader polls. The
+socket stays for the ticket, descriptors, long frames, end of file and the doorbell that wakes a sleeping reader.
+The layout and the protocol are in docs/wire-protocol.md ("Shared slots"). What a peer writes into a slot is read
+once (its length checked, the frame copied out before it is parsed): a client scribbling in its own slots can only
+spoil its own calls.
 
-A socket round trip costs each end a send and a receive in the kernel (a few microseconds each on a virtual
-machine; measured here, a polling round trip of small packets 7 µs, through shared memory under 1 µs). The
-socket stays: for the ticket, for descriptors, for frames longer than a packet, for end of file when a peer
-dies, and to wake a reader that sleeps in the kernel (a one-byte doorbell packet).
+Each word is a native u64 written through a memoryview: one aligned store, never seen torn (struct.pack_into
+zero-fills its bytes first, which a reader polling the word would see). The writer stores the frame, its length,
+then its count, and x86 keeps stores in order; but a load may pass an earlier store and Python has no fence, so a
+writer and a reader can each miss the other's word: a reader's first sleep is bounded (fastlane.FIRST_SLEEP_S).
+Where the order is weaker (ARM) a reader could see the count before the frame: only x86 is SUPPORTED, and
+elsewhere every frame goes on the socket.
 
-A slot (SLOT bytes): at 0 the number of frames written so far, at 8 the last frame's length, at 16 the count of
-the last KEPT_WRITING frame whose inputs the writer has written since (READY, set and rung for as a frame's
-count is; ephost/fastlane.py), all written by the writer; at 64, on its own cache line, the reader's `asleep`
-flag, written by the reader (each a native u64, written through a memoryview: one aligned store, never seen
-torn; struct.pack_into zero-fills its bytes before it writes them, which a reader polling the word would see);
-from DATA the frame, header and payload, as on the socket. (The worker lowers its caller's `asleep` as it
-writes the early wake, where the caller sleeps on it: the one word an end writes in the other's half.)
-
-The writer puts the frame, then its length, then the count (x86 keeps stores in order, and loads), then reads
-`asleep` and rings the doorbell if it is raised. The reader polls the count; before it sleeps in the kernel it
-raises `asleep` and looks at the count once more. A writer and a reader can each read the other's word before
-the other's store is seen (x86 reorders a load before an earlier store, and Python has no fence): so the first
-sleep is bounded (fastlane.FIRST_SLEEP_S; a caller's after a long call at twice its last wait, as a reply cannot
-race the flag it raised microseconds after its call went), after which both stores are long visible; a doorbell
-rung when no one slept is a packet the reader drops the next time it wakes. Only on x86 (SUPPORTED): where the order is
-weaker (ARM) a reader could see the count before the frame, and without a fence Python cannot prevent it; the
-socket carries every frame there.
-
-The worker makes the memfd and hands it over with the ticket's answer, to a client that asked for slots; each
-side maps it. With it goes an eventfd, the *early wake*: a worker whose EP has run a Compute (kept or whole)
-while its caller sleeps (a long call: the caller does not poll for its end) writes it, so that the caller's
-waking, tens of microseconds on a virtual machine, overlaps the making of the reply, which the caller then polls
-for (server/rpc.py, Call.ran). An eventfd, not the doorbell: a unix socket's wake-up is a "sync" one, which puts
-the woken thread on the waker's CPU, where it competed with the framing (tried: shufflenet +73 µs per run); an
-eventfd's is not (paired against waking on the reply: squeezenet -56 µs per run for kept calls, 33 of 40 blocks,
-and -101 for whole ones, 33 of 40; shufflenet -57, 29 of 40). An old client, which takes
-one descriptor, has the kernel drop the second. What a peer writes into a slot is read once (its length checked
-against the slot, the frame copied out before it is parsed): a client scribbling in its own slots can only spoil
-its own calls.
+The early wake is an eventfd, not the doorbell: a unix socket's wake-up is a "sync" one, which puts the woken
+thread on the waker's CPU, where it competes with the framing; an eventfd's is not. An old client, which takes
+one descriptor, has the kernel drop the second.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class Region:
         self._mm = mm
         self.size = size
         # The whole mapping as one ctypes array type, made once: a view is an instance of it (a new array type
-        # per size cost 8 µs a view, where a loop's shapes change every run; an instance costs under 1).
+        # per size costs several times an instance, where a loop's shapes change every run).
         self._whole = ctypes.c_char * size
         self._bytes: np.ndarray | None = None  # the whole mapping as one array, made once: see view
         self.fd = fd
@@ -116,8 +116,8 @@ class Region:
         if nbytes == 0:
             return _EMPTY
         if owner is None:
-            # A slice of the whole mapping's array (0.1 µs, where a new array over the mapping costs 1 hot and
-            # 3-4 on a run's cold caches: a worker's view of each new buffer a loop's step leaves or names)
+            # A slice of the whole mapping's array (made once): far cheaper than a new array over the mapping,
+            # above all on a run's cold caches (a worker's view of each new buffer a loop's step leaves or names)
             whole = self._bytes
             if whole is None:
                 whole = self._bytes = np.frombuffer(self._mm, np.uint8)
@@ -161,6 +161,6 @@ class Buffer:
         if owner is not None:
             return self.region.view(self.offset, self.nbytes, owner)
         view = self._view
-        if view is None:  # made once: a view over a mapping costs microseconds, tens on a run's cold caches
+        if view is None:  # made once: a view over a mapping is costly, more so on a run's cold caches
             view = self._view = self.region.view(self.offset, self.nbytes)
         return view

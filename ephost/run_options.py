@@ -133,9 +133,9 @@ class RunOptions:
 
 class ForeignOptions:
     """ORT's RunOptions objects a session has read lately, each with the run config keys it had. ORT lists none
-    of an object's entries, and asking it for one it lacks costs an exception (40 µs a key, measured with ORT
-    1.32): a run with an object read before reads the values of the keys it had (a change of value is seen), not
-    those it lacked (an entry added to that object later is not)."""
+    of an object's entries, and asking it for one it lacks costs an exception, slow enough to matter on every run:
+    a run with an object read before reads the values of the keys it had (a change of value is seen), not those it
+    lacked (an entry added to that object later is not)."""
 
     def __init__(self, size: int = 8):
         self._size = size

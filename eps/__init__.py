@@ -14,8 +14,8 @@ ENTRY_POINT_GROUP = "ephost.eps"
 
 @functools.cache
 def _registered() -> tuple:
-    """The group's entry points, read once per process: reading them scans every installed distribution (about
-    15 ms here), and every session's CPU fallback loads its EPs by name."""
+    """The group's entry points, read once per process: reading them scans every installed distribution, and
+    every session's CPU fallback loads its EPs by name."""
     return tuple(entry_points(group=ENTRY_POINT_GROUP))
 
 

@@ -71,11 +71,8 @@ CONTEXT_OPTIMIZED = "onnxruntime_optimized_model"
 CONTEXT_ORT = "onnxruntime_ep_context_model"
 # Session config entries of every session the EP makes, under those the user gives (`session_config`).
 # force_spinning_stop: ORT's intra-op threads spin between operators as by default, and stop once a run ends
-# rather than spin on for tens of milliseconds (about 30 ms of a CPU after each squeezenet run here). What runs
-# next is another process's (the caller's reply and next request, other workers' partitions), which then finds
-# a CPU taken on a two-core machine: squeezenet over the fast lane 3.15-3.20 -> 2.96-3.03 ms a run, shufflenet
-# 3.34-3.44 -> 3.22-3.26, against ORT in process with its defaults 2.8 and 3.0 (whose back-to-back runs find
-# the pool still spinning: 44 µs a run faster than with the stop).
+# rather than spin on: what runs next is another process's (the caller's reply and next request, other workers'
+# partitions), which would otherwise find its CPU taken by a pool with nothing to do.
 SESSION_DEFAULTS = {"session.force_spinning_stop": "1"}
 # Where ORT finds the external data files of a model given as bytes (relative locations resolve against it).
 ORT_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
@@ -85,7 +82,7 @@ ORT_EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 PLACE_BYTES = 64 << 10
 # Inputs up to this size are copied into memory kept with the IOBinding rather than bound where they are, and
 # outputs kept in the allocator are written there and copied into their buffer after the run, rather than bound
-# in a new buffer every run (binding an output anew and asking its address cost a worker ~8 µs a step).
+# in a new buffer every run (binding an output anew and asking its address costs more than the copy).
 COPY_BYTES = 16 << 10
 
 
@@ -180,8 +177,8 @@ def _in_allocator(shape: tuple[int, ...], dtype: np.dtype, nbytes: int, allocato
     """A new tensor in a buffer of `allocator` (shape and dtype checked already), and an array over its memory
     for ORT to write, or None where this process cannot write that memory. The array is the buffer's own view,
     made once and kept with it: the next step that reads the buffer (a loop's state fed back, a kept call's
-    _Views) finds it made, where a view of the tensor's would be made twice (a view over shared memory costs
-    microseconds, more on a run's cold caches)."""
+    _Views) finds it made, where a view of the tensor's would be made twice (a view over shared memory is costly,
+    more so on a run's cold caches)."""
     buffer = allocator.alloc(nbytes)
     view = buffer.host_view()
     if view is None:

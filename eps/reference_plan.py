@@ -1,13 +1,11 @@
 """A reference-EP partition run as a plan: the evaluator's kernels called one after another with what
 `ReferenceEvaluator.run` would pass them, without its per-run bookkeeping.
 
-On a small partition that bookkeeping is most of the run: one Relu on 16 floats takes 11 µs through
-`ReferenceEvaluator.run`, 5.5 µs through the node's `run` and 1 µs in the kernel's `_run` (the numpy call
-itself 0.7 µs), and a worker running partition after partition pays it several times over with cold caches.
-The checks the wrappers make around `_run` are kept: the results' types (`_check_and_fix_outputs`) and, for
-the unary and binary arithmetic bases, matching dtypes, with the evaluator's exception types. A node the plan
-cannot call this way (a subgraph, a function, a linked attribute, a context) leaves the whole partition to
-the evaluator.
+On a small partition that bookkeeping is most of the run, and a worker running partition after partition pays it
+several times over with cold caches. The checks the wrappers make around `_run` are kept: the results' types
+(`_check_and_fix_outputs`) and, for the unary and binary arithmetic bases, matching dtypes, with the evaluator's
+exception types. A node the plan cannot call this way (a subgraph, a function, a linked attribute, a context)
+leaves the whole partition to the evaluator.
 """
 from __future__ import annotations
 

@@ -224,17 +224,16 @@ class Dispatcher:
             self._record(method, call, seconds, "", lane)
             self.admission.leave(call.client_id)
             return reply
-        # Answered first, counted right after: counting first would hold every lane reply back (3 µs a tiny
-        # call, measured); a GetStats waits for the calls answered before it (WorkerStats.settle).
+        # Answered first, counted right after: counting first would hold every lane reply back; a GetStats
+        # waits for the calls answered before it (WorkerStats.settle).
         answered = self.state.stats.answering()
         answered.answered += 1
         self.admission.leave(call.client_id, replying=True)  # a reply its client does not read holds no slot
         try:
             respond(reply)
             # The caller polls for this reply, and on a machine with fewer CPUs than busy threads it may be queued
-            # behind this thread, which would keep the CPU through the counting and its next read (tens of µs
-            # cold). Yielded now, it runs at once (shufflenet: the reply seen 42 -> 22 µs after it was sent,
-            # median, while the caller polled); where no one waits, a system call's cost.
+            # behind this thread, which would keep the CPU through the counting and its next read. Yielded now,
+            # the caller runs at once; where no one waits, it costs a system call.
             os.sched_yield()
         finally:
             self._record(method, call, seconds, "", lane)

@@ -191,8 +191,8 @@ class BridgeFactory:
     def release(self) -> None:
         """ORT's ReleaseEpFactory. The factory stays, under its struct's address, as its device memory does
         (BridgeMemory.release): ORT calls it after this where the application still holds tensors of its allocator
-        (ReleaseAllocator, as the last of them goes) or a session its EP (ReleaseEp); had its callbacks gone with
-        it, that call crashed the application. What goes is the registration (its closed worker's objects)."""
+        (ReleaseAllocator, as the last of them goes) or a session its EP (ReleaseEp); were its callbacks gone with
+        it, that call would crash the application. What goes is the registration (its closed worker's objects)."""
         if self.kept is not None:
             self.kept.forget()
         if self.memory is not None:

@@ -7,7 +7,7 @@ OrtValue the application made on the device for IOBinding) reaches the worker by
 
 ORT is told the memory is CPU memory (device type CPU, ephost's vendor id), which it is: ORT's own CPU kernels
 read it in place and ORT puts no copy nodes at the partition's edges (a GPU or NPU device type would make it
-insert MemcpyFromHost/ToHost around every bridged partition, one copy each way, measured). For the same reason
+insert MemcpyFromHost/ToHost around every bridged partition, one copy each way). For the same reason
 ORT copies to and from it with its own CPU data transfer, and the bridge offers none.
 """
 from __future__ import annotations
@@ -219,8 +219,8 @@ class BridgeMemory:
         long as the process (a few small objects per registration): ORT's EpDevices hold the memory info, and
         tensors ORT made in this memory outlive the registration where the application holds them (ORT's outputs,
         handed out as numpy arrays over them). Their blocks keep the worker's mapping they lie in readable until
-        ORT frees them, and that Free comes here: had this gone, the pool would call into freed callbacks and the
-        mapping would go with the blocks' views (both crashed the application). What goes is the registration
+        ORT frees them, and that Free comes here: were this gone, the pool would call into freed callbacks and the
+        mapping would go with the blocks' views (either crashes the application). What goes is the registration
         (its closed worker's objects, the models it sent): a Free from now on drops its block, an Alloc gets
         private memory; at exit the struct is neutered with every live one (callbacks.neuter_all)."""
         self._give_back(self._pools.drain(self.pool), now=True)

@@ -1,10 +1,10 @@
 """The bridged device allocator's pool in the shim (shim.c, `ephost_pool_*`), as BridgeMemory calls it.
 
-ORT allocates every bridged partition's outputs in the device memory and frees them after the run; through
-ctypes' trampolines each is a call into Python (about 5 µs each, on a tiny model's 65 µs run through the bridge).
-The pool answers them in C for the blocks Python made in the worker's memory: one ORT frees waits there, idle, for
-the next allocation of its size. Python is asked for the rest: a size the pool holds no idle block of, a
-partition's output offered to ORT in place (the thread's next allocation, `offer`), a block the pool does not keep.
+ORT allocates every bridged partition's outputs in the device memory and frees them after the run; through ctypes'
+trampolines each is a call into Python, a large part of a tiny model's run through the bridge. The pool answers them
+in C for the blocks Python made in the worker's memory: one ORT frees waits there, idle, for the next allocation of
+its size. Python is asked for the rest: a size the pool holds no idle block of, a partition's output offered to ORT
+in place (the thread's next allocation, `offer`), a block the pool does not keep.
 """
 from __future__ import annotations
 

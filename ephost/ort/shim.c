@@ -222,8 +222,8 @@ EXPORT void *ReleaseEpFactory(void *factory) {
 /* Put in place of every callback at interpreter exit: returns NULL (success, no object) for any signature. */
 EXPORT void *ephost_ort_null(void) { return 0; }
 
-/* A kernel context's tensors, read and made in one call each way: through ctypes an OrtApi call costs about a
- * microsecond of Python, and one tensor's type, shape and data are six of them. ephost.ort passes the OrtApi
+/* A kernel context's tensors, read and made in one call each way: through ctypes each OrtApi call is a trip
+ * through Python, and one tensor's type, shape and data are six of them. ephost.ort passes the OrtApi
  * functions (abi.py holds their table indices); this file knows only their C signatures. */
 #define EPHOST_DIMS 8
 
@@ -297,7 +297,7 @@ EXPORT void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, si
 
 /* The bridged device's allocator (ephost/ort/memory.py), its common case here: ORT allocates each bridged
  * partition's outputs in the device memory and frees them after the run, two calls into Python a run each
- * (about 5 µs with ctypes' trampolines, on a Compute of 60). A pool keeps the blocks Python made in the worker's
+ * (through ctypes' trampolines: a large part of a small Compute). A pool keeps the blocks Python made in the worker's
  * memory: a block ORT frees waits idle here and is handed back for the next allocation of its size, Python asked
  * only for what the pool does not hold (a new size, a partition's output offered in place, private memory).
  * The pool begins with an OrtAllocator (filled from Python), so ORT calls these with the pool itself. */
