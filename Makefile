@@ -10,13 +10,20 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# One stamp per set of extras, rebuilt when the project's metadata or its compiled part (ephost/ort's plugin library,
+# A folder of ephost/ with no source in it (bytecode or a built library a checkout kept) would shadow a package that
+# pyproject's package-dir maps from another folder (ephost.ort is app/ort/): such folders go before each install.
+UNSHADOW = for d in ephost/*/; do [ "$$d" = ephost/__pycache__/ ] || [ -n "$$(find "$$d" -name '*.py' -print -quit)" ] \
+	|| rm -rf "$$d"; done
+
+# One stamp per set of extras, rebuilt when the project's metadata or its compiled part (ephost.ort's plugin library,
 # built by setup.py as the package installs) changes.
-$(VENV)/.installed-test: pyproject.toml setup.py ephost/ort/shim.c | $(BIN)/python
+$(VENV)/.installed-test: pyproject.toml setup.py app/ort/shim.c | $(BIN)/python
+	$(UNSHADOW)
 	$(BIN)/python -m pip install -q -e '.[test,openvino]'
 	touch $@
 
-$(VENV)/.installed-run: pyproject.toml setup.py ephost/ort/shim.c | $(BIN)/python
+$(VENV)/.installed-run: pyproject.toml setup.py app/ort/shim.c | $(BIN)/python
+	$(UNSHADOW)
 	$(BIN)/python -m pip install -q -e '.[openvino]'
 	touch $@
 
@@ -62,4 +69,4 @@ docs: $(VENV)/.installed-test
 	$(BIN)/python tools/options_doc.py
 
 clean:
-	rm -rf $(VENV) .compat build *.egg-info ephost/ort/*.so
+	rm -rf $(VENV) .compat build *.egg-info app/ort/*.so

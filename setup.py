@@ -1,5 +1,5 @@
 """The compiled part of ephost: ephost/ort/libephost_ort.so, the plugin EP library ONNX Runtime loads (ephost.ort),
-built from ephost/ort/shim.c as the package is built, so that an installed wheel needs no compiler. Everything else
+built from app/ort/shim.c as the package is built, so that an installed wheel needs no compiler. Everything else
 is in pyproject.toml."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sysconfig
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-LIBRARY = "ephost.ort.libephost_ort"  # the extension's name; its file is ephost/ort/libephost_ort.so
-SOURCE = "ephost/ort/shim.c"  # its digest goes into the library: ephost/ort/build.py tells a stale build by it
+LIBRARY = "ephost.ort.libephost_ort"  # the extension's name; its file is ephost/ort/libephost_ort.so once installed
+SOURCE = "app/ort/shim.c"  # its digest goes into the library: app/ort/build.py tells a stale build by it
 
 
 def python_library() -> str:

@@ -76,7 +76,7 @@ def child(workload: str, per: int, options: dict[str, str], binding: str | None 
     from bench.data_plane import bound_input, chain_model, decode, decoding_model, large_model, split_model
     from bench.iobinding import NO_SPIN, alternating, bound_to_device, recurrent
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
-    from ephost.run_command import bundled_input, bundled_model
+    from ephost.cli.run_command import bundled_input, bundled_model
 
     config = ";".join(f"{k}={v}" for k, v in SESSION_CONFIG.items())
     env = ephost.Environment()

@@ -45,7 +45,7 @@ from onnx import TensorProto, helper
 
 import ephost
 from ephost import DeviceMemoryType, InferenceSession, Tensor
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 from bench.session_overhead import (SESSION_CONFIG, in_process_session, interleaved, interleaved_blocks, medians,
                                     options_for, paired_ratio, tiny_model)
 
@@ -352,7 +352,7 @@ def bound_input(env, session, registration: str, feeds: dict[str, np.ndarray]) -
 # (asleep in recv between runs) and answers with a byte. Run from the repository's root (it imports bench).
 _RUNS_ON_A_BYTE = """
 import os, socket, onnx
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 from bench.session_overhead import in_process_session
 session = in_process_session(onnx.load(bundled_model(os.environ["MODEL"])[0]), "ORT CPU")
 feeds = {arg.name: bundled_input(arg) for arg in session.get_inputs()}

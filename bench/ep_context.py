@@ -17,7 +17,7 @@ import time
 
 import ephost
 from ephost import InferenceSession
-from ephost.run_command import bundled_model
+from ephost.cli.run_command import bundled_model
 from bench.session_overhead import options_for
 
 

@@ -8,7 +8,7 @@ import onnx
 
 import ephost
 from ephost import InferenceSession, SessionOptions
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 from bench.session_overhead import side_by_side
 
 

@@ -22,7 +22,7 @@ import ephost
 import ephost.ort
 from bench.data_plane import interleaved, large_model
 from bench.session_overhead import SESSION_CONFIG, tiny_model
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 
 
 def session(model, bridged: bool) -> ort.InferenceSession:

@@ -19,7 +19,7 @@ import onnxruntime as ort
 import ephost
 from ephost import InferenceSession, SessionOptions
 from ephost.eps.onnxruntime import readable_model
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 from ephost.v1 import common_pb2
 
 CNNS = ["resnet50", "squeezenet", "shufflenet", "inception_v1", "densenet121"]

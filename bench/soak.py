@@ -31,7 +31,7 @@ def client(address: str, seconds: float, threads: int) -> None:
 
     import ephost
     from ephost import InferenceSession, SessionOptions
-    from ephost.run_command import bundled_input, bundled_model
+    from ephost.cli.run_command import bundled_input, bundled_model
 
     path, expected_path = bundled_model("squeezenet")
     expected = numpy_helper.to_array(onnx.load_tensor(expected_path))

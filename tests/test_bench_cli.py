@@ -160,7 +160,7 @@ def test_the_cnn_table_runs_the_input_bound_in_the_worker_and_the_floor_as_ort_r
     import numpy as np
     import onnx
     import ephost
-    from ephost.run_command import bundled_input, bundled_model
+    from ephost.cli.run_command import bundled_input, bundled_model
     from bench.data_plane import OneByteRuns, bound_input
     from bench.session_overhead import in_process_session, options_for
     model = onnx.load(bundled_model("squeezenet")[0])

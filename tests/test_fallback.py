@@ -7,7 +7,7 @@ from onnx import helper, numpy_helper
 
 import ephost
 from ephost import InferenceSession, SessionOptions
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 import models
 
 pytest.importorskip("onnxruntime", reason="the onnxruntime fallback needs the onnxruntime extra")

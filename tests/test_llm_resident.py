@@ -1,4 +1,4 @@
-"""Copies of ORT's tensors kept in the worker's memory between Computes (ephost/ort/resident.py): what keeps a
+"""Copies of ORT's tensors kept in the worker's memory between Computes (app/ort/resident.py): what keeps a
 decoder's KV cache from crossing the bridge whole every token. Against a real worker's shared memory."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from ephost import InferenceSession
 from ephost.errors import EpError
 from ephost.eps.base import ComputeCall
 from ephost.eps.onnxruntime import OrtEpFactory, max_ir_version, readable_model
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 from ephost.types import DeviceMemoryType
 import models
 from helpers import compiled, options_for, worker_stats

@@ -25,7 +25,7 @@ import ephost
 import ephost.ort
 from ephost.errors import EpFailedPrecondition
 from ephost.ort import abi, build
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 import models
 from helpers import in_threads
 
@@ -172,7 +172,7 @@ def test_repeated_computes_are_kept_calls_whatever_their_shapes_and_stay_right(n
 
 
 def test_inputs_of_any_rank_size_and_type_cross_the_bridge(npu):
-    """The kernel context's inputs are read in one call into records of up to 8 dimensions (ephost/ort/shim.c):
+    """The kernel context's inputs are read in one call into records of up to 8 dimensions (app/ort/shim.c):
     one of 9 dimensions is read the long way, a scalar and an empty tensor as they are; every output right, on
     the whole Compute and on the kept call's repeats after it."""
     nodes = [helper.make_node("Relu", ["a"], ["ra"], name="relu"), helper.make_node("Neg", ["b"], ["nb"], name="neg"),

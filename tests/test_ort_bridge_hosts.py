@@ -19,7 +19,7 @@ import pytest
 import ephost
 import ephost.ort
 from ephost.ort.library import loaded_library
-from ephost.run_command import bundled_input, bundled_model
+from ephost.cli.run_command import bundled_input, bundled_model
 import models
 from helpers import worker_pids
 

@@ -54,7 +54,7 @@ class Block:
 class BridgeMemory:
     """OrtAllocator over the worker's shared memory, for one registration. Freed blocks of the worker's are kept
     by size for the next allocation (a steady stream of runs asks the worker for nothing); at most IDLE_BYTES.
-    The shim's pool (ephost/ort/pool.py) keeps them and answers ORT's Alloc and Free of them without Python."""
+    The shim's pool (app/ort/pool.py) keeps them and answers ORT's Alloc and Free of them without Python."""
 
     IDLE_BYTES = 256 << 20
 

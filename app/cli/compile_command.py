@@ -10,7 +10,7 @@ import os
 import time
 
 from ephost import ep_context
-from ephost.run_command import (AddEnvironmentOption, AddEp, AddOption, add_environment_arguments, add_eps,
+from ephost.cli.run_command import (AddEnvironmentOption, AddEp, AddOption, add_environment_arguments, add_eps,
                                  format_table)
 
 

@@ -258,7 +258,7 @@ class Learned:
 
 
 class PartitionCopies:
-    """What one partition's Computes keep in the worker, for the bridge's Compute (ephost/ort/ep.py): which inputs
+    """What one partition's Computes keep in the worker, for the bridge's Compute (app/ort/ep.py): which inputs
     go as a kept copy, which outputs the worker writes into an input's copy in place, which it leaves in its memory
     to be kept as the copy of ORT's. What its Computes show (an output ORT gave an input's memory; an output whose
     memory a later Compute was given as an input, genai's present as the next past) the next ones use: the same

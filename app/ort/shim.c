@@ -24,7 +24,7 @@
 #define EPHOST_PYTHON_LIBRARY "" /* set by setup.py: the shared libpython of the Python that built this library */
 #endif
 #ifndef EPHOST_SHIM_DIGEST
-#define EPHOST_SHIM_DIGEST "" /* set by setup.py: this file's SHA-256 (ephost/ort/build.py checks it) */
+#define EPHOST_SHIM_DIGEST "" /* set by setup.py: this file's SHA-256 (app/ort/build.py checks it) */
 #endif
 
 EXPORT const char ephost_shim_digest[] = EPHOST_SHIM_DIGEST;
@@ -295,7 +295,7 @@ EXPORT void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, si
   return status;
 }
 
-/* The bridged device's allocator (ephost/ort/memory.py), its common case here: ORT allocates each bridged
+/* The bridged device's allocator (app/ort/memory.py), its common case here: ORT allocates each bridged
  * partition's outputs in the device memory and frees them after the run, two calls into Python a run each
  * (through ctypes' trampolines: a large part of a small Compute). A pool keeps the blocks Python made in the worker's
  * memory: a block ORT frees waits idle here and is handed back for the next allocation of its size, Python asked
@@ -303,7 +303,7 @@ EXPORT void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, si
  * The pool begins with an OrtAllocator (filled from Python), so ORT calls these with the pool itself. */
 #define EPHOST_POOL 64
 enum { SLOT_EMPTY, SLOT_IDLE, SLOT_HANDED };
-EXPORT const size_t ephost_pool_slots = EPHOST_POOL; /* read by ephost/ort/pool.py: the room ephost_pool_drain fills */
+EXPORT const size_t ephost_pool_slots = EPHOST_POOL; /* read by app/ort/pool.py: the room ephost_pool_drain fills */
 
 typedef void *(*pool_alloc_fn)(void *self, size_t size);
 typedef void (*pool_free_fn)(void *self, void *p);
@@ -430,7 +430,7 @@ EXPORT size_t ephost_pool_idle_bytes(void *self, size_t *idle_blocks) {
 /* The next Alloc of `pool` on this thread goes to Python (NULL: none does). */
 EXPORT void ephost_pool_offer(const ephost_pool_t *pool) { g_offered = pool; }
 
-/* A copy of a tensor kept in the worker's memory (ephost/ort/resident.py) made equal to ORT's, or ORT's to it:
+/* A copy of a tensor kept in the worker's memory (app/ort/resident.py) made equal to ORT's, or ORT's to it:
  * each 64-byte chunk of src that differs from dst's is copied; the bytes copied. Both are read whole (memory
  * speed); only what changed is written (a decoder step's new token in a KV cache). */
 EXPORT size_t ephost_ort_sync(unsigned char *dst, const unsigned char *src, size_t nbytes) {

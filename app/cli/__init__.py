@@ -19,7 +19,7 @@ from ephost.progress import ATTRIBUTE as PROGRESS
 from ephost.wire import MAX_GRACE_S, MAX_SEND_TIMEOUT_S, MAX_SPIN_S, SEND_TIMEOUT_S, SPIN_S
 
 log = logging.getLogger(__name__)
-from ephost.run_command import add_environment_arguments, environment_options, format_table
+from ephost.cli.run_command import add_environment_arguments, environment_options, format_table
 
 
 def _options(pairs: list[str]) -> dict[str, str]:
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     h.set_defaults(func=cmd_health)
 
-    from ephost import compile_command, run_command
+    from ephost.cli import compile_command, run_command
     run_command.add_parser(sub)  # `ephost run` lives with its helpers
     compile_command.add_parser(sub)
 

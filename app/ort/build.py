@@ -1,4 +1,4 @@
-"""The plugin EP library ONNX Runtime loads (ephost/ort/libephost_ort.so), compiled from shim.c when the package is
+"""The plugin EP library ONNX Runtime loads (libephost_ort.so beside this file), built from shim.c when the package is
 built (setup.py): an installed ephost needs no compiler. In a checkout, `pip install -e .` (or `make`) builds it."""
 from __future__ import annotations
 
