@@ -60,8 +60,7 @@ class EphostSource:
 
     @classmethod
     def current(cls) -> "EphostSource":
-        import ephost
-        root = Path(ephost.__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parent.parent  # ephost/'s parent (not the facade: this is a lower layer)
         pyproject = root / "pyproject.toml"
         if pyproject.is_file() and re.search(r'(?m)^name\s*=\s*"ephost"', pyproject.read_text()):
             # A source checkout (what this process imports ephost from): the environment imports the very same
