@@ -6,8 +6,8 @@ A name is, in this order: the CPU fallback's own EP (ORT's "CPUExecutionProvider
 EP: it is always there, last); a registration of the session's Environment; an ONNX Runtime execution provider
 this installation has (run out of process: an onnxruntime worker launched with that provider, registered under
 its name); a target (an EP of the ephost.eps entry points, an address...: registered under its own name). An ORT
-EP this installation lacks is left out with ORT's warning, as ORT leaves it out. Workers launched for a session
-are the session's, unregistered when it closes.
+EP this installation lacks is left out with ORT's warning, as ORT leaves it out. A worker launched for sessions is
+shared by the sessions that name it, and unregistered when the last of them closes.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import collections.abc
 import functools
 import importlib.util
 import logging
+import threading
 import warnings
+import weakref
 from typing import Any, Mapping, Sequence
 
 from ephost.errors import EpAlreadyExists, EpError, EpInvalidArgument, EpNotFound
@@ -25,6 +27,10 @@ from ephost.client.fallback import CpuFallback
 log = logging.getLogger(__name__)
 
 Entry = tuple[list[EpDevice], dict[str, str]]
+
+# For each Environment, how many sessions hold each registration launched for sessions (not the application's own)
+_held: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
+_held_lock = threading.Lock()  # guards _held, and each registration made or removed with its count
 
 
 def normalized(providers: Any, provider_options: Any = None) -> list[tuple[str, dict[str, str]]]:
@@ -82,19 +88,55 @@ def provider_entries(env, providers: Sequence[tuple[str, Mapping[str, str]]],
         for name, options in providers:
             if name == fallback.cpu_ep_name:
                 continue  # the fallback, always last
-            if not env.is_registered(name) and not _register(env, name, launched):
+            if not _hold(env, name, launched):
                 continue
             devices = [d for d in env.get_ep_devices() if d.registration_name == name]
             entries.append((devices, dict(options)))
     except BaseException:
         for name in launched:
-            _unregister(env, name)
+            release(env, name)
         raise
     return entries, launched
 
 
-def _register(env, name: str, launched: list[str]) -> bool:
-    """Register `name` for a session; False where it is an ORT EP this installation lacks (left out)."""
+def _hold(env, name: str, launched: list[str]) -> bool:
+    """Make `name` usable by a session: the application's registration as it is, or one launched for sessions
+    (counted, and added to `launched`: the session gives it back with release()). False where it is an ORT EP this
+    installation lacks (left out)."""
+    with _held_lock:
+        counts = _held.setdefault(env, {})
+        if counts.get(name):
+            counts[name] += 1
+            launched.append(name)
+            return True
+        if env.is_registered(name):
+            return True
+        try:
+            if not _register(env, name):
+                return False
+        except EpAlreadyExists:  # the application registered it meanwhile: its own, used as it is
+            return True
+        counts[name] = 1
+        launched.append(name)
+        return True
+
+
+def release(env, name: str) -> None:
+    """A session is done with a registration _hold launched: unregistered once no session holds it."""
+    with _held_lock:
+        counts = _held.get(env, {})
+        counts[name] = counts.get(name, 1) - 1
+        if counts[name] > 0:
+            return
+        del counts[name]
+        try:
+            env.unregister_execution_provider_library(name)
+        except EpError as e:
+            log.debug("unregistering %s: %s", name, e)
+
+
+def _register(env, name: str) -> bool:
+    """Register `name`; False where it is an ORT EP this installation lacks (left out)."""
     known, available = ort_providers()
     if name in known and name not in available:
         warnings.warn(f"Specified provider '{name}' is not in available provider names.Available providers: "
@@ -103,20 +145,10 @@ def _register(env, name: str, launched: list[str]) -> bool:
     target, options = ("onnxruntime", {"provider": name}) if name in available else (name, {})
     try:
         env.register_execution_provider_library(name, target, options)
-    except EpAlreadyExists:  # another session registered it meanwhile: it is theirs, shared
-        return True
     except EpNotFound as e:
         raise EpNotFound(f"Unknown Provider Type: {name} (not a registration of the Environment, an ONNX Runtime "
                          f"execution provider, nor an EP or address ephost can launch or reach: {e})") from None
-    launched.append(name)
     return True
-
-
-def _unregister(env, name: str) -> None:
-    try:
-        env.unregister_execution_provider_library(name)
-    except EpError as e:
-        log.debug("unregistering %s: %s", name, e)
 
 
 def provider_names(entries: Sequence[Entry], fallback: CpuFallback, partitions) -> list[str]:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ephost.eps.base import capability
-from ephost.errors import EpError
 from ephost.graph import GraphIndex, prepare_model
 from ephost.client.context_model import ENABLE, CompiledPartition, ContextSettings, embed_files, write_context_model
 from ephost.client.devices import EpDevice
@@ -18,7 +17,7 @@ from ephost.client.failure_policy import FailurePolicy, FellBack
 from ephost.client.fallback import CpuFallback
 from ephost.client.loading import Loaded
 from ephost.client.optimized_model import write_optimized_model
-from ephost.client.providers import provider_names, session_entries
+from ephost.client.providers import provider_names, release, session_entries
 from ephost.client.planner import Claim, Partition, Placement, plan_partitions
 
 log = logging.getLogger(__name__)
@@ -191,8 +190,5 @@ class SessionPlan:
         self.launched = []
 
     def _unregister(self, name: str) -> None:
-        try:
-            self._env.unregister_execution_provider_library(name)
-        except EpError as e:
-            log.debug("unregistering %s: %s", name, e)
+        release(self._env, name)  # unregistered once no other session holds it
 

@@ -50,6 +50,19 @@ def test_an_ort_ep_name_runs_that_ep_in_a_worker_of_its_own(ort_env):
     assert not ort_env.is_registered("CPUExecutionProvider")  # the session's own worker went with it
 
 
+def test_a_worker_launched_for_sessions_serves_each_until_the_last_closes(ort_env):
+    so = SessionOptions()
+    so.fallback = None  # ORT's CPU EP out of process, in a worker launched for the sessions that name it
+    x = np.array([-1, 2, -3, 4], np.float32)
+    first = InferenceSession(models.chain(["Relu"]), so, env=ort_env, providers=["CPUExecutionProvider"])
+    with InferenceSession(models.chain(["Neg"]), so, env=ort_env, providers=["CPUExecutionProvider"]) as second:
+        first.close()
+        assert ort_env.is_registered("CPUExecutionProvider")  # the second session still holds it
+        np.testing.assert_array_equal(second.run(None, {"x": x})[0], -x)
+        assert _registrations(second) == ["CPUExecutionProvider"]
+    assert not ort_env.is_registered("CPUExecutionProvider")
+
+
 def test_an_ort_ep_this_installation_lacks_is_left_out_with_orts_warning(ort_env):
     with pytest.warns(UserWarning, match="'CUDAExecutionProvider' is not in available provider names"):
         session = InferenceSession(models.chain(["Relu"]), env=ort_env,
