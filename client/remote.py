@@ -282,7 +282,8 @@ class RemoteComputeInfo(RemoteHandle):
         ref = message.tensor
         shape, dtype, nbytes = checked_desc(ref.desc)
         if ref.WhichOneof("location") == "inline":
-            host = np.frombuffer(ref.inline, dtype=dtype).reshape(shape).copy()
+            # One copy, out of the reply, into a buffer the array is a view of (as the fast lane's replies are)
+            host = np.frombuffer(bytearray(ref.inline), dtype=dtype).reshape(shape)
             return Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes, host=host)
         return self._in_buffer(shape, dtype, nbytes, ref.buffer, ref.mapped if ref.HasField("mapped") else None,
                                allocator, conn, fetch)

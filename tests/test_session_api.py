@@ -126,3 +126,17 @@ def test_an_optional_input_left_out_is_an_empty_optional_as_in_onnx_runtime(env)
         assert session.run(None, {})[0] == np.array(False)
         assert session.run(None, {"o": None})[0] == np.array(False)
         assert session.run(None, {"o": np.ones(2, np.float32)})[0] == np.array(True)
+
+
+def test_outputs_a_worker_sends_back_are_writable_views_of_their_one_copy_as_in_onnx_runtime(env):
+    # ORT's own test (test_run_session_owned_output_is_zero_copy) asks that an output have a backing object:
+    # here the reply's copy, on the first run (its reply over gRPC) as on the later ones (over the fast lane)
+    with InferenceSession(models.chain(["Relu"], shape=(3,)), env=env, providers=["ref"]) as session:
+        assert session.registrations == ("ref",)
+        x = np.array([-1.0, 0.5, 2.0], np.float32)
+        outputs = [session.run(None, {"x": x})[0] for _ in range(3)]
+    for y in outputs:
+        assert y.base is not None and y.flags.writeable
+        y += 1  # the caller's own
+    np.testing.assert_array_equal(outputs[0], [1.0, 1.5, 3.0])
+    assert not np.shares_memory(outputs[0], outputs[1])
