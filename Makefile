@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PROTOS := $(wildcard protos/ephost/v1/*.proto)
 
-.PHONY: run test fuzz conformance compat bench soak proto docs clean
+.PHONY: run test fuzz conformance compat bench soak proto docs ort-api clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,15 @@ bench: $(VENV)/.installed-test
 SOAK_ARGS ?=
 soak: $(VENV)/.installed-test
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
+# ONNX Runtime's own Python API tests (onnxruntime/test/python: onnxruntime_test_python.py,
+# onnxruntime_test_python_iobinding.py, helper.py; not part of ephost) with ephost's session classes in ORT's place,
+# against ORT's as the baseline: the count and build/ort-api/results.jsonl (tools/ort_api_tests.py).
+# make ort-api ORT_TESTS=~/onnxruntime/onnxruntime/test/python
+ORT_TESTS ?=
+ort-api: $(VENV)/.installed-test
+	@test -n "$(ORT_TESTS)" || { echo "make ort-api ORT_TESTS=DIR (the directory of ORT's Python API tests)"; exit 2; }
+	$(BIN)/python tools/ort_api_tests.py $(ORT_TESTS) --out build/ort-api/results.jsonl
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
