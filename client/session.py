@@ -56,14 +56,14 @@ class ModelMetadata:
 
 
 class InferenceSession:
-    """A model's session (ORT's InferenceSession): where each node runs, and runs of it. `model`: a path, bytes, a
-    ModelProto or an ephost.ModelOnWorker; `env`: the Environment whose EPs it uses (the default one if None);
-    `providers`: registration names, or targets registered under their own name, after those of the
-    SessionOptions."""
+    """A model's session (ORT's InferenceSession, its arguments in ORT's order): where each node runs, and runs of
+    it. `model`: a path, bytes, a ModelProto or an ephost.ModelOnWorker; `providers`: registration names, or targets
+    registered under their own name, after those of the SessionOptions (client/providers.py); `env` (by keyword):
+    the Environment whose EPs it uses (the default one if None)."""
 
-    def __init__(self, model, sess_options: SessionOptions | None = None, env=None,
+    def __init__(self, model, sess_options: SessionOptions | None = None,
                  providers: Iterable[str | tuple[str, Mapping[str, str]]] | None = None,
-                 provider_options: Sequence[Mapping[str, str]] | None = None, **kwargs):
+                 provider_options: Sequence[Mapping[str, str]] | None = None, *, env=None, **kwargs):
         if env is None:
             from ephost import get_default_environment
             env = get_default_environment()

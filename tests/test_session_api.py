@@ -140,3 +140,10 @@ def test_outputs_a_worker_sends_back_are_writable_views_of_their_one_copy_as_in_
         y += 1  # the caller's own
     np.testing.assert_array_equal(outputs[0], [1.0, 1.5, 3.0])
     assert not np.shares_memory(outputs[0], outputs[1])
+
+
+def test_providers_is_the_third_argument_as_in_onnx_runtime(env):
+    with InferenceSession(models.chain(["Relu"], shape=(3,)), None, ["ref"], env=env) as session:
+        assert session.registrations == ("ref",)
+    with pytest.raises(TypeError):
+        InferenceSession(models.chain(["Relu"], shape=(3,)), None, ["ref"], None, env)  # env is by keyword only
