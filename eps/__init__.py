@@ -52,12 +52,16 @@ def installed_eps() -> list[InstalledEp]:
     return out
 
 
-def load_factory(name: str, options: Mapping[str, str] | None = None):
-    """Create the EP factory registered under `name` with its options."""
+def load_factory(name: str, options: Mapping[str, str] | None = None, *, worker: bool = False):
+    """Create the EP factory registered under `name` with its options. `worker`: this process is a worker, which
+    hosts this EP alone: the factory class may first set up what is the process's (its `configure_worker()`, where
+    it has one), as it must not in an application's process, whose libraries are set up by the application."""
     matches = [ep for ep in _registered() if ep.name == name]
     if not matches:
         raise EpNotFound(f"no EP named {name!r}; available: {', '.join(available_eps()) or 'none'}")
     factory_cls = matches[0].load()
+    if worker and hasattr(factory_cls, "configure_worker"):
+        factory_cls.configure_worker()
     return factory_cls(dict(options or {}))
 
 

@@ -707,6 +707,12 @@ class _Profile:
 class OrtEpFactory(HostMemoryFactory):
     OPTIONS = OPTIONS
 
+    @staticmethod
+    def configure_worker() -> None:
+        """ORT logs to stderr on its own: a worker keeps it to errors unless it logs in detail. An application's
+        process (the CPU fallback, inproc:) keeps ORT's default logger as the application set it."""
+        _ort().set_default_logger_severity(2 if log.isEnabledFor(logging.INFO) else 3)
+
     def __init__(self, options: Mapping[str, str] | None = None):
         options = dict(options or {})
         check_options(EP_NAME, options, OPTIONS)
@@ -715,8 +721,6 @@ class OrtEpFactory(HostMemoryFactory):
             raise EpInvalidArgument(f"graph_optimization_level must be one of {sorted(_LEVELS)}, got {level!r}")
         self.options = options
         ort = _ort()
-        # ORT logs to stderr on its own; keep it to errors unless this process logs in detail.
-        ort.set_default_logger_severity(2 if log.isEnabledFor(logging.INFO) else 3)
         self.provider_options = _pairs(options.get("provider_options", ""), "provider_options")
         self.session_config = _pairs(options.get("session_config", ""), "session_config")
         before = {d.ep_name for d in ort.get_ep_devices()}

@@ -142,7 +142,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     max_message = limits.max_message
     tracing.configure_worker()
     try:
-        factory = load_factory(ep, options)
+        factory = load_factory(ep, options, worker=True)
     except EpError as e:
         print(f"ephost worker: {e}", file=sys.stderr)
         # The launcher reads this line instead of the address: the error keeps its type on the client's side.

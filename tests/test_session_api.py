@@ -4,6 +4,7 @@ import threading
 import time
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
@@ -147,3 +148,17 @@ def test_providers_is_the_third_argument_as_in_onnx_runtime(env):
         assert session.registrations == ("ref",)
     with pytest.raises(TypeError):
         InferenceSession(models.chain(["Relu"], shape=(3,)), None, ["ref"], None, env)  # env is by keyword only
+
+
+def test_onnx_runtimes_logger_in_this_process_stays_as_the_application_set_it(env):
+    records = []
+    ort.set_default_logger_callback(lambda *record: records.append(record), severity=0)
+    try:
+        with InferenceSession(models.chain(["Relu"], shape=(3,)), providers=["CPUExecutionProvider"],
+                              env=env) as session:
+            assert session.registrations == ("fallback",)  # ORT's CPU EP in this process
+            session.run(None, {"x": np.array([-1.0, 0.5, 2.0], np.float32)})
+    finally:
+        ort.set_default_logger_callback(None)
+        ort.set_default_logger_severity(2)
+    assert any(severity == 0 for severity, *_ in records)  # ORT's verbose records of the fallback's session
