@@ -544,7 +544,8 @@ class OrtEp(EpDefaults):
         else:
             providers = [(f.provider, self._provider_options)]
         data = model if isinstance(model, bytes) else model.SerializeToString()
-        session = ort.InferenceSession(data, options, providers=providers)
+        # The model's own options (its ort_config) are the client's to apply: they came with `options`
+        session = ort.InferenceSession(data, options, providers=providers, read_config_from_model=0)
         if profile is not None:
             profile.sessions.append(session)
         return session

@@ -166,6 +166,20 @@ def test_the_models_own_options_apply_where_ort_load_config_from_model_asks(ort_
     assert given.intra_op_num_threads == 0 and not given.enable_profiling  # the caller's options are not changed
 
 
+def test_ephosts_own_ort_sessions_take_the_models_options_from_ephost_only(ort_env, monkeypatch, tmp_path):
+    # ORT_LOAD_CONFIG_FROM_MODEL=1 would have ORT read the model's options again in place of those ephost gives
+    # its own ORT sessions (the CPU fallback's here, in this process), and lose what ephost asks of them
+    model = onnx.ModelProto()
+    model.CopyFrom(MUL)
+    helper.set_model_props(model, {"ort_config": json.dumps({"session_options": {"intra_op_num_threads": 2}})})
+    monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "1")
+    with InferenceSession(model, env=ort_env, providers=["CPUExecutionProvider"]) as session:
+        assert session.registrations == ("fallback",)
+        assert session.get_session_options().intra_op_num_threads == 2
+        x = np.ones((3, 2), np.float32)
+        np.testing.assert_array_equal(session.run(None, {"X": x})[0], np.arange(1, 7, dtype=np.float32).reshape(3, 2))
+
+
 def test_the_optimized_model_is_written_as_onnx_runtime_writes_it(ort_env, tmp_path):
     # Conv then Add of a constant: ORT's optimizations fold the Add into the Conv's bias.
     w = numpy_helper.from_array(np.ones((2, 1, 1, 1), np.float32), "w")
