@@ -3,7 +3,7 @@ their place (onnxruntime.InferenceSession, SessionOptions, RunOptions and IOBind
 an ephost worker, then what the test names). Writes one JSON line per test and prints the count: of the tests that
 use the session classes, pass with ORT and need none of ORT's internals (`sess._sess`), how many pass on ephost.
 
-    python tools/ort_api_tests.py DIR [--out FILE] [-k SUBSTRING] [--providers given|worker]
+    python tools/ort_api_tests.py DIR [--out FILE] [-k SUBSTRING] [--providers given|worker|named]
 
 DIR holds ORT's onnxruntime/test/python/onnxruntime_test_python.py, onnxruntime_test_python_iobinding.py and
 helper.py (an ORT checkout's, or fetched). Their models are read from DIR/testdata or DIR/../testdata where those
@@ -53,12 +53,15 @@ def patch_ort() -> None:
 
 def patch_ephost(which: str) -> None:
     """ephost's classes in ORT's place; every session's EPs: one ORT worker ("onnxruntime", shared), then what the
-    test names (`which` "given"), or the worker alone ("worker")."""
+    test names (`which` "given"), or the worker alone ("worker"); or what the test names alone ("named": ORT's
+    CPU EP is then ephost's CPU fallback, in this process)."""
     import onnxruntime as ort
 
     import ephost
 
-    ephost.get_default_environment().register_execution_provider_library("onnxruntime", "onnxruntime")
+    worker = [] if which == "named" else ["onnxruntime"]
+    if worker:
+        ephost.get_default_environment().register_execution_provider_library("onnxruntime", "onnxruntime")
 
     class InferenceSession(ephost.InferenceSession):
         def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, **kwargs):
@@ -68,7 +71,7 @@ def patch_ephost(which: str) -> None:
                 given = list(zip(given, provider_options))
             if which == "worker":
                 given = []
-            super().__init__(path_or_bytes, sess_options, providers=["onnxruntime", *given], **kwargs)
+            super().__init__(path_or_bytes, sess_options, providers=[*worker, *given], **kwargs)
 
     ort.InferenceSession = InferenceSession
     ort.SessionOptions, ort.RunOptions = _marking(ephost.SessionOptions), _marking(ephost.RunOptions)
@@ -191,8 +194,9 @@ def main() -> int:
     ap.add_argument("dir", help="the directory of ORT's test files")
     ap.add_argument("--out", default="build/ort-api/results.jsonl", help="the per-test results (JSON lines)")
     ap.add_argument("-k", default="", help="only the tests whose name holds this")
-    ap.add_argument("--providers", choices=["given", "worker"], default="given",
-                    help="ephost's sessions: the ORT worker, then what the test names (given), or the worker alone")
+    ap.add_argument("--providers", choices=["given", "worker", "named"], default="given",
+                    help="ephost's sessions: the ORT worker, then what the test names (given), the worker alone "
+                         "(worker), or what the test names alone (named: ORT's CPU EP in this process)")
     ap.add_argument("--child", choices=["ort", "ephost"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
