@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Sequence
 
 import grpc
 
-from ephost.errors import EpWorkerCrashed, EpWorkerUnavailable, error_for_status
+from ephost.errors import EpWorkerCrashed, EpWorkerDraining, EpWorkerUnavailable, error_for_status
 from ephost.worker_env import WorkerEnvironment
 
 PROTOBUF_IMPLEMENTATION = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
@@ -116,13 +116,18 @@ class WorkerProcess:
     def returncode(self) -> int | None:
         return self.proc.returncode  # set by the watcher thread (poll() could not reap while it waits)
 
-    def crashed_error(self, call: str) -> EpWorkerCrashed | None:
-        """The typed error for a call that failed because this worker died, or None if it is alive."""
+    def crashed_error(self, call: str) -> EpWorkerUnavailable | None:
+        """The typed error for a call that failed because this worker went, or None if it is alive: it died
+        (EpWorkerCrashed), or it drained and exited as this process stopped it (EpWorkerDraining: a call it had not
+        read when it closed its connections, made again on its successor as a call it refused is)."""
         if self.returncode is None:
             # the failure may come a moment before the exit is visible
             if not self.exited.wait(0.2):
                 return None
         code = self.proc.returncode
+        if self.stopping and code == 0:
+            return EpWorkerDraining(f"worker for EP {self.ep!r} (pid {self.pid}) ended {call} as it drained: this "
+                                    "process stopped it")
         return EpWorkerCrashed(f"worker for EP {self.ep!r} (pid {self.pid}) died with {describe_exit(code)} "
                                f"during {call}", ep=self.ep, returncode=code, call=call)
 

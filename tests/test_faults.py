@@ -11,6 +11,7 @@ import pytest
 
 import ephost
 from ephost import InferenceSession, RunOptions, SessionOptions, Tensor
+from ephost.client.launcher import WorkerProcess
 from ephost.eps.chaos import FAULTS
 import models
 from helpers import in_threads, killed_while_replaced, worker_pids
@@ -397,6 +398,24 @@ def test_a_worker_replaced_for_memory_under_calls_of_other_threads_fails_none_of
             assert in_threads(work, 4) == []
             assert len(pids) >= 7, "the worker was replaced six times"
             assert s.failure_counters["crashed"] == 0
+
+
+def test_a_call_cut_by_a_worker_this_process_stopped_is_made_again_not_a_crash():
+    """A worker replaced for its memory drains and exits 0 at this process's word: a call it had not read when it
+    closed its connections (sent as the replacement began) is EpWorkerDraining, made again on the successor as a
+    call it refused is; a worker that died is a crash."""
+    stopped = WorkerProcess("reference")
+    stopped.stop()
+    error = stopped.crashed_error("Ep/Compute")
+    assert type(error) is ephost.EpWorkerDraining and "Ep/Compute" in str(error), error
+    killed = WorkerProcess("reference")
+    try:
+        killed.kill()
+        assert killed.exited.wait(10)
+        error = killed.crashed_error("Ep/Compute")
+        assert type(error) is ephost.EpWorkerCrashed and "SIGKILL" in str(error), error
+    finally:
+        killed.stop()
 
 
 def test_threads_that_each_found_the_worker_over_its_limit_replace_it_once():
