@@ -185,9 +185,11 @@ class BridgeMemory:
     # --- what Compute asks ---
 
     def buffer_at(self, address: int) -> Buffer | None:
-        """The worker buffer ORT's tensor at `address` lies in, where the running worker can name it."""
+        """The worker buffer ORT's tensor at `address` lies in, where the worker that runs the Compute can name it.
+        A worker that died is waited for while it is replaced, as the Compute waits for it: a buffer of the dead
+        one is not named to its successor (its bytes go)."""
         block, link = self._blocks.get(address), self._link()
-        if block is not None and block.buffer is not None and link is not None and owned(block.buffer, link):
+        if block is not None and block.buffer is not None and link is not None and block.buffer.owner is link.conn:
             return block.buffer
         return None
 
