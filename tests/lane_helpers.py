@@ -3,10 +3,12 @@ workers, a session on the diamond model, and a raw client's view of the wire (a 
 frames, its slots). A test module takes the fixtures by importing them."""
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -15,7 +17,7 @@ import pytest
 
 import ephost
 from ephost import InferenceSession, lane_slots
-from ephost.fastlane import KEPT, METHODS, FrameReader, decode_error, send_frame
+from ephost.fastlane import DOORBELL, KEPT, METHODS, FrameReader, decode_error, send_frame
 from ephost.v1 import allocator_pb2, common_pb2, ep_pb2, factory_pb2
 import models
 from helpers import RawClient, Worker, options_for
@@ -184,3 +186,22 @@ def assert_serves_on(sock: socket.socket, alloc: allocator_pb2.AllocRequest, wor
     assert frame.status == 0 and reply.buffer
     sock.close()
     assert worker.proc.poll() is None
+
+
+def unread(sock) -> int:
+    """Bytes sent on `sock` that its peer has not read yet."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def doorbell_taken(sock, timeout: float = 10.0) -> bool:
+    """Ring the doorbell on a connection whose last frame went through its slot: whether the worker takes it
+    within `timeout`. A worker reads a frame from its slot before any doorbell rung after the frame was put: it
+    takes this one once it has the frame, waiting for that frame's inputs (or, done with it, for its next
+    frame)."""
+    sock.send(DOORBELL)
+    deadline = time.monotonic() + timeout
+    while unread(sock):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

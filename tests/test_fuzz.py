@@ -37,6 +37,7 @@ from ephost.server.contract import SERVICES
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, worker_pb2
 
 from helpers import RawClient, Worker
+from lane_helpers import doorbell_taken
 
 EXAMPLES = int(os.environ.get("EPHOST_FUZZ_EXAMPLES", "25"))  # per method
 SEED = int(os.environ.get("EPHOST_FUZZ_SEED", "15"))
@@ -530,8 +531,8 @@ def test_kept_call_frames_survive_hostile_payloads(fuzzed):
             fastlane.send_frame(sock, fastlane.KEPT, 0, timeout_s, payload, lane.slots)
         else:
             assert fastlane.put_parts(lane.slots, fastlane.KEPT_WRITING, timeout_s, [payload], len(payload))
-            if written == "later":
-                time.sleep(0.005)
+            if written == "later":  # once the worker has the frame (and waits for its inputs, or is done with it)
+                assert doorbell_taken(sock), "the worker took no frame from its slot"
             if written != "never":
                 lane.slots.inputs_written()
         frames = lane.replies()

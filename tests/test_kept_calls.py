@@ -5,11 +5,9 @@ KEPT_WRITING, outputs into buffers or left in the worker, copies; over real work
 gRPC keeps nothing."""
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import struct
-import termios
 import threading
 import time
 
@@ -19,13 +17,13 @@ from onnx import helper
 
 import ephost
 from ephost import InferenceSession, lane_slots
-from ephost.fastlane import (DOORBELL, KEPT, KEPT_ID, KEPT_WRITING, MAX_KEPT, METHODS, PLACED, FrameReader,
+from ephost.fastlane import (KEPT, KEPT_ID, KEPT_WRITING, MAX_KEPT, METHODS, PLACED, FrameReader,
                              decode_error, put_parts, send_frame)
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2
 import models
 from helpers import RawClient, in_threads, killed_while_replaced, options_for, worker_stats
-from lane_helpers import (X, assert_serves_on, diamond_session, dims, fastlane_error, host_allocator_of, kept_frame,
-                          kept_partition, lane_call, open_lane, open_slots, sole_client_stats)
+from lane_helpers import (X, assert_serves_on, diamond_session, dims, doorbell_taken, fastlane_error, host_allocator_of,
+                          kept_frame, kept_partition, lane_call, open_lane, open_slots, sole_client_stats)
 from lane_helpers import lane_worker, ort_env  # noqa: F401 (fixtures)
 
 
@@ -535,25 +533,6 @@ def test_kept_calls_through_a_buffer_on_the_wire(lane_worker):
 
 def compute_errors(raw: RawClient) -> int:
     return raw(raw.worker.GetStats, common_pb2.Empty()).methods["Ep/Compute"].errors
-
-
-def unread(sock) -> int:
-    """Bytes sent on `sock` that its peer has not read yet."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-
-
-def doorbell_taken(sock, timeout: float = 10.0) -> bool:
-    """Ring the doorbell on a connection whose last frame went through its slot: whether the worker takes it
-    within `timeout`. A worker reads a frame from its slot before any doorbell rung after the frame was put: it
-    takes this one once it has the frame, waiting for that frame's inputs (or, done with it, for its next
-    frame)."""
-    sock.send(DOORBELL)
-    deadline = time.monotonic() + timeout
-    while unread(sock):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 def await_compute_errors(raw: RawClient, count: int, timeout: float = 10.0) -> bool:
