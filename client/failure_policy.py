@@ -56,8 +56,10 @@ class FailurePolicy:
             level = logging.INFO if event in _SUPERVISED else logging.WARNING
         log.log(level, "%s: %s %s%s", registration, what, event, f" ({entry['error']})" if error else "")
 
-    def guarded(self, registration: str, what: str, call: Callable[[], Any]):
-        """A set-up call to an EP under the policy; raises FellBack where its nodes go to the fallback."""
+    def guarded(self, registration: str, what: str, call: Callable[[], Any], falls_back: bool = True):
+        """A set-up call to an EP under the policy; raises FellBack where its nodes go to the fallback. A call
+        whose work no fallback can do (not `falls_back`: a copy out of a worker's own memory) is raised under
+        "fallback" as under "raise"."""
         try:
             try:
                 return call()
@@ -68,7 +70,7 @@ class FailurePolicy:
                 return call()  # on the successor; what it meets there, the policy answers
         except WORKER_FAILURES as error:
             self.note("crashed" if isinstance(error, EpWorkerCrashed) else "failed", registration, what, error)
-            if self.policy == "raise" or (self.policy == "fallback" and not self._fallback):
+            if self.policy == "raise" or (self.policy == "fallback" and not (self._fallback and falls_back)):
                 raise
             if self.policy == "retry":
                 link = self._links(registration)

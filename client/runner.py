@@ -265,13 +265,16 @@ class PartitionRunner:
 
     def _reachable(self, value: Tensor, p: Partition) -> Any:
         """A tensor this process cannot address as partition `p` can read it: named by handle where it is in the
-        memory of p's worker, else brought to the application first."""
+        memory of p's worker, else brought to the application first, a call to the worker that holds it under
+        the failure policy as a Compute is (a worker gone with the value leaves no fallback to read it)."""
         link = self._link_of(p.registration)
         if link is not None and owned(value.buffer, link):
             return value
+        holder = self._env.owner_of(value.memory_info)
         with self.profiler.span("Copy", f"to the host for {p.graph.name}", bytes=value.nbytes,
                                 src=value.memory_info.name, dst=HOST_MEMORY.name):
-            return self._env.to_host(value)
+            return self._failures.guarded(holder.name, f"a copy to the host for {p.graph.name}",
+                                          lambda: self._env.to_host(value), falls_back=False)
 
     def _constant(self, name: str) -> Any:
         """An initializer asked for as an output, as a value of its own."""

@@ -598,3 +598,42 @@ def test_a_grpc_call_on_a_connection_another_thread_closed_is_a_typed_error():
         conn.close()
         with pytest.raises(ephost.EpWorkerUnavailable, match="is closed"):
             conn.read(1, 1, np.empty(8, np.uint8))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
+@pytest.mark.parametrize("fault", ["segfault", "raise"])
+def test_a_copy_out_of_a_workers_own_memory_for_a_partition_elsewhere_is_under_the_failure_policy(fault, policy):
+    """A feed in one worker's own memory (which this process cannot read) for a partition another worker runs:
+    the run copies it to the host first, a call to the first worker. Its failure there is handled by the
+    session's ep_failure_policy as a failed Compute is: noted, raised under "raise" and "fallback" (nothing else
+    holds the value), and asked again under "retry" once the worker is back, which a value that went with a
+    crashed worker cannot be (EpNotFound says so)."""
+    x = np.arange(8, dtype=np.float32)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("holder", "chaos", {"fault": fault, "at": "copy", "after": "2",
+                                                                    **SUPERVISION})
+        env.register_execution_provider_library("runner", "reference", {})
+        held = next(d for d in env.get_ep_devices() if d.registration_name == "holder")
+        private = env.create_shared_allocator(held, ephost.DeviceMemoryType.DEFAULT)
+        feed = Tensor.from_numpy(x, private)  # the holder's first copy
+        assert not feed.addressable
+        options = SessionOptions()
+        options.ep_failure_policy = policy
+        options.add_provider_for_devices([d for d in env.get_ep_devices() if d.registration_name == "runner"])
+        with InferenceSession(models.chain(["Neg"], shape=(8,)), options, env=env) as s:
+            if policy == "retry" and fault == "raise":  # the copy asked again serves the run
+                np.testing.assert_array_equal(s.run(None, {"x": feed})[0], -x)
+            else:
+                expected = {"raise": ephost.EpInternal, "segfault": CRASHED}[fault]
+                if policy == "retry":  # the successor has no such value
+                    expected = ephost.EpNotFound
+                with pytest.raises(expected):
+                    s.run(None, {"x": feed})
+            event = "crashed" if fault == "segfault" else "failed"
+            assert s.failure_counters[event] == 1, s.failure_counters
+            assert s.failure_counters["retried"] == (policy == "retry")
+            assert s.failure_counters["fell back"] == 0
+            (entry,) = [e for e in s.run_log if e["event"] == event]
+            assert entry["registration"] == "holder" and entry["what"].startswith("a copy to the host for runner")
+        env.release_shared_allocator(held, ephost.DeviceMemoryType.DEFAULT)
