@@ -253,6 +253,60 @@ def test_a_new_worker_that_dies_as_it_starts_is_a_crash_under_the_budget_and_ano
                         s.run(None, {"x": x})
 
 
+class _Clock:
+    """The supervision's clock (client/supervisor.py's `time`), which a test moves on: time.monotonic() and
+    `ahead` more; everything else of `time` as it is."""
+
+    def __init__(self):
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.mark.timeout(90)
+def test_a_restart_that_takes_several_starts_is_waited_for_as_a_whole(monkeypatch):
+    """The worker is killed and its successor hangs as it starts, longer than recovery_timeout_s (its clock is
+    moved on past it), then dies: a third worker starts. A call made while that one starts waits for it, up to
+    recovery_timeout_s from its start (it failed at once, "has not come back", when the wait counted from the
+    first worker's death)."""
+    from ephost.client import supervisor
+    clock = _Clock()
+    monkeypatch.setattr(supervisor, "time", clock)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ref", "reference", {"recovery_timeout_s": "20"})
+        options = SessionOptions()
+        options.add_provider_for_devices(env.get_ep_devices(), {})
+        with InferenceSession(models.chain(["Neg"], shape=(4,)), options, env=env) as s:
+            x = np.arange(4, dtype=np.float32)
+            np.testing.assert_array_equal(s.run(None, {"x": x})[0], -x)
+            link = env.registration("ref").link
+            first = env.registration("ref").process
+            others = worker_pids()
+
+            def started() -> int:
+                deadline = time.monotonic() + 20
+                while not (new := worker_pids() - others) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert new, "no successor started"
+                others.update(new)
+                return new.pop()
+
+            os.kill(first.pid, signal.SIGKILL)
+            second = started()
+            os.kill(second, signal.SIGSTOP)  # a start that hangs (a worker takes most of a second to answer)
+            assert not link.serving, "the successor answered before it was stopped"
+            clock.ahead += 21  # ... for longer than recovery_timeout_s
+            os.kill(second, signal.SIGKILL)
+            third = started()
+            np.testing.assert_array_equal(s.run(None, {"x": x})[0], -x)  # waits for the third worker
+            assert env.registration("ref").process.pid == third
+            assert link.supervisor.crashes == 2
+
+
 def test_a_copy_out_of_a_worker_being_replaced_never_names_its_buffers_to_the_successor():
     """A copy out of a worker's private memory, asked after the worker was killed while it is being replaced: the
     data went with the worker, and the copy says so (EpNotFound) without a call; the dead worker's handle is never
