@@ -25,7 +25,7 @@ def mappable(fd: int, shared: bool, cache) -> int:
     where it is a sealed memfd or (not `shared`) a file of the launching application's, else a descriptor of its
     copy in `cache` (server.blob_cache.BlobCache, or None: none). Raises, `fd` closed, where it can be neither."""
     try:
-        if _seal(fd) or not shared:
+        if not shared or _seal(fd):
             return fd
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise EpInvalidArgument("an imported file must be a regular file or a memfd")
