@@ -426,7 +426,8 @@ def _varint(k: int) -> bytes:
 def test_a_huge_model_stops_costing_the_worker_at_the_callers_deadline(raw):
     """GetCapability of a 400,000-node fan-out model took the worker 6.5-8.4 s whatever the caller's deadline:
     the worker stops indexing it once the deadline passes, and records the call as failed (indexed to the end,
-    it would record it as answered)."""
+    it would record it as answered, or keep the index: then the model is known by its hash)."""
+    import hashlib
     import time
     data = _fan_out(400_000)
     ep = raw(raw.factory.CreateEp, factory_pb2.CreateEpRequest(device_indices=[0])).id
@@ -445,3 +446,6 @@ def test_a_huge_model_stops_costing_the_worker_at_the_callers_deadline(raw):
         assert time.monotonic() < deadline, "the worker never finished the call"
         time.sleep(0.05)
     assert recorded() == (calls + 1, errors + 1)  # stopped at the deadline, not answered
+    code, message = status_of(lambda: raw(raw.ep.GetCapability, ep_pb2.GetCapabilityRequest(
+        ep=ep, model=ep_pb2.ModelRef(sha256=hashlib.sha256(data).hexdigest()))))
+    assert code == grpc.StatusCode.NOT_FOUND, "the worker indexed the model to the end"

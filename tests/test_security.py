@@ -738,6 +738,22 @@ def test_an_imported_memfd_is_sealed_against_shrinking_or_refused(shared_with_ca
     assert w.proc.poll() is None
 
 
+def test_a_launched_worker_maps_its_applications_memfd_as_it_is(worker):
+    """A worker launched by one application for itself maps that application's files as they are, a memfd it
+    cannot seal among them (only that application could shrink it)."""
+    launched = worker("--ep", "reference")
+    raw = RawClient(launched.address)
+    weights = np.arange(1 << 10, dtype=np.float32)
+    fd = os.memfd_create("weights", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, weights.tobytes())
+        info = _import_and_compile(raw, fd, weights.nbytes)
+        np.testing.assert_array_equal(_computed(raw, info), weights)
+    finally:
+        os.close(fd)
+        raw.close()
+
+
 def test_what_holds_a_descriptor_in_the_worker_is_bounded_per_client(hostile):
     """Tickets (each ExportRegion's holds a duplicate of the region's descriptor until presented, or 30 s) and
     imported files were unbounded: one client could take every descriptor the worker may open, and every other
