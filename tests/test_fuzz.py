@@ -33,6 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import ephost
 from ephost import fastlane, fdshare, lane_slots, wire
+from ephost.server import fastlane as lane_server
 from ephost.server.contract import SERVICES
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, worker_pb2
 
@@ -755,7 +756,7 @@ def test_floods_cost_a_shared_worker_nothing_that_lasts(fuzzed):
     @given(kind=st.sampled_from(["connections", "gigabyte", "mid_frame", "handshake", "unread", "tickets"]),
            n=st.integers(1, 80))
     def fuzz(kind, n):
-        socks = []
+        socks, bound = [], 0
         try:
             for _ in range(n if kind in ("connections", "handshake", "tickets") else max(1, n // 16)):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -777,6 +778,7 @@ def test_floods_cost_a_shared_worker_nothing_that_lasts(fuzzed):
                     _present_ticket(owner, worker_pb2.DataPlaneTicket, worker_pb2.DataPlaneTicket(
                         ticket=ticket).SerializeToString())  # (unread where the worker closed the connection)
                     continue  # past the bound for this client, or for all
+                bound += 1
                 sock.setblocking(False)
                 header = fastlane.HEADER.pack
                 try:
@@ -791,6 +793,7 @@ def test_floods_cost_a_shared_worker_nothing_that_lasts(fuzzed):
                 except BlockingIOError:
                     pass
             _served_well(other, info)  # while the flood lasts
+            assert bound <= lane_server.MAX_CLIENT_CONNECTIONS, "one client held more lane connections than its bound"
             assert _rss_kib(w.proc.pid) - rss < 256 * 1024, f"a flood ({kind}) took the worker's memory"
         finally:
             for sock in socks:
