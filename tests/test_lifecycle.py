@@ -1,5 +1,6 @@
 """A worker's life: it drains on SIGTERM, dies with the application that launched it, and its death is a
 typed error that names the EP, the signal and the call. The application keeps its data; nothing leaks."""
+import json
 import os
 import signal
 import socket
@@ -34,6 +35,29 @@ def wait_gone(pid: int, seconds: float) -> bool:
     return False
 
 
+def wait_until(condition, seconds: float = 30.0) -> bool:
+    """Poll `condition` until it holds (True) or `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def calls_under_way(w) -> int:
+    """The calls worker `w` (started with --metrics-listen) serves now, as its /metrics says."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{json.loads(w.ready_line)['metrics']}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return next(int(s.value) for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "ephost_worker_calls_under_way")
+
+
+METERED = ("--metrics-listen", "127.0.0.1:0")
+
+
 def queue_copies(env, w):
     """Seconds of copies queued on a stream inside worker `w`: (its device, the stream)."""
     env.register_execution_provider_library("w", w.address)
@@ -46,18 +70,21 @@ def queue_copies(env, w):
     return device, stream
 
 
-def flushing(stream) -> tuple[threading.Thread, list]:
-    """stream.flush() on a thread of its own, started: the thread, and the EpErrors it met."""
-    errors = []
+def flushing(stream, w) -> tuple[threading.Thread, list]:
+    """stream.flush() on a thread of its own, started and waiting inside worker `w` (started with
+    METERED), unless it finished first: the thread, and what it returned or the EpError it met."""
+    idle = calls_under_way(w)
+    outcome = []
 
     def flush():
         try:
-            stream.flush()
+            outcome.append(stream.flush())
         except ephost.EpError as e:
-            errors.append(e)
+            outcome.append(e)
     thread = threading.Thread(target=flush)
     thread.start()
-    return thread, errors
+    assert wait_until(lambda: calls_under_way(w) > idle or not thread.is_alive()), "the Flush call never came"
+    return thread, outcome
 
 
 def test_sigterm_drains_in_flight_calls_then_exits(worker):
@@ -67,19 +94,14 @@ def test_sigterm_drains_in_flight_calls_then_exits(worker):
     from ephost.client.reach import diagnose
     from ephost.v1 import allocator_pb2
     # A grace long enough for the queued copies on a loaded machine (the default 5 s is an operator's choice).
-    w = worker("--ep", "reference", "--drain-grace-s", "120")
+    w = worker("--ep", "reference", "--drain-grace-s", "120", *METERED)
     with ephost.Environment() as env:
         device, stream = queue_copies(env, w)
         link = env.registration("w").link
         conn = link.current
-        results = []
-        thread = threading.Thread(target=lambda: results.append(stream.flush()))
-        thread.start()
-        time.sleep(0.3)  # the Flush call is now waiting inside the worker
+        thread, results = flushing(stream, w)
         w.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while link.serving and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not link.serving)
         if thread.is_alive():
             assert link.health.startswith("away: is draining"), link.health
             assert diagnose(w.address, conn.credentials).kind == "no socket", "it no longer listens"
@@ -97,32 +119,30 @@ def test_sigterm_drains_in_flight_calls_then_exits(worker):
 
 
 def test_a_call_longer_than_the_drain_grace_is_cut_and_the_worker_exits(worker):
-    w = worker("--ep", "reference", "--drain-grace-s", "0.2")
+    w = worker("--ep", "reference", "--drain-grace-s", "0.2", *METERED)
     with ephost.Environment() as env:
         _, stream = queue_copies(env, w)
-        thread, errors = flushing(stream)
-        time.sleep(0.3)
+        thread, outcome = flushing(stream, w)
         w.proc.send_signal(signal.SIGTERM)
         assert w.proc.wait(60) == 0
         thread.join(60)
-        assert errors, "the flush outlived a worker that stopped after its 0.2 s grace"
+        assert outcome != [None], "the flush outlived a worker that stopped after its 0.2 s grace"
         # The worker went away as it drained: a session's call of this kind is made again on its successor
-        assert type(errors[0]) is ephost.EpWorkerDraining and "as it drained" in str(errors[0]), repr(errors[0])
+        assert type(outcome[0]) is ephost.EpWorkerDraining and "as it drained" in str(outcome[0]), outcome
 
 
 def test_a_call_under_way_as_its_connection_is_closed_is_the_workers_going_not_a_cancel(worker):
     """The connection closed under a call by another thread (as a successor's start or an unregister closes
     it): gRPC cancels the call; this end cancelled nothing, so it is EpWorkerUnavailable, which the failure
     policies handle, not EpCancelled."""
-    w = worker("--ep", "reference")
+    w = worker("--ep", "reference", *METERED)
     with ephost.Environment() as env:
         _, stream = queue_copies(env, w)
-        thread, errors = flushing(stream)
-        time.sleep(0.3)  # the Flush call is now waiting inside the worker
+        thread, outcome = flushing(stream, w)
         env.registration("w").link.current.close()
         thread.join(60)
-        assert len(errors) == 1 and type(errors[0]) is ephost.EpWorkerUnavailable, errors
-        assert "Stream/Flush was cancelled: the connection to the worker" in str(errors[0])
+        assert len(outcome) == 1 and type(outcome[0]) is ephost.EpWorkerUnavailable, outcome
+        assert "Stream/Flush was cancelled: the connection to the worker" in str(outcome[0])
 
 
 def test_a_drain_grace_out_of_range_is_refused():
@@ -302,8 +322,8 @@ def _listen_args(transport: str, tmp_path) -> list[str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy, transport", [("retry", "unix"), ("retry", "tcp"), ("raise", "unix")])
 def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tmp_path, policy, transport, caplog):
-    """SIGTERM to a worker serving two threads of runs, a new worker on the same address as the old one drains:
-    no run fails, whatever the policy (a call the old worker refused as it drained never ran there, and is made
+    """SIGTERM to a worker serving two threads of runs, a new worker on the same address 0.5 s later: no run
+    fails, whatever the policy (a call the old worker refused as it drained never ran there, and is made
     on the new one), and none is retried: the restart is no failure of the EP, and it is logged as a drain."""
     import logging
     import models
@@ -333,15 +353,15 @@ def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tm
             for t in threads:
                 t.start()
             try:
-                deadline = time.monotonic() + 60
-                while len(results) < 50 and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                assert wait_until(lambda: len(results) >= 50)
                 first.proc.send_signal(signal.SIGTERM)
-                while link.serving and time.monotonic() < deadline:  # it drains; its clients wait
-                    time.sleep(0.01)
-                worker(*args)  # while the first one may still be draining
-                while sum(1 for r in results if r == (2, True)) < 50 and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                signalled = time.monotonic()
+                assert wait_until(lambda: not link.serving), "the clients saw the drain"  # and wait for a worker
+                # The operator's restart: a new worker on the same address 0.5 s after the SIGTERM (the scenario's
+                # pace, not a wait for the code), while the first one may still be draining.
+                time.sleep(max(0.0, signalled + 0.5 - time.monotonic()))
+                worker(*args)
+                assert wait_until(lambda: sum(1 for r in results if r == (2, True)) >= 50)
             finally:
                 stop.set()
                 for t in threads:
@@ -351,15 +371,24 @@ def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tm
             assert errors == [], errors[:3]
             assert all(ok for _, ok in results), "every result is correct"
             assert {g for g, _ in results} == {1, 2}, "runs on the first worker, then on the second"
-            assert not {"crashed", "failed", "retried"} & set(session.failure_counters), [e["error"] for e in session.run_log if e["error"]]
+            failures = [e["error"] for e in session.run_log if e["error"]]
+            assert not {"crashed", "failed", "retried"} & set(session.failure_counters), failures
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert any("is draining" in r.getMessage() and "reconnecting" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.timeout(60)
-def test_a_run_that_starts_while_the_worker_is_away_waits_for_it_and_compiles_again(worker, tmp_path):
+def test_a_run_that_starts_while_the_worker_is_away_waits_for_it_and_compiles_again(worker, tmp_path, monkeypatch):
     import models
+    from ephost.client.supervisor import WorkerLink
     from helpers import options_for
+    waiting = set()  # the threads that came to wait for the worker to come back
+    wait_recovered = WorkerLink.wait_recovered
+
+    def tell_and_wait(link):
+        waiting.add(threading.current_thread())
+        return wait_recovered(link)
+    monkeypatch.setattr(WorkerLink, "wait_recovered", tell_and_wait)
     address = f"unix://{tmp_path}/w.sock"
     first = worker("--ep", "reference", "--listen", address)
     with ephost.Environment() as env:
@@ -369,14 +398,12 @@ def test_a_run_that_starts_while_the_worker_is_away_waits_for_it_and_compiles_ag
             x = np.ones((2, 3), np.float32)
             session.run(None, {"x": x})
             first.stop()
-            deadline = time.monotonic() + 30
-            while link.serving and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert wait_until(lambda: not link.serving)
             outcome = []
             thread = threading.Thread(target=lambda: outcome.append(session.run(None, {"x": x})[0]))
             thread.start()  # under the default policy, raise
-            thread.join(0.5)
-            assert thread.is_alive(), "the run waits for the worker to come back"
+            assert wait_until(lambda: thread in waiting or not thread.is_alive())
+            assert outcome == [] and thread.is_alive(), "the run waits for the worker to come back"
             worker("--ep", "reference", "--listen", address)
             thread.join(30)
             np.testing.assert_allclose(outcome[0], models.diamond_expected(x), rtol=1e-6)
