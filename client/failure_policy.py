@@ -19,9 +19,11 @@ POLICIES = ("raise", "retry", "fallback")
 # Errors about the request itself (bad input) would fail anywhere and are raised as they are.
 WORKER_FAILURES = (EpWorkerUnavailable, EpDeadlineExceeded, EpInternal)
 _EVENTS = {EpDeadlineExceeded: "timed out", EpInternal: "failed", EpWorkerUnavailable: "unavailable"}
-# Events the worker's supervision has logged already (its death, its end past a deadline, its loss): noted at
-# INFO, so that one failure is one warning.
-_SUPERVISED = frozenset({"crashed", "timed out", "unavailable", "retried", "made again"})
+# Failures the worker's supervision has logged already (its death, its end past a deadline, its loss), and what
+# the policy did about a failure (logged as a warning once, as it happened): noted at INFO, so that one failure
+# is one warning.
+_LOGGED = frozenset({"crashed", "timed out", "unavailable", "retried", "made again", "fell back",
+                     "moved to the fallback"})
 # A call the worker did not run (it refused it as it drained, or no longer knew this client): made again on the
 # worker that replaces it, whatever the policy.
 NOT_RUN = (EpWorkerDraining, EpWorkerReplaced)
@@ -53,7 +55,7 @@ class FailurePolicy:
                  "error": f"{type(error).__name__}: {error}" if error is not None else ""}
         self.run_log.append(entry)
         if level is None:
-            level = logging.INFO if event in _SUPERVISED else logging.WARNING
+            level = logging.INFO if event in _LOGGED else logging.WARNING
         log.log(level, "%s: %s %s%s", registration, what, event, f" ({entry['error']})" if error else "")
 
     def guarded(self, registration: str, what: str, call: Callable[[], Any], falls_back: bool = True):

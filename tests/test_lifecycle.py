@@ -431,19 +431,54 @@ def test_a_worker_logs_its_life_at_info_by_default(worker):
     assert all(e["level"] == "INFO" and {"time", "logger", "pid"} <= set(e) for e in entries), entries
 
 
-def test_one_crash_is_one_warning_naming_its_cause(caplog):
+@pytest.mark.parametrize("policy, then", [("retry", "retried"), ("fallback", "fell back"), ("raise", None)])
+def test_one_crash_is_one_warning_naming_its_cause(caplog, policy, then):
+    """The supervisor's warning names the signal; what the policy did about the crash is noted at INFO."""
     import logging
     import models
     from helpers import options_for
-    caplog.set_level(logging.WARNING, logger="ephost")
+    caplog.set_level(logging.INFO, logger="ephost")
     with ephost.Environment() as env:
         env.register_execution_provider_library("chaos", "chaos", {"fault": "segfault", "after": "2"})
         options = options_for(env, "chaos")
-        options.ep_failure_policy = "retry"
+        options.ep_failure_policy = policy
         with ephost.InferenceSession(models.diamond(), options, env=env) as session:
             x = np.ones((2, 3), np.float32)
-            for _ in range(2):  # the second run's Compute crashes the worker, and is made on the next one
+            session.run(None, {"x": x})
+            if then is None:  # the second run's Compute crashes the worker
+                with pytest.raises(ephost.EpWorkerCrashed):
+                    session.run(None, {"x": x})
+            else:
                 session.run(None, {"x": x})
-            assert session.failure_counters["crashed"] == session.failure_counters["retried"] == 1
+                assert session.failure_counters[then] == 1
+            assert session.failure_counters["crashed"] == 1
+            assert env.registration("chaos").link.wait_recovered(), "the worker is restarted"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "died with signal SIGSEGV; restarting" in warnings[0], warnings
+    if then is not None:
+        assert any(r.getMessage().endswith(f"chaos_0 {then}") for r in caplog.records), "the policy's note, at INFO"
+
+
+def test_one_crash_under_onnx_runtime_is_one_warning_of_ephost(caplog):
+    """Through ephost.ort, ORT reports the failed Compute itself (its log and its exception carry ephost's
+    message, naming the signal): ephost's one warning is the supervisor's."""
+    import logging
+    import models
+    import onnxruntime as ort
+    import ephost.ort
+    caplog.set_level(logging.INFO, logger="ephost")
+    ephost.ort.register("crashy", "chaos", {"fault": "segfault", "after": "2"})
+    try:
+        options = ort.SessionOptions()
+        options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == "crashy"], {})
+        session = ort.InferenceSession(models.diamond().SerializeToString(), options)
+        x = np.ones((2, 3), np.float32)
+        session.run(None, {"x": x})
+        session.disable_fallback()  # (ORT's Python API would make the session again on the CPU, and say so)
+        with pytest.raises(Exception, match="died with signal SIGSEGV during Ep/Compute"):
+            session.run(None, {"x": x})
+        assert wait_until(lambda: any("restarting" in r.getMessage() for r in caplog.records)), "the supervisor's"
+    finally:
+        ephost.ort.unregister("crashy")
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "died with signal SIGSEGV; restarting" in warnings[0], warnings
