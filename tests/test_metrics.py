@@ -98,3 +98,32 @@ def test_the_application_serves_runs_failures_restarts_and_latency_per_registrat
     assert value(samples, "ephost_ep_worker_restarts_total", registration="metered", ep="reference") == 1
     assert value(samples, "ephost_ep_worker_up", registration="metered", ep="reference") == 1
     assert all(name.startswith("ephost_") for name, _ in samples)
+
+
+def test_the_application_counts_failed_runs_and_fallbacks_per_registration():
+    """A crash under "raise" is a failed run of its registration; under "fallback" the run is done on the CPU
+    fallback (an "ok" run, its partition's "fell back" counted)."""
+    port = ephost.start_metrics_server(0, "127.0.0.1")
+    x = np.ones((2, 3), np.float32)
+    with ephost.Environment() as env:
+        for name, policy in (("fails", "raise"), ("falls", "fallback")):
+            env.register_execution_provider_library(name, "chaos", {"fault": "segfault", "after": "2"})
+            options = options_for(env, name)
+            options.ep_failure_policy = policy
+            with ephost.InferenceSession(models.diamond(), options, env=env) as session:
+                session.run(None, {"x": x})
+                if policy == "raise":  # the second run's Compute crashes the worker
+                    with pytest.raises(ephost.EpWorkerCrashed):
+                        session.run(None, {"x": x})
+                else:
+                    np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
+        samples = scrape(f"127.0.0.1:{port}")
+    assert value(samples, "ephost_ep_runs_total", registration="fails", outcome="ok") == 1
+    assert value(samples, "ephost_ep_runs_total", registration="fails", outcome="failed") == 1
+    assert value(samples, "ephost_ep_run_duration_seconds_count", registration="fails") == 2
+    assert value(samples, "ephost_ep_policy_events_total", registration="fails", event="crashed") == 1
+    assert value(samples, "ephost_ep_runs_total", registration="falls", outcome="ok") == 2
+    assert value(samples, "ephost_ep_runs_total", registration="falls", outcome="failed") == 0
+    assert value(samples, "ephost_ep_policy_events_total", registration="falls", event="crashed") == 1
+    assert value(samples, "ephost_ep_policy_events_total", registration="falls", event="fell back") == 1
+    assert value(samples, "ephost_ep_worker_crashes_total", registration="falls", ep="reference") == 1
