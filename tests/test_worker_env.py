@@ -87,10 +87,12 @@ def test_two_processes_making_one_environment_at_once_both_succeed_and_make_it_o
     for out, err, code in results:
         assert code == 0, err
         assert out.split() == [record.key, record.python]
-    # one made it (its progress shown), the other waited for it
+    # one made it (its progress shown, pip's steps and the end), the other waited for it
     waited = ["being made by another process" in err for _, err, _ in results]
     assert sorted(waited) == [False, True]
-    assert any("Successfully installed" in err for _, err, _ in results)
+    (maker,) = [err for _, err, _ in results if "being made by another process" not in err]
+    assert f"making worker environment {record.key}: Successfully installed" in maker, maker[-3000:]
+    assert f"making worker environment {record.key}: done in" in maker, maker[-3000:]
     pip_log = (cache / "envs" / record.key / PIP_LOG).read_text()
     assert pip_log.count("Successfully installed") == 1
     assert record.packages["onnxruntime-ggml"] == "0.2.0"
@@ -165,7 +167,10 @@ def test_a_model_ggml_does_not_take_falls_back(ggml_env):
     np.testing.assert_array_equal(y, np.sign(np.maximum(x, 0)))
 
 
-def test_a_bad_requirement_fails_registration_naming_it_and_the_log(cache, made):
+def test_a_bad_requirement_fails_registration_naming_it_and_the_log(cache, made, caplog):
+    import logging
+    from ephost.progress import ATTRIBUTE
+    caplog.set_level(logging.INFO, logger="ephost.progress")
     bad = "onnxruntime-ggml==0.0.999"
     with ephost.Environment() as env:
         with pytest.raises(EpWorkerEnvironmentFailed) as caught:
@@ -179,6 +184,10 @@ def test_a_bad_requirement_fails_registration_naming_it_and_the_log(cache, made)
     # never used half-made: no environment is recorded for it, and its venv is gone
     assert [r.requirements for r in list_environments(cache)] == [[GGML]]
     assert not os.path.exists(os.path.join(os.path.dirname(error.log_path), "venv"))
+    # its making was reported as it went, through logging (each record with its state)
+    states = [getattr(r, ATTRIBUTE) for r in caplog.records if r.name == "ephost.progress"]
+    assert states and states[0].what.startswith("making worker environment") and states[0].total is None, states
+    assert any(s.note.startswith(("Collecting", "Processing", "Obtaining")) for s in states), states
 
 
 def test_the_worker_command_runs_inside_its_environment(made, cache):
