@@ -39,11 +39,15 @@ def test_a_worker_serves_calls_latency_bytes_clients_and_handles(metered):
     x = np.ones((2, 3), np.float32)
     with ephost.Environment() as env:
         env.register_execution_provider_library("w", w.address)
+        (device,) = env.get_ep_devices()
+        held = ephost.Tensor.empty((1 << 20,), np.uint8, env.create_shared_allocator(device,
+                                                                                       ephost.DeviceMemoryType.DEFAULT))
         with ephost.InferenceSession(models.diamond(), options_for(env, "w"), env=env) as session:
             for _ in range(7):
                 session.run(None, {"x": x})
             computes = env.get_worker_stats("w").methods["Ep/Compute"].calls
             samples = scrape(address)
+        del held
     assert computes >= 7
     assert value(samples, "ephost_worker_calls_total", method="Ep/Compute", status="OK") == computes
     assert value(samples, "ephost_worker_call_duration_seconds_count", method="Ep/Compute") == computes
@@ -59,6 +63,8 @@ def test_a_worker_serves_calls_latency_bytes_clients_and_handles(metered):
     assert lane_in + grpc_in >= 7 * x.nbytes
     assert value(samples, "ephost_worker_info", ep="reference", ephost_version=ephost.__version__,
                  onnxruntime_version=__import__("onnxruntime").__version__, protocol="ephost.v1") == 1
+    assert value(samples, "ephost_worker_memory_in_use_bytes", memory="reference") >= 1 << 20, "the tensor held"
+    assert value(samples, "ephost_worker_handles", kind="buffer") >= 1
     assert value(samples, "ephost_worker_process_resident_memory_bytes") > 0
     assert all(name.startswith("ephost_") for name, _ in samples)
 

@@ -254,3 +254,54 @@ def test_new_clients_spread_over_the_replicas_behind_one_name(worker):
         served = [env.registration(f"c{i}").link.current.info.pid for i in range(20)]
     counts = [served.count(r.proc.pid) for r in replicas]
     assert sum(counts) == 20 and min(counts) >= 1, counts
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_that_drains_moves_its_clients_to_another_and_no_run_fails(worker):
+    """SIGTERM to the replica a client talks to, under two threads of runs, with the default policy ("raise"):
+    the calls it refused as it drained never ran there, and are made on the other replica behind the name, where
+    the client makes its EP and partitions again."""
+    import signal
+    import threading
+    replicas = [worker("--ep", "reference", "--listen", f"127.0.0.1:{free_port()}", "--insecure") for _ in range(2)]
+    name = "ipv4:" + ",".join(r.address for r in replicas)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("pool", name)
+        link = env.registration("pool").link
+        first = next(r for r in replicas if r.proc.pid == link.current.info.pid)
+        other = next(r for r in replicas if r is not first)
+        with InferenceSession(models.diamond(), options_for(env, "pool"), env=env) as session:
+            results, stop = [], threading.Event()
+
+            def work(seed):
+                rng = np.random.default_rng(seed)
+                while not stop.is_set():
+                    x = rng.standard_normal((2, 3)).astype(np.float32)
+                    try:
+                        y = session.run(None, {"x": x})[0]
+                        results.append((link.current.info.pid, bool(np.allclose(y, models.diamond_expected(x),
+                                                                                 rtol=1e-6))))
+                    except ephost.EpError as e:
+                        results.append(e)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            try:
+                deadline = time.monotonic() + 60
+                while len(results) < 50 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                first.proc.send_signal(signal.SIGTERM)
+                while sum(1 for r in results if r == (other.proc.pid, True)) < 50 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+            assert first.proc.wait(30) == 0
+            errors = [r for r in results if not isinstance(r, tuple)]
+            assert errors == [], errors[:3]
+            assert all(ok for _, ok in results), "every result is correct"
+            assert link.generation == 2 and link.current.info.pid == other.proc.pid
+            assert env.get_worker_stats("pool").partitions_compiled == 1, "compiled again on the other replica"
+            assert not {"crashed", "failed", "retried"} & set(session.failure_counters), session.failure_counters
