@@ -102,16 +102,8 @@ def test_replicas_behind_one_name_pin_partitions_and_move_on_when_one_goes(worke
             assert pid.methods["Ep/Compute"].calls == 3, "every run went to the one replica"
             first.proc.kill()
             first.proc.wait()
-            results = []
-            deadline = time.monotonic() + 30  # the health check's grace for the other replica (GRACE_S), loaded
-            while len(results) < 2 and time.monotonic() < deadline:
-                try:
-                    results.append(session.run(None, {"x": x})[0])
-                except ephost.EpWorkerUnavailable:
-                    time.sleep(0.1)
-            assert len(results) == 2
-            for y in results:
-                np.testing.assert_allclose(y, models.diamond_expected(x), rtol=1e-6)
+            for _ in range(2):  # the first waits for the client to reconnect to the other (retry), then runs there
+                np.testing.assert_allclose(session.run(None, {"x": x})[0], models.diamond_expected(x), rtol=1e-6)
             assert env.registration("pool").link.conn.info.pid == other.proc.pid
 
 
