@@ -1,11 +1,11 @@
 import argparse
 
 from bench import (cnn_runs, copy_bandwidth, data_plane, ep_context, external_data, fallback, iobinding, llm,
-                   ort_bridge, recovery, session_overhead)
+                   operations, ort_bridge, recovery, session_overhead)
 
 BENCHES = (("copy", copy_bandwidth), ("session", session_overhead), ("dataplane", data_plane), ("cnnruns", cnn_runs),
            ("recovery", recovery), ("fallback", fallback), ("iobinding", iobinding), ("ortbridge", ort_bridge),
-           ("epcontext", ep_context), ("extdata", external_data), ("llm", llm))
+           ("epcontext", ep_context), ("extdata", external_data), ("llm", llm), ("operations", operations))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
