@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 EPHOST_VERSION = importlib.metadata.version("ephost")
 KEEPALIVE_MS = 20_000
+HELLO_POLL_S = 0.05  # how often a Hello to a launched worker looks whether the worker died meanwhile
 SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]})
 
 
@@ -145,6 +146,8 @@ class WorkerConnection:
     def _hello(self, wait_s: float, connect_timeout_s: float) -> worker_pb2.HelloResponse:
         request = worker_pb2.HelloRequest(client_name=self.name, protocol=PROTOCOL, ephost_version=EPHOST_VERSION)
         try:
+            if self.process is not None:
+                return self._hello_launched(request, connect_timeout_s)
             return self.worker.Hello(request, timeout=wait_s or connect_timeout_s, metadata=self._metadata,
                                      wait_for_ready=wait_s > 0)
         except grpc.RpcError as e:
@@ -155,6 +158,20 @@ class WorkerConnection:
             said = e.details() if code == grpc.StatusCode.UNAVAILABLE else \
                 f"no answer within {wait_s or connect_timeout_s:g} s"
             raise unreachable(self.address, self.credentials, said) from None
+
+    def _hello_launched(self, request, connect_timeout_s: float) -> worker_pb2.HelloResponse:
+        """Hello to a worker this process launched, which said it listens: a first attempt that fails (a loaded
+        machine, the connection not set up in time) is tried again up to `connect_timeout_s` while the worker
+        lives; its death ends the wait at once, as a crash."""
+        call = self.worker.Hello.future(request, timeout=connect_timeout_s, metadata=self._metadata,
+                                        wait_for_ready=True)
+        answered = threading.Event()
+        call.add_done_callback(lambda _: answered.set())
+        while not answered.wait(HELLO_POLL_S):
+            if self.process.exited.is_set():
+                call.cancel()
+                raise self.process.crashed_error(_method_name(self.worker.Hello))
+        return call.result()
 
     def call(self, method, request, *, timeout: float | None = None, wait_for_ready: bool = False):
         """Make one call with a deadline; any failure becomes an EpError (EpWorkerCrashed if the worker died)."""

@@ -124,7 +124,8 @@ class ProcessSupervisor:
 
     def _on_exit(self, process: WorkerProcess) -> None:
         try:
-            if self._link.closing or process is not self.process or process.stopping:
+            # (a worker that dies before the link's first connection fails that opening, which says so)
+            if self._link.closing or not self._link.generation or process is not self.process or process.stopping:
                 return
             code = process.proc.returncode
             delay = self._delay(f"its worker died with {describe_exit(code)}", code)
@@ -307,7 +308,11 @@ class WorkerLink:
         self._open_lock = threading.Lock()  # guards opening: one new connection at a time
         self.supervisor = ProcessSupervisor(self, ep, ep_options or {}, policy) if ep is not None else None
         with self._open_lock:
-            self._open()
+            try:
+                self._open()
+            except BaseException:
+                self.closing = True  # nobody holds a link that never opened: nothing of it may start again
+                raise
         self.remote = AddressSupervisor(self) if self.supervisor is None else None
 
     # --- the current connection -------------------------------------------------------------------

@@ -249,6 +249,56 @@ def test_a_forked_child_that_exits_leaves_its_parents_workers_alone(how):
     assert out.split() == ["[0.", "0.", "0.", "1.]", "True"], out + err
 
 
+def _after_ready(monkeypatch, then):
+    """Workers launched from now on run `then(process, socket path)` once they said they are ready."""
+    from ephost.client.launcher import WorkerProcess
+    await_ready = WorkerProcess._await_ready
+
+    def ready_then(process, timeout):
+        address = await_ready(process, timeout)
+        then(process, address[len("unix://"):])
+        return address
+    monkeypatch.setattr(WorkerProcess, "_await_ready", ready_then)
+
+
+def test_a_launched_worker_whose_first_answer_fails_is_waited_for(monkeypatch):
+    """A worker this process launched said it listens, but the first Hello finds nothing there (here its socket
+    is away for a moment; under load, the connection not set up in time): the Hello is tried again while the
+    worker lives, rather than the EP failing at once as an address where nothing listens does."""
+    moved = threading.Event()
+
+    def away_a_moment(process, path):
+        os.rename(path, path + ".away")
+        moved.set()
+        threading.Timer(0.3, os.rename, (path + ".away", path)).start()
+    _after_ready(monkeypatch, away_a_moment)
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("late", "reference")
+        assert moved.is_set() and [d.ep_name for d in env.get_ep_devices()] == ["reference"]
+        assert env.registration("late").link.generation == 1
+
+
+def test_a_launched_worker_that_dies_before_it_answers_is_a_crash_at_once(monkeypatch, caplog):
+    """The wait for a launched worker's first answer ends as it dies, naming the signal (not after the
+    connect timeout, as no answer); the registration fails, and no worker is started again for it."""
+    import logging
+    caplog.set_level(logging.INFO, logger="ephost")
+    killed = []
+
+    def kill(process, path):
+        os.rename(path, path + ".away")  # so that only its death can end the wait
+        os.kill(process.pid, signal.SIGKILL)
+        killed.append(process.pid)
+    _after_ready(monkeypatch, kill)
+    with ephost.Environment() as env:
+        with pytest.raises(ephost.EpWorkerCrashed, match="died with signal SIGKILL during Worker/Hello"):
+            env.register_execution_provider_library("dies", "reference", {"connect_timeout_s": "600"})
+        for watcher in [t for t in threading.enumerate() if t.name == f"ephost-watch-{killed[0]}"]:
+            watcher.join(10)  # it has told the supervisor of the death
+        assert env.registrations() == []
+    assert not [r for r in caplog.records if "restarting" in r.getMessage()], "a worker started again"
+
+
 def test_a_killed_worker_that_is_not_restarted_is_a_typed_error_naming_ep_and_signal():
     env = ephost.Environment()
     try:
