@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -242,11 +242,12 @@ class OrtComputeInfo:
 
     def _run_bound(self, binding: "_Binding", arrays: list[np.ndarray], call: ComputeCall) -> list[Any]:
         """A run through `binding`: small inputs copied into memory kept with it, large ones bound where they lie;
-        each output of known shape written by ORT into the caller's tensor (a large one of `into`), into a new
-        buffer of the allocator (kept, or large), or into memory kept with the binding and copied out; the others
+        an output whose target is an input's memory written there in place, whatever its shape says; each other
+        output of known shape written by ORT into the caller's tensor (a large one of `into`), into a new buffer
+        of the allocator (kept, or large), or into memory kept with the binding and copied out; the others
         allocated by ORT. Only what moved is bound again."""
         io, allocator, keep, into = binding.io, call.allocator, call.keep, call.into
-        aliased = _aliased(into, arrays) if into else {}
+        aliased = _aliased(into, arrays, binding.address) if into else {}
         for k, array in enumerate(arrays):
             if array.nbytes <= COPY_BYTES and k not in aliased.values():
                 # Small inputs (inline bytes of a request, new memory every call) are copied into memory kept with
@@ -257,21 +258,31 @@ class OrtComputeInfo:
                 copy[...] = array
                 array = copy
             if binding.inputs[k] is not array:  # rebound only where the memory moved
-                io.bind_input(binding.names[k], "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+                io.bind_input(binding.names[k], "cpu", 0, array.dtype, array.shape, binding.address(k, array))
                 binding.inputs[k] = array
         placed: dict[int, Tensor] = {}
         written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
         scratch: dict[int, np.ndarray] = {}  # outputs ORT writes into memory kept with the binding
         copied: dict[int, Tensor] = {}  # of those, the ones then copied into the caller's tensors (small ones)
         for i, (name, static) in enumerate(self._outputs):
+            if i in aliased:
+                # Written in place whatever its size, and of the shape the caller's kernel context gave it (one
+                # the model leaves dynamic too: genai's present, as long as its past)
+                target = written[i] = into[i]
+                address = binding.address(-1 - i, target.local_array())
+                bound = (address, target.shape)
+                if binding.outputs[i] != bound:
+                    io.bind_output(name, "cpu", 0, target.dtype, target.shape, address)
+                    binding.outputs[i] = bound
+                continue
             if static is None:
                 # ORT allocates it. Bound again every run: the binding keeps the OrtValue ORT made, and ORT
                 # refuses to write a result of another shape into it (a dynamic shape: NonZero).
                 io.bind_output(name, "cpu")
                 binding.outputs[i] = None
                 continue
-            target = into[i] if i in aliased else _writable_target(into, i, static, arrays) if into else None
-            if target is not None and (static[2] > COPY_BYTES or i in aliased):
+            target = _writable_target(into, i, static, arrays) if into else None
+            if target is not None and static[2] > COPY_BYTES:
                 written[i] = target
                 address = target.local_array().ctypes.data
             elif allocator is not None and (i in keep and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES) and \
@@ -371,15 +382,17 @@ def _ort_run_options(options) -> Any:
     return ro
 
 
-def _aliased(into, inputs: Sequence[np.ndarray]) -> dict[int, int]:
+def _aliased(into, inputs: Sequence[np.ndarray], address: Callable[[int, np.ndarray], int]) -> dict[int, int]:
     """Outputs (by position) whose target IS an input's memory (same start, same size), and that input: the caller
     gave them one memory as ORT's kernel context did (onnxruntime-genai's shared KV cache), so ORT here sees them
-    so too and its kernels write in place (GroupQueryAttention with past == present)."""
-    where = {(a.ctypes.data, a.nbytes): k for k, a in enumerate(inputs) if a.nbytes}
+    so too and its kernels write in place (GroupQueryAttention with past == present). `address(key, array)`: where
+    an array lies (input k's under k, output i's target under -1 - i)."""
+    targets = {i: array for i, t in into.items() if (array := t.local_array()) is not None and array.nbytes}
+    sizes = {array.nbytes for array in targets.values()}
+    where = {(address(k, a), a.nbytes): k for k, a in enumerate(inputs) if a.nbytes in sizes}
     out = {}
-    for i, target in into.items():
-        array = target.local_array()
-        k = where.get((array.ctypes.data, array.nbytes)) if array is not None else None
+    for i, array in targets.items():
+        k = where.get((address(-1 - i, array), array.nbytes))
         if k is not None:
             out[i] = k
     return out
@@ -401,16 +414,28 @@ class _Binding:
     """An IOBinding kept between runs: what each input and output is bound to, and the memory kept with it
     (small inputs are copied into it; small outputs of known shape are written into it)."""
 
-    __slots__ = ("io", "names", "inputs", "copies", "outputs", "_scratch", "ort_allocated")
+    __slots__ = ("io", "names", "inputs", "copies", "outputs", "_scratch", "_addresses", "ort_allocated")
 
     def __init__(self, io, inputs: list[str], outputs: list):
         self.io = io
         self.names = inputs
         self.inputs: list[np.ndarray | None] = [None] * len(inputs)  # the array each input is bound to (kept alive)
         self.copies: list[np.ndarray | None] = [None] * len(inputs)  # memory small inputs are copied into
-        self.outputs: list[int | None] = [-1] * len(outputs)  # address bound; None: ORT allocates; -1: unbound
+        # address bound (with the shape, where an input's memory is bound); None: ORT allocates; -1: unbound
+        self.outputs: list[int | tuple | None] = [-1] * len(outputs)
         self._scratch: dict[int, tuple[np.ndarray, int]] = {}
+        self._addresses: dict[int, tuple[np.ndarray, int]] = {}  # key -> (the array of the last run, its address)
         self.ort_allocated = any(static is None for _, static in outputs)
+
+    def address(self, key: int, array: np.ndarray) -> int:
+        """Where `array`'s bytes lie, asked of numpy (about a microsecond) only where the array in place `key` is
+        not the last run's: a kept call's tensors are the same from run to run."""
+        seen = self._addresses.get(key)
+        if seen is not None and seen[0] is array:
+            return seen[1]
+        address = array.ctypes.data
+        self._addresses[key] = (array, address)
+        return address
 
     def scratch(self, i: int, static) -> tuple[np.ndarray, int]:
         """Output i's memory kept with the binding, and its address (asking numpy for it costs)."""

@@ -283,6 +283,43 @@ def test_the_kv_cache_stays_in_the_worker_a_token_costs_its_own_bytes_at_any_con
     del model
 
 
+def test_each_token_repeats_the_workers_kept_call_writes_the_kv_cache_in_place_and_counts_its_bytes(tmp_path, npu):
+    """The attention mask grows a token every step, yet each step after the first repeats the call the worker's
+    fast lane keeps, and the worker's ORT writes the four presents into genai's shared past/present memory (the
+    worker's copy of it) in place: none is copied there after the run. ephost.ort.stats counts every byte the
+    step copied: in, input_ids, position_ids and the attention mask (under the size a copy is kept for: whole);
+    out, the logits and the new token's row of each KV tensor, nothing of the rest of the cache."""
+    shape, prompt = F.Shape(), F.prompt(16)
+    folder = F.write(tmp_path, max_length=64)
+    model = on(folder, npu)
+    env = ephost.ort.environment(npu)
+
+    def counts() -> tuple[int, ...]:
+        crossed, served = ephost.ort.stats(npu), env.get_worker_stats(npu)
+        return (crossed.computes, crossed.bytes_in_copied, crossed.bytes_out_copied, served.kept_calls,
+                served.calls_kept, served.compute_outputs_in_place, served.compute_outputs_copied)
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=40)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    steps, tokens = [], []
+    while not generator.is_done():
+        before = counts()
+        generator.generate_next_token()
+        steps.append(tuple(b - a for a, b in zip(before, counts())))
+        tokens.append(int(generator.get_next_tokens()[0]))
+    del generator, params
+    assert tokens == F.greedy(folder, prompt, 24, max_length=40)
+    ran = [s for s in steps if s[0]]  # (the first step runs nothing: the prompt's run made its logits)
+    assert len(ran) == 23
+    kv_row = shape.layers * 2 * shape.kv_heads * shape.head_size * 4
+    for k, step in enumerate(ran[1:], start=2):  # (the first makes the worker's copies and its kept call)
+        mask = 8 * (len(prompt) + k)
+        assert step == (1, 8 + 8 + mask, shape.vocab * 4 + kv_row, 1, 0, 4, 0), k
+    del model
+
+
 def test_genais_kv_cache_after_a_generation_through_the_bridge_is_its_own_byte_for_byte(decoder, npu):
     """The worker writes the present into its copy of genai's memory in place and the bridge brings out what
     changed: genai's shared KV cache ends as it would in process, to the last row past the sequence."""
