@@ -246,21 +246,23 @@ class BridgeComputeInfo:
         for i, (array, address) in enumerate(zip(arrays, addresses)):
             if array is None:
                 raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
-            if array.dtype == object:
+            if array.dtype.hasobject:
                 inputs.append(array)
                 continue
-            buffer = memory.buffer_at(address) if memory is not None and array.size else None
+            nbytes = array.nbytes
+            buffer = memory.buffer_at(address) if memory is not None and nbytes else None
             if buffer is not None:  # in the worker's memory already: named by handle
-                inputs.append(Tensor(array.shape, array.dtype, buffer.memory_info, buffer=buffer))
+                inputs.append(Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes, buffer=buffer))
                 in_place += 1
-            elif copies is not None and (made := copies.bring_in(i, address, array.nbytes)) is not None:
+            elif copies is not None and (made := copies.bring_in(i, address, nbytes)) is not None:
                 buffer, copied = made  # the worker's copy of it, brought up to date: named by handle
-                inputs.append(brought.setdefault(i, Tensor(array.shape, array.dtype, buffer.memory_info,
-                                                           buffer=buffer)))
+                tensor = brought[i] = Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
+                                                     buffer=buffer)
+                inputs.append(tensor)
                 in_bytes += copied
             else:
                 inputs.append(array)  # ORT's memory, this process's: its bytes go
-                in_bytes += array.nbytes
+                in_bytes += nbytes
         at = copies.targets(brought, addresses, lambda o, shape: factory.kernel_io.output(context, o, shape)[1]) \
             if brought else {}
         into = {o: tensor for o, (tensor, _) in at.items()}
@@ -278,7 +280,7 @@ class BridgeComputeInfo:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
         output tensor is the worker's buffer), or brought out of it into ORT's memory, where ORT had that
         allocated, as the worker's kept copy of it (resident.py; `at`: those the worker wrote into an input's
-        copy, and where ORT made them); the others' bytes copied into ORT's."""
+        copy, and that input); the others' bytes copied into ORT's."""
         factory = self.ep.factory
         memory, io, copies = factory.memory, factory.kernel_io, self.copies
         learned = Learned()
@@ -293,7 +295,8 @@ class BridgeComputeInfo:
         out_place = out_bytes = 0
         for i, out in enumerate(outputs):
             if i in at:  # made already, in the memory of the input whose copy the worker wrote it into
-                out_bytes += copies.bring_out(learned, i, at[i][1], out.nbytes, out, addresses)
+                k = at[i][1]
+                out_bytes += copies.bring_out_in_place(learned, i, k, addresses[k], out)
                 continue
             array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
             offered = memory.offer(out.buffer) if memory is not None and isinstance(out, Tensor) \

@@ -13,6 +13,7 @@ from ephost.ort.abi import OrtAbi
 from ephost.ort.values import STRING, array_over, tensor_view
 
 DIMS = 8  # EPHOST_DIMS: a tensor of more dimensions is read the long way
+MAX_SHAPES = 64  # output shapes whose dimensions are kept made
 MISSING, LONG = -2, -1  # ephost_tensor_t.rank of an input ORT gave none for, and of one of more than DIMS dimensions
 
 
@@ -47,6 +48,7 @@ class KernelIO:
         self._make.argtypes = [c_void_p, c_void_p, c_size_t, POINTER(c_int64), c_size_t, c_void_p, c_void_p,
                                c_void_p]
         self._local = threading.local()  # per thread: the records the helpers fill
+        self._dims: dict[tuple[int, ...], ctypes.Array] = {}  # shapes as the helpers take them (read only once made)
 
     def inputs(self, context: int) -> tuple[list[np.ndarray | None], list[int]]:
         """The context's inputs (None for one ORT gave none for; strings read into an array of str), and where
@@ -89,9 +91,19 @@ class KernelIO:
             made = local.made = (records, tuple(ctypes.addressof(r) for r in records))
         (value, data, elem), at = made
         value.value = data.value = None
-        self._abi.check(self._make(self._api_at, context, index, shape_of(shape), len(shape), *at),
+        self._abi.check(self._make(self._api_at, context, index, self._dims_of(shape), len(shape), *at),
                         "KernelContext_GetOutput")
         return value.value or 0, data.value or 0, elem.value
+
+    def _dims_of(self, shape: tuple[int, ...]) -> "ctypes.Array":
+        """The shape as the helper takes it, made once per shape: a partition's outputs keep theirs from Compute
+        to Compute."""
+        dims = self._dims.get(shape)
+        if dims is None:
+            if len(self._dims) >= MAX_SHAPES:  # shapes that change every Compute: nothing to find again
+                self._dims.clear()
+            dims = self._dims[shape] = shape_of(shape)
+        return dims
 
 
 def shape_of(shape: tuple[int, ...]) -> "ctypes.Array":

@@ -188,10 +188,11 @@ class BridgeMemory:
         """The worker buffer ORT's tensor at `address` lies in, where the worker that runs the Compute can name it.
         A worker that died is waited for while it is replaced, as the Compute waits for it: a buffer of the dead
         one is not named to its successor (its bytes go)."""
-        block, link = self._blocks.get(address), self._link()
-        if block is not None and block.buffer is not None and link is not None and block.buffer.owner is link.conn:
-            return block.buffer
-        return None
+        block = self._blocks.get(address)
+        if block is None or block.buffer is None:  # (most inputs: asked nothing further)
+            return None
+        link = self._link()
+        return block.buffer if link is not None and block.buffer.owner is link.conn else None
 
     def offer(self, buffer: Buffer) -> Block | None:
         """Make `buffer` (a partition's output, mapped here) the next allocation this thread asks for, where it

@@ -290,9 +290,9 @@ class PartitionCopies:
 
     def targets(self, brought: dict[int, Tensor], addresses: list[int], output_at: Callable[[int, tuple], int]) \
             -> dict[int, tuple[Tensor, int]]:
-        """The outputs the worker writes into an input's copy, in place, and where ORT's output lies: those ORT
-        gave that input's memory the Compute before and gives it again (`output_at(o, shape)` makes ORT's output
-        o, of the input's shape, and says where it lies), as ORT's own kernel would write them (genai's shared
+        """The outputs the worker writes into an input's copy, in place, and that input: those ORT gave that
+        input's memory the Compute before and gives it again (`output_at(o, shape)` makes ORT's output o, of the
+        input's shape, and says where it lies), as ORT's own kernel would write them (genai's shared
         past/present)."""
         into = {}
         for o, i in self._last.aliases.items():
@@ -304,7 +304,7 @@ class PartitionCopies:
             except EpError:  # ORT holds that output with another shape this time: made later, as it comes back
                 continue
             if where == addresses[i]:
-                into[o] = (tensor, addresses[i])
+                into[o] = (tensor, i)
         return into
 
     def keep(self, into: dict[int, Tensor]) -> tuple[int, ...]:
@@ -316,6 +316,13 @@ class PartitionCopies:
 
     def was_read_back(self, o: int) -> None:
         self._read_back.add(o)
+
+    def bring_out_in_place(self, learned: Learned, o: int, i: int, address: int, out: Tensor) -> int:
+        """Output `o`, which the worker wrote in place into the copy of input `i` (targets), brought out into ORT's
+        memory at `address` (that input's, given to the output too): only what changed; the bytes copied."""
+        learned.aliases[o] = i
+        self.kept.written(address, self, o)
+        return self.kept.bring_out(address, out.nbytes, out.buffer)
 
     def bring_out(self, learned: Learned, o: int, address: int, nbytes: int, out, addresses: list[int]) \
             -> int | None:
