@@ -14,6 +14,7 @@ from ephost.ort.values import STRING, array_over, tensor_view
 
 DIMS = 8  # EPHOST_DIMS: a tensor of more dimensions is read the long way
 MAX_SHAPES = 64  # output shapes whose dimensions are kept made
+MAX_VIEWS = 64  # views of input tensors kept made
 MISSING, LONG = -2, -1  # ephost_tensor_t.rank of an input ORT gave none for, and of one of more than DIMS dimensions
 
 
@@ -49,6 +50,10 @@ class KernelIO:
                                c_void_p]
         self._local = threading.local()  # per thread: the records the helpers fill
         self._dims: dict[tuple[int, ...], ctypes.Array] = {}  # shapes as the helpers take them (read only once made)
+        # Views of ORT's inputs by (address, element type, dims): the same view again for a tensor where the last
+        # one of that type and shape lay (a decoder's KV cache, its inputs' buffers, step after step). A view is
+        # only read, and only while ORT presents a tensor at its address.
+        self._views: dict[tuple, np.ndarray] = {}
 
     def inputs(self, context: int) -> tuple[list[np.ndarray | None], list[int]]:
         """The context's inputs (None for one ORT gave none for; strings read into an array of str), and where
@@ -67,6 +72,7 @@ class KernelIO:
                             "reading the kernel context's inputs")
         arrays: list[np.ndarray | None] = []
         addresses: list[int] = []
+        views = self._views
         for i in range(count.value):
             t = room[i]
             rank, elem = t.rank, t.elem
@@ -76,9 +82,18 @@ class KernelIO:
                 continue
             if rank == LONG or elem == STRING:
                 arrays.append(tensor_view(self._abi, t.value))
-            else:
-                arrays.append(array_over(t.data, elem, t.dims[:rank]))
-            addresses.append(0 if elem == STRING else t.data or 0)
+                addresses.append(0 if elem == STRING else t.data or 0)
+                continue
+            data = t.data or 0
+            dims = t.dims[:rank]
+            key = (data, elem, *dims)
+            array = views.get(key)
+            if array is None:
+                if len(views) >= MAX_VIEWS:  # tensors somewhere new every Compute: nothing to find again
+                    views.clear()
+                array = views[key] = array_over(data, elem, dims)
+            arrays.append(array)
+            addresses.append(data)
         return arrays, addresses
 
     def output(self, context: int, index: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
