@@ -248,8 +248,9 @@ class OrtComputeInfo:
         allocated by ORT. Only what moved is bound again."""
         io, allocator, keep, into = binding.io, call.allocator, call.keep, call.into
         aliased = _aliased(into, arrays, binding.address) if into else {}
+        sources = {k for k, _ in aliased.values()}
         for k, array in enumerate(arrays):
-            if array.nbytes <= COPY_BYTES and k not in aliased.values():
+            if array.nbytes <= COPY_BYTES and k not in sources:
                 # Small inputs (inline bytes of a request, new memory every call) are copied into memory kept with
                 # the binding and bound once: a copy of a few bytes costs less than binding anew.
                 copy = binding.copies[k]
@@ -269,7 +270,7 @@ class OrtComputeInfo:
                 # Written in place whatever its size, and of the shape the caller's kernel context gave it (one
                 # the model leaves dynamic too: genai's present, as long as its past)
                 target = written[i] = into[i]
-                address = binding.address(-1 - i, target.local_array())
+                address = aliased[i][1]
                 bound = (address, target.shape)
                 if binding.outputs[i] != bound:
                     io.bind_output(name, "cpu", 0, target.dtype, target.shape, address)
@@ -310,7 +311,7 @@ class OrtComputeInfo:
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
         # Placed and written outputs are already where they go; the others are copied out (the binding's memory,
         # and ORT's own, are written again by the next run).
-        produced = io.get_outputs() if binding.ort_allocated else ()
+        produced = io.get_outputs_as_ortvaluevector() if binding.ort_allocated else ()
         out = []
         for i, (_, static) in enumerate(self._outputs):
             if i in placed or i in written:
@@ -382,19 +383,21 @@ def _ort_run_options(options) -> Any:
     return ro
 
 
-def _aliased(into, inputs: Sequence[np.ndarray], address: Callable[[int, np.ndarray], int]) -> dict[int, int]:
-    """Outputs (by position) whose target IS an input's memory (same start, same size), and that input: the caller
-    gave them one memory as ORT's kernel context did (onnxruntime-genai's shared KV cache), so ORT here sees them
-    so too and its kernels write in place (GroupQueryAttention with past == present). `address(key, array)`: where
-    an array lies (input k's under k, output i's target under -1 - i)."""
+def _aliased(into, inputs: Sequence[np.ndarray], address: Callable[[int, np.ndarray], int]) \
+        -> dict[int, tuple[int, int]]:
+    """Outputs (by position) whose target IS an input's memory (same start, same size), with that input and where
+    that memory lies: the caller gave them one memory as ORT's kernel context did (onnxruntime-genai's shared KV
+    cache), so ORT here sees them so too and its kernels write in place (GroupQueryAttention with past ==
+    present). `address(key, array)`: where an array lies (input k's under k, output i's target under -1 - i)."""
     targets = {i: array for i, t in into.items() if (array := t.local_array()) is not None and array.nbytes}
     sizes = {array.nbytes for array in targets.values()}
     where = {(address(k, a), a.nbytes): k for k, a in enumerate(inputs) if a.nbytes in sizes}
     out = {}
     for i, array in targets.items():
-        k = where.get((address(-1 - i, array), array.nbytes))
+        at = address(-1 - i, array)
+        k = where.get((at, array.nbytes))
         if k is not None:
-            out[i] = k
+            out[i] = (k, at)
     return out
 
 
