@@ -197,8 +197,20 @@ def test_a_worker_crash_mid_step_is_that_steps_error_and_a_new_generation_is_rig
     try:
         model = on(decoder[0], "crashy")
         pid = ephost.ort.environment("crashy").registration("crashy").process.pid
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(PROMPT) + NEW)
+        generator = og.Generator(model, params)
+        generator.append_tokens(PROMPT)  # the first run
+        for _ in range(5):  # runs 2 to 5 (the first step runs nothing: the prompt's run made its logits)
+            generator.generate_next_token()
+        before = ephost.ort.stats("crashy")
         with pytest.raises(Exception, match=r"crashy: Compute of .*(SIGSEGV|signal 11)"):
-            F.greedy(model, PROMPT, NEW)
+            generator.generate_next_token()
+        failed = ephost.ort.stats("crashy")
+        # the failed step is counted, with the bytes it copied toward the worker (its inputs) and none back
+        assert (failed.computes - before.computes, failed.bytes_out_copied - before.bytes_out_copied) == (1, 0)
+        assert failed.bytes_in_copied - before.bytes_in_copied >= 8 * (len(PROMPT) + 5), "its attention mask"
+        del generator, params
         assert F.greedy(model, PROMPT, 5) == decoder[1][:5]
         assert ephost.ort.environment("crashy").registration("crashy").process.pid != pid
         del model

@@ -21,7 +21,7 @@ from ephost.ort.context import ContextRequest, context_node
 from ephost.ort.profiler import BridgeProfiler
 from ephost.ort.graph_reader import GraphReader
 from ephost.ort.resident import Learned, PartitionCopies
-from ephost.ort.values import array_over, write_strings
+from ephost.ort.values import array_over, string_bytes, write_strings
 from ephost.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -225,44 +225,56 @@ class BridgeComputeInfo:
     def compute(self, context: int) -> None:
         if not hasattr(self._held, "calls"):
             self._held.calls = [None]
+        # What the Compute copied (bytes in, bytes out) and named in place (inputs, outputs), counted however it
+        # ends: a Compute that fails in the worker copied its inputs all the same.
+        crossed = [0, 0, 0, 0]
         try:
-            self._run(context)
+            self._run(context, crossed)
         except EpWorkerDraining:
             # Refused by a worker this process is replacing (past its memory limit), nothing of it run: made again
             # on the successor (WorkerLink.wait_replaced), as a session's Compute is.
             if not self.remote.link.wait_replaced():
                 raise
-            self._run(context)
+            self._run(context, crossed)
+        finally:
+            self.ep.factory.stats.count(*crossed)
 
-    def _run(self, context: int) -> None:
+    def _run(self, context: int, crossed: list[int]) -> None:
         """One Compute: ORT's tensors in the worker's memory named by handle, the others' bytes sent (the
-        transport repeats the call with only what changes where it keeps calls)."""
+        transport repeats the call with only what changes where it keeps calls); what it copied added to
+        `crossed`."""
         factory = self.ep.factory
         arrays, addresses = factory.kernel_io.inputs(context)
         memory, copies = factory.memory, self.copies
         inputs: list[Any] = []
         in_place = in_bytes = 0
         brought: dict[int, Tensor] = {}  # inputs sent as the worker's kept copy of ORT's tensor
-        for i, (array, address) in enumerate(zip(arrays, addresses)):
-            if array is None:
-                raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
-            if array.dtype.hasobject:
-                inputs.append(array)
-                continue
-            nbytes = array.nbytes
-            buffer = memory.buffer_at(address) if memory is not None and nbytes else None
-            if buffer is not None:  # in the worker's memory already: named by handle
-                inputs.append(Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes, buffer=buffer))
-                in_place += 1
-            elif copies is not None and (made := copies.bring_in(i, address, nbytes)) is not None:
-                buffer, copied = made  # the worker's copy of it, brought up to date: named by handle
-                tensor = brought[i] = Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
-                                                     buffer=buffer)
-                inputs.append(tensor)
-                in_bytes += copied
-            else:
-                inputs.append(array)  # ORT's memory, this process's: its bytes go
-                in_bytes += nbytes
+        try:
+            for i, (array, address) in enumerate(zip(arrays, addresses)):
+                if array is None:
+                    raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
+                if array.dtype.hasobject:
+                    inputs.append(array)  # strings, read out of ORT's: their bytes go
+                    in_bytes += string_bytes(array)
+                    continue
+                nbytes = array.nbytes
+                buffer = memory.buffer_at(address) if memory is not None and nbytes else None
+                if buffer is not None:  # in the worker's memory already: named by handle
+                    inputs.append(Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
+                                                 buffer=buffer))
+                    in_place += 1
+                elif copies is not None and (made := copies.bring_in(i, address, nbytes)) is not None:
+                    buffer, copied = made  # the worker's copy of it, brought up to date: named by handle
+                    tensor = brought[i] = Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
+                                                         buffer=buffer)
+                    inputs.append(tensor)
+                    in_bytes += copied
+                else:
+                    inputs.append(array)  # ORT's memory, this process's: its bytes go
+                    in_bytes += nbytes
+        finally:
+            crossed[0] += in_bytes
+            crossed[2] += in_place
         at = copies.targets(brought, addresses, lambda o, shape: factory.kernel_io.output(context, o, shape)[1]) \
             if brought else {}
         into = {o: tensor for o, (tensor, _) in at.items()}
@@ -273,14 +285,14 @@ class BridgeComputeInfo:
         outputs = compute_held(self.remote, call, self._held.calls, 0)
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
-        self._write_outputs(context, outputs, in_bytes=in_bytes, in_place=in_place, addresses=addresses, at=at)
+        self._write_outputs(context, outputs, crossed, addresses, at)
 
-    def _write_outputs(self, context: int, outputs: list[Any], in_bytes: int = 0, in_place: int = 0,
-                       addresses: list[int] = (), at: dict[int, tuple[Tensor, int]] = {}) -> None:
+    def _write_outputs(self, context: int, outputs: list[Any], crossed: list[int], addresses: list[int],
+                       at: dict[int, tuple[Tensor, int]]) -> None:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
         output tensor is the worker's buffer), or brought out of it into ORT's memory, where ORT had that
         allocated, as the worker's kept copy of it (resident.py; `at`: those the worker wrote into an input's
-        copy, and that input); the others' bytes copied into ORT's."""
+        copy, and that input); the others' bytes copied into ORT's. What it copied is added to `crossed`."""
         factory = self.ep.factory
         memory, io, copies = factory.memory, factory.kernel_io, self.copies
         learned = Learned()
@@ -293,35 +305,38 @@ class BridgeComputeInfo:
             raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects "
                                     f"{self._output_count}")
         out_place = out_bytes = 0
-        for i, out in enumerate(outputs):
-            if i in at:  # made already, in the memory of the input whose copy the worker wrote it into
-                k = at[i][1]
-                out_bytes += copies.bring_out_in_place(learned, i, k, addresses[k], out)
-                continue
-            array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
-            offered = memory.offer(out.buffer) if memory is not None and isinstance(out, Tensor) \
-                and out.buffer is not None else None
-            value = address = elem = 0
-            try:
-                value, address, elem = io.output(context, i, array.shape)
-            finally:
-                taken = offered is not None and memory.taken(offered, address)
-            if taken:  # ORT's output is the worker's buffer: it is ORT's to free now
-                out.detach_buffer()
-                out_place += 1
-                continue
-            if copies is not None and address and array.dtype != object:
-                copied = copies.bring_out(learned, i, address, array.nbytes, out, addresses)
-                if copied is not None:  # only what changed, from the worker's buffer, now the copy of ORT's
-                    out_bytes += copied
+        try:
+            for i, out in enumerate(outputs):
+                if i in at:  # made already, in the memory of the input whose copy the worker wrote it into
+                    k = at[i][1]
+                    out_bytes += copies.bring_out_in_place(learned, i, k, addresses[k], out)
                     continue
-            if array.dtype == object:
-                write_strings(self.abi, value, array)
-            elif array.size:
-                np.copyto(array_over(address, elem, array.shape), array, casting="no")
-                out_bytes += array.nbytes
-            if isinstance(out, Tensor):
-                out.release()
+                array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
+                offered = memory.offer(out.buffer) if memory is not None and isinstance(out, Tensor) \
+                    and out.buffer is not None else None
+                value = address = elem = 0
+                try:
+                    value, address, elem = io.output(context, i, array.shape)
+                finally:
+                    taken = offered is not None and memory.taken(offered, address)
+                if taken:  # ORT's output is the worker's buffer: it is ORT's to free now
+                    out.detach_buffer()
+                    out_place += 1
+                    continue
+                if copies is not None and address and array.dtype != object:
+                    copied = copies.bring_out(learned, i, address, array.nbytes, out, addresses)
+                    if copied is not None:  # only what changed, from the worker's buffer, now the copy of ORT's
+                        out_bytes += copied
+                        continue
+                if array.dtype == object:
+                    out_bytes += write_strings(self.abi, value, array)
+                elif array.size:
+                    np.copyto(array_over(address, elem, array.shape), array, casting="no")
+                    out_bytes += array.nbytes
+                if isinstance(out, Tensor):
+                    out.release()
+        finally:
+            crossed[1] += out_bytes
+            crossed[3] += out_place
         if copies is not None:
             copies.done(learned)
-        factory.stats.count(in_bytes, out_bytes, in_place, out_place)

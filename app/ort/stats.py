@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class BridgeStats:
-    """Compute calls, the bytes this process copied for them (ORT's input tensors into the worker's memory or
-    the call, the worker's outputs into ORT's output tensors), and the tensors that crossed without a copy (in
-    the worker's shared memory, ORT's tensors on the bridged device)."""
+    """Compute calls (one that failed too), every byte this process copied for them (ORT's input tensors into the
+    worker's memory or the call, the worker's outputs into ORT's output tensors; of a tensor kept in the worker,
+    the chunks that changed; of strings, their UTF-8 bytes), and the tensors that crossed without a copy (in the
+    worker's shared memory, ORT's tensors on the bridged device)."""
 
     computes: int = 0
     bytes_in_copied: int = 0

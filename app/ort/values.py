@@ -62,13 +62,23 @@ def read_strings(abi: OrtAbi, value: int, dims: list[int]) -> np.ndarray:
     return np.array(strings, dtype=object).reshape(dims)
 
 
-def write_strings(abi: OrtAbi, value: int, array: np.ndarray) -> None:
-    """Fill a string OrtValue (made by ORT with the array's shape) with the array's strings."""
-    items = [s.encode("utf-8", errors="surrogateescape") if isinstance(s, str) else bytes(s)
-             for s in array.reshape(-1)]
+def write_strings(abi: OrtAbi, value: int, array: np.ndarray) -> int:
+    """Fill a string OrtValue (made by ORT with the array's shape) with the array's strings; the bytes copied."""
+    items = _encoded(array)
     if items:
         abi.check(abi.api.FillStringTensor(value, (ctypes.c_char_p * len(items))(*items), len(items)),
                   "FillStringTensor")
+    return sum(map(len, items))
+
+
+def string_bytes(array: np.ndarray) -> int:
+    """The bytes of an array of strings, as they cross (UTF-8)."""
+    return sum(map(len, _encoded(array)))
+
+
+def _encoded(array: np.ndarray) -> list[bytes]:
+    return [s.encode("utf-8", errors="surrogateescape") if isinstance(s, str) else bytes(s)
+            for s in array.reshape(-1)]
 
 
 def array_at(abi: OrtAbi, value: int, elem: int, dims: list[int]) -> np.ndarray:
