@@ -332,6 +332,48 @@ def test_each_token_repeats_the_workers_kept_call_writes_the_kv_cache_in_place_a
     del model
 
 
+def test_ephosts_own_session_decodes_over_one_kv_buffer_per_tensor_in_the_worker_in_place(decoder):
+    """ephost's InferenceSession runs the decoder as genai does with its shared buffer: each past and its present
+    bound to ONE tensor in the worker's memory, allocated at max_length, the attention mask a token longer every
+    step. The first run (the prompt) is kept by the worker's fast lane and every later step repeats it, whatever its
+    shapes; the worker's ORT writes the four presents in place (none copied after the run); the tokens are genai's."""
+    import numpy as np
+    import ephost
+    from ephost import InferenceSession, Tensor
+    from helpers import options_for
+    shape, max_length = F.Shape(), len(PROMPT) + NEW
+    with ephost.Environment() as env:
+        env.register_execution_provider_library("ort", "onnxruntime", {"intra_op_num_threads": "1"})
+        device = next(d for d in env.get_ep_devices() if d.registration_name == "ort")
+        allocator = env.allocator_for(device.memory_info(ephost.DeviceMemoryType.HOST_ACCESSIBLE))
+        with InferenceSession(F.model(), options_for(env, "ort"), env=env) as session:
+            binding = session.io_binding()
+            for layer in range(shape.layers):
+                for kind in ("key", "value"):
+                    kv = Tensor.empty((1, shape.kv_heads, max_length, shape.head_size), np.float32, allocator)
+                    binding.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", kv)
+                    binding.bind_ortvalue_output(f"present.{layer}.{kind}", kv)
+            binding.bind_output("logits")
+
+            def served() -> tuple[int, ...]:
+                stats = env.get_worker_stats("ort")
+                return stats.kept_calls, stats.calls_kept, stats.compute_outputs_in_place, stats.compute_outputs_copied
+
+            tokens, steps = [], []
+            while len(tokens) < NEW:
+                total = len(PROMPT) + len(tokens)
+                new = PROMPT if not tokens else tokens[-1:]
+                binding.bind_cpu_input("input_ids", np.array([new], np.int64))
+                binding.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+                binding.bind_cpu_input("position_ids", np.arange(total - len(new), total, dtype=np.int64)[None])
+                before = served()
+                session.run_with_iobinding(binding)
+                steps.append(tuple(b - a for a, b in zip(before, served())))
+                tokens.append(int(binding.get_outputs()[-1].numpy()[0, -1].argmax()))
+    assert tokens == decoder[1]
+    assert steps == [(0, 1, 4, 0)] + [(1, 0, 4, 0)] * (NEW - 1)
+
+
 def test_genais_kv_cache_after_a_generation_through_the_bridge_is_its_own_byte_for_byte(decoder, npu):
     """The worker writes the present into its copy of genai's memory in place and the bridge brings out what
     changed: genai's shared KV cache ends as it would in process, to the last row past the sequence."""
