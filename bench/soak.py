@@ -36,7 +36,7 @@ def client(address: str, seconds: float, threads: int) -> None:
     path, expected_path = bundled_model("squeezenet")
     expected = numpy_helper.to_array(onnx.load_tensor(expected_path))
     counts = {"runs": 0, "wrong": 0, "errors": []}
-    lock = threading.Lock()
+    lock = threading.Lock()  # guards counts: every client thread adds to it
     with ephost.Environment() as env:
         env.register_execution_provider_library("shared", address)
         options = SessionOptions()

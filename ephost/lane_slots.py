@@ -4,17 +4,6 @@ socket stays for the ticket, descriptors, long frames, end of file and the doorb
 The layout and the protocol are in docs/wire-protocol.md ("Shared slots"). What a peer writes into a slot is read
 once (its length checked, the frame copied out before it is parsed): a client scribbling in its own slots can only
 spoil its own calls.
-
-Each word is a native u64 written through a memoryview: one aligned store, never seen torn (struct.pack_into
-zero-fills its bytes first, which a reader polling the word would see). The writer stores the frame, its length,
-then its count, and x86 keeps stores in order; but a load may pass an earlier store and Python has no fence, so a
-writer and a reader can each miss the other's word: a reader's first sleep is bounded (fastlane.FIRST_SLEEP_S).
-Where the order is weaker (ARM) a reader could see the count before the frame: only x86 is SUPPORTED, and
-elsewhere every frame goes on the socket.
-
-The early wake is an eventfd, not the doorbell: a unix socket's wake-up is a "sync" one, which puts the woken
-thread on the waker's CPU, where it competes with the framing; an eventfd's is not. An old client, which takes
-one descriptor, has the kernel drop the second.
 """
 from __future__ import annotations
 
@@ -33,7 +22,12 @@ DATA = 128
 SLOT = DATA + PACKET         # a slot: its words, then room for one packet
 SIZE = 2 * SLOT              # requests (the client writes), then replies (the worker writes)
 ASK = b"S"                   # after the ticket: the client asks for slots
-SUPPORTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")  # see above: x86's order
+# Each word is a native u64 written through a memoryview: one aligned store, never seen torn (struct.pack_into
+# zero-fills its bytes first, which a reader polling the word would see). The writer stores the frame, its length,
+# then its count, and x86 keeps stores in order; but a load may pass an earlier store and Python has no fence, so a
+# writer and a reader can each miss the other's word: a reader's first sleep is bounded (fastlane.FIRST_SLEEP_S).
+# Where the order is weaker (ARM) a reader could see the count before the frame: there every frame goes on the socket.
+SUPPORTED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def create() -> tuple[int, mmap.mmap]:
@@ -77,7 +71,10 @@ class Slots:
         self._sock = sock
         self._sent = self._taken = 0  # the slots are new: neither side has written yet
         self.socket_next = False  # the next frame goes on the socket (it follows descriptors sent there)
-        self.wake = wake  # the early wake's eventfd (see above; None: none), owned by these slots
+        # The early wake (None: none), owned by these slots: an eventfd, not the doorbell, as a unix socket's
+        # wake-up is a "sync" one, which puts the woken thread on the waker's CPU, where it competes with the
+        # framing; an eventfd's is not. An old client, which takes one descriptor, has the kernel drop the second.
+        self.wake = wake
 
     def wake_early(self) -> bool:
         """The worker's EP has run for the call being answered: wake the caller now if it sleeps (True). A

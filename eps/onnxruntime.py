@@ -431,8 +431,8 @@ class _Binding:
         self.ort_allocated = any(static is None for _, static in outputs)
 
     def address(self, key: int, array: np.ndarray) -> int:
-        """Where `array`'s bytes lie, asked of numpy (about a microsecond) only where the array in place `key` is
-        not the last run's: a kept call's tensors are the same from run to run."""
+        """Where `array`'s bytes lie, asked of numpy only where the array in place `key` is not the last run's: a
+        kept call's tensors are the same from run to run, and asking numpy costs a call into it each time."""
         seen = self._addresses.get(key)
         if seen is not None and seen[0] is array:
             return seen[1]

@@ -1,11 +1,11 @@
 """The C heap of a worker that serves generations of clients: what a client's sessions, arenas and calls took is
 given back to the system when the client goes, not kept by the allocator.
 
-glibc raises its mmap threshold each time a large block that was mapped is freed (up to 32 MiB), so that after the
-first client's ORT sessions went, later sessions' arenas and weights come from the heaps of its per-thread arenas,
-where what is freed fragments and never shrinks: a shared worker's RSS grew with every generation of clients
-(bench/soak.py). A fixed threshold keeps large blocks mapped, each returned whole when freed; what small blocks
-leave free is trimmed once clients have left. Elsewhere than glibc both are no-ops.
+glibc raises its mmap threshold each time a large block that was mapped is freed (up to 32 MiB), so that once the
+first client's ORT sessions go, later sessions' arenas and weights come from the heaps of its per-thread arenas,
+where what is freed fragments and never shrinks: left so, a shared worker's RSS grows with every generation of
+clients (bench/soak.py runs such generations). A fixed threshold keeps large blocks mapped, each returned whole
+when freed; what small blocks leave free is trimmed once clients have left. Elsewhere than glibc both are no-ops.
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ def test_type_strings_are_ort_spellings(env):
 
 
 def test_missing_inputs_say_so_in_ort_words(env):
-    model = models.model([helper.make_node("Add", ["a", "b"], ["c"])], [models.tensor("a", [2]), models.tensor("b", [2])],
-                         [models.tensor("c", [2])])
+    model = models.model([helper.make_node("Add", ["a", "b"], ["c"])],
+                         [models.tensor("a", [2]), models.tensor("b", [2])], [models.tensor("c", [2])])
     with InferenceSession(model, env=env, providers=["ref"]) as session:
         with pytest.raises(ValueError, match=r"Required inputs \(\['a'\]\) are missing from input feed \(\['b'\]\)"):
             session.run(None, {"b": np.ones(2, np.float32)})
