@@ -171,29 +171,10 @@ def run_sections() -> list[Section]:
              f"{_first_paragraph(RunOptions.__doc__)}", [("", rows)])] if rows else []
 
 
-class _Parsed(Exception):
-    """Carries the parser `ephost`'s main() built out of it, unused."""
-
-
 def command_parser() -> argparse.ArgumentParser:
     """The `ephost` command's parser, as its main() builds it."""
     from ephost import cli
-    build = getattr(cli, "build_parser", None)
-    if build is not None:
-        return build()
-
-    def parsed(self, *args, **kwargs):
-        raise _Parsed(self)
-
-    original = argparse.ArgumentParser.parse_args
-    argparse.ArgumentParser.parse_args = parsed
-    try:
-        cli.main([])
-    except _Parsed as built:
-        return built.args[0]
-    finally:
-        argparse.ArgumentParser.parse_args = original
-    raise SystemExit("ephost's main() returned without parsing its arguments")
+    return cli.build_parser()
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[Row]:

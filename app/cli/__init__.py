@@ -348,7 +348,8 @@ def _logging_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -
                         help="json: one JSON object per line (time, level, logger, pid, message), for log collectors")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `ephost` command's parser, every subcommand with its flags (tools/options_doc.py documents them)."""
     parser = argparse.ArgumentParser(prog="ephost", description="Run ONNX execution providers out of process.")
     _logging_arguments(parser)
     parser.add_argument("--version", action="version", version=_version(),
@@ -435,9 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     from ephost.cli import compile_command, run_command
     run_command.add_parser(sub)  # `ephost run` lives with its helpers
     compile_command.add_parser(sub)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.argv = argv
     handler = ConsoleHandler(sys.stderr, JsonFormatter() if args.log_format == "json" else
                              logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
