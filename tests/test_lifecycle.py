@@ -45,14 +45,19 @@ def wait_until(condition, seconds: float = 30.0) -> bool:
     return True
 
 
-def calls_under_way(w) -> int:
-    """The calls worker `w` (started with --metrics-listen) serves now, as its /metrics says."""
+def metric(w, name: str, **labels) -> float:
+    """A sample of worker `w`'s (started with --metrics-listen) /metrics, 0 where it has none."""
     import urllib.request
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(f"http://{json.loads(w.ready_line)['metrics']}/metrics", timeout=30) as reply:
         text = reply.read().decode()
-    return next(int(s.value) for family in text_string_to_metric_families(text) for s in family.samples
-                if s.name == "ephost_worker_calls_under_way")
+    return next((s.value for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name == name and s.labels == labels), 0)
+
+
+def calls_under_way(w) -> int:
+    """The calls worker `w` (started with --metrics-listen) serves now."""
+    return int(metric(w, "ephost_worker_calls_under_way"))
 
 
 METERED = ("--metrics-listen", "127.0.0.1:0")
@@ -108,6 +113,8 @@ def test_sigterm_drains_in_flight_calls_then_exits(worker):
             assert not os.path.exists(w.socket + ".fds")
             with pytest.raises(ephost.EpWorkerDraining, match="draining"):  # a call on the lane it has open
                 conn.call(conn.allocator.Alloc, allocator_pb2.AllocRequest(allocator=1, nbytes=64))
+            assert metric(w, "ephost_worker_draining") == 1
+            assert metric(w, "ephost_worker_calls_total", method="Allocator/Alloc", status="UNAVAILABLE") == 1
             drained_while_running = True
         else:
             drained_while_running = False
