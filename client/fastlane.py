@@ -99,30 +99,31 @@ class _Kept:
             raise EpInternal(f"the worker answered a kept call with {size} bytes, fewer than its outputs' "
                              "dimensions take")
         values = dims.unpack_from(payload) if dims.size else ()
-        descs, at, inline = [], 0, 0
+        arrays: list = []
+        at, offset = 0, dims.size  # the inline outputs' bytes follow the dimensions, then the Placed records
         for rank, dtype, left in self.outputs:
             shape = values[at:at + rank]
             at += rank
             nbytes = math.prod(shape) * dtype.itemsize
             if not 0 < nbytes <= MAX_TENSOR_BYTES:  # (an empty one, or out of bounds: checked the long way)
                 nbytes = nbytes_of(shape, dtype)
-            descs.append((shape, nbytes))
-            if not left:
-                inline += nbytes
-        records = dims.size + inline
-        if size != records + PLACED.size * self.placed:
-            raise EpInternal(f"the worker answered a kept call with {size} bytes, not the "
-                             f"{records + PLACED.size * self.placed} its outputs' dimensions make")
-        arrays, offset = [], dims.size
-        for (shape, nbytes), (_, dtype, left) in zip(descs, self.outputs):
             if left:
-                arrays.append(Placed(shape, dtype, nbytes, *PLACED.unpack_from(payload, records)))
-                records += PLACED.size
-            else:
+                arrays.append((shape, dtype, nbytes))  # made below, once the records' offset is known
+            elif offset + nbytes <= size:
                 arrays.append(np.ndarray(shape, dtype, payload, offset))  # frombuffer + reshape: twice the cost
                 offset += nbytes
+            else:
+                offset += nbytes
+                break
+        if size != offset + PLACED.size * self.placed or len(arrays) != len(self.outputs):
+            raise EpInternal(f"the worker answered a kept call with {size} bytes, not what its outputs' "
+                             "dimensions make")
+        if self.placed:
+            for i, (_, _, left) in enumerate(self.outputs):
+                if left:
+                    arrays[i] = Placed(*arrays[i], *PLACED.unpack_from(payload, offset))
+                    offset += PLACED.size
         return arrays
-
 
 _FULL = object()
 LOOKS = 8  # kept calls a new call looks at for one unused long enough to take the place of (_room)
