@@ -73,6 +73,11 @@ def child(workload: str, per: int, options: dict[str, str], binding: str | None 
     import ephost
     from ephost import InferenceSession
     sys.path.append(ROOT)  # the bench's models and helpers; `ephost` is already this stack's
+    try:
+        import ephost.cli.run_command  # noqa: F401
+    except ImportError:  # a revision from before the command line's own folder: the bench imports it by this name
+        import importlib
+        sys.modules["ephost.cli.run_command"] = importlib.import_module("ephost.run_command")  # (that revision's)
     from bench.data_plane import bound_input, chain_model, decode, decoding_model, large_model, split_model
     from bench.iobinding import NO_SPIN, alternating, bound_to_device, recurrent
     from bench.session_overhead import SESSION_CONFIG, options_for, tiny_model
