@@ -187,8 +187,8 @@ class SessionOptions:
         self._providers.append((devices, _strings(provider_options)))
 
     def add_provider(self, provider_name: str, provider_options: Mapping[str, str] | None = None) -> None:
-        """Use an EP by name, as `providers=` names one (a registration, a target, an ONNX Runtime EP name); tried
-        after those added by device, in the order they were added."""
+        """Use an EP by name, as `providers=` names one (a registration, a target, an ONNX Runtime EP name); it
+        comes after the EPs added by device, in the order the names were added."""
         if not isinstance(provider_name, str) or not provider_name:
             raise EpInvalidArgument("add_provider takes an EP's name")
         self._named.append((provider_name, _strings(provider_options)))

@@ -240,7 +240,8 @@ class Ep(Protocol):
 
 @dataclass(frozen=True)
 class ProfilingEvent:
-    """What an EP measured while profiling (a Chrome trace event): times in nanoseconds since the Unix epoch."""
+    """What an EP measured while profiling (a Chrome trace event): `start_ns` is a wall-clock time.time_ns() reading,
+    `duration_ns` a length, both in nanoseconds."""
 
     name: str
     category: str

@@ -104,6 +104,35 @@ class RawClient:
 TRANSPORTS = {"fast_lane": {}, "grpc": {"fast_lane": "false"}}
 
 
+@contextlib.contextmanager
+def diamond_runs(session, tag, threads: int = 2):
+    """`threads` threads running the diamond model (models.diamond) on `session` until the block ends. Yields the
+    list they append to: (tag(), whether the result is right) for each run, or the EpError a run raised."""
+    import numpy as np
+    import models
+    results, stop = [], threading.Event()
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            x = rng.standard_normal((2, 3)).astype(np.float32)
+            try:
+                (y,) = session.run(None, {"x": x})
+                results.append((tag(), bool(np.allclose(y, models.diamond_expected(x), rtol=1e-6))))
+            except ephost.EpError as e:
+                results.append(e)
+
+    running = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in running:
+        t.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        for t in running:
+            t.join(60)
+
+
 def in_threads(work, n: int) -> list[tuple[int, Exception]]:
     """work(i) for i in range(n), on n threads at once; (i, exception) of each that failed."""
     errors = []

@@ -384,7 +384,7 @@ def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tm
     on the new one), and none is retried: the restart is no failure of the EP, and it is logged as a drain."""
     import logging
     import models
-    from helpers import options_for
+    from helpers import diamond_runs, options_for
     caplog.set_level(logging.INFO, logger="ephost")
     args = ("--ep", "reference", *_listen_args(transport, tmp_path))
     first = worker(*args)
@@ -394,22 +394,7 @@ def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tm
         options = options_for(env, "w")
         options.ep_failure_policy = policy
         with ephost.InferenceSession(models.diamond(), options, env=env) as session:
-            results, stop = [], threading.Event()
-
-            def work(seed):
-                rng = np.random.default_rng(seed)
-                while not stop.is_set():
-                    x = rng.standard_normal((2, 3)).astype(np.float32)
-                    try:
-                        (y,) = session.run(None, {"x": x})
-                        results.append((link.generation, bool(np.allclose(y, models.diamond_expected(x), rtol=1e-6))))
-                    except ephost.EpError as e:
-                        results.append(e)
-
-            threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-            try:
+            with diamond_runs(session, lambda: link.generation) as results:
                 assert wait_until(lambda: len(results) >= 50)
                 first.proc.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
@@ -419,10 +404,6 @@ def test_a_worker_restarted_on_its_address_under_traffic_fails_no_run(worker, tm
                 time.sleep(max(0.0, signalled + 0.5 - time.monotonic()))
                 worker(*args)
                 assert wait_until(lambda: sum(1 for r in results if r == (2, True)) >= 50)
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(60)
             assert first.proc.wait(30) == 0
             errors = [r for r in results if not isinstance(r, tuple)]
             assert errors == [], errors[:3]

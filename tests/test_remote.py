@@ -8,7 +8,7 @@ import pytest
 
 import ephost
 from ephost import DeviceMemoryType, InferenceSession, Tensor
-from helpers import options_for
+from helpers import diamond_runs, options_for
 import models
 
 
@@ -254,7 +254,6 @@ def test_a_replica_that_drains_moves_its_clients_to_another_and_no_run_fails(wor
     the calls it refused as it drained never ran there, and are made on the other replica behind the name, where
     the client makes its EP and partitions again."""
     import signal
-    import threading
     replicas = [worker("--ep", "reference", "--listen", f"127.0.0.1:{free_port()}", "--insecure") for _ in range(2)]
     name = "ipv4:" + ",".join(r.address for r in replicas)
     with ephost.Environment() as env:
@@ -263,33 +262,13 @@ def test_a_replica_that_drains_moves_its_clients_to_another_and_no_run_fails(wor
         first = next(r for r in replicas if r.proc.pid == link.current.info.pid)
         other = next(r for r in replicas if r is not first)
         with InferenceSession(models.diamond(), options_for(env, "pool"), env=env) as session:
-            results, stop = [], threading.Event()
-
-            def work(seed):
-                rng = np.random.default_rng(seed)
-                while not stop.is_set():
-                    x = rng.standard_normal((2, 3)).astype(np.float32)
-                    try:
-                        y = session.run(None, {"x": x})[0]
-                        results.append((link.current.info.pid, bool(np.allclose(y, models.diamond_expected(x),
-                                                                                 rtol=1e-6))))
-                    except ephost.EpError as e:
-                        results.append(e)
-
-            threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-            try:
+            with diamond_runs(session, lambda: link.current.info.pid) as results:
                 deadline = time.monotonic() + 60
                 while len(results) < 50 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 first.proc.send_signal(signal.SIGTERM)
                 while sum(1 for r in results if r == (other.proc.pid, True)) < 50 and time.monotonic() < deadline:
                     time.sleep(0.01)
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(60)
             assert first.proc.wait(30) == 0
             errors = [r for r in results if not isinstance(r, tuple)]
             assert errors == [], errors[:3]
