@@ -14,7 +14,7 @@ from onnx import TensorProto
 
 from ephost.errors import EpInvalidArgument
 from ephost.tensor import Tensor
-from ephost.types import dtype_of
+from ephost.types import MAX_RANK, dtype_of
 
 
 # How ORT spells each kind of type in NodeArg.type (onnx's DataTypeUtils: "seq(tensor(float))", "map(...)")
@@ -88,6 +88,21 @@ class FeedCheck:
         dims = tensor_type.shape.dim
         fixed = tuple((axis, d.dim_value) for axis, d in enumerate(dims) if d.HasField("dim_value"))
         return cls(name, type_proto, True, dtype, string, len(dims), fixed)
+
+    def passes(self, array: np.ndarray) -> bool:
+        """Whether an array goes on as it is: C-contiguous, of the declared element type, rank and fixed sizes
+        (what most feeds are, looked at first and at least cost); False sends it through `take`."""
+        if array.dtype != self.dtype or not array.flags.c_contiguous:
+            return False
+        if self.rank is None:
+            return array.ndim <= MAX_RANK
+        shape = array.shape
+        if len(shape) != self.rank:
+            return False
+        for axis, size in self.fixed:
+            if shape[axis] != size:
+                return False
+        return True
 
     def take(self, value: Any) -> Any:
         """The feed as a session passes it on, checked: a list made into an array, an ORT OrtValue read where

@@ -51,12 +51,12 @@ def _write_once(stager: Stager, pending: list[tuple[Buffer, np.ndarray]]) -> Cal
 
 
 class _KeptForm(NamedTuple):
-    """How a Compute's inputs go as a kept call: each input's (rank, dtype, way), the repeat's head (the inputs'
-    dimensions, then the handles of the buffers it names), the inline inputs' arrays and the payload's length, and
-    the large inputs to write into their staging buffers first (`write`, None where there are none)."""
+    """How a Compute's inputs go as a kept call: each input's (rank, dtype, way), what a repeat carries (`parts`:
+    its head, the inputs' dimensions then the handles of the buffers it names, followed by the inline inputs'
+    arrays; `nbytes` in all), and the large inputs to write into their staging buffers first (`write`, None where
+    there are none)."""
     kinds: tuple
-    head: bytes
-    inline: list
+    parts: list
     nbytes: int
     write: Callable[[], None] | None
     staged: dict
@@ -147,46 +147,45 @@ class RemoteComputeInfo(RemoteHandle):
         (named by handle too); with `kinds`, only where they go so (a held kept call's, whose `head` packs the
         dimensions and handles they make). Else None."""
         current = conn or self.link.current
-        made = [] if kinds is None else None  # the kinds found, where none were given
-        dims, handles, inline, nbytes, staged = [], [], [], 0, None
+        made = []  # each input's kind
+        dims, handles, parts, nbytes, staged = [], [], [b""], 0, None
         for i, value in enumerate(inputs):
             if type(value) is Tensor:
                 buffer = value.buffer
                 if buffer is not None and buffer.owner is current:  # a bound input, a value the worker made
-                    kind = (len(value.shape), value.dtype, _NAMED)
-                    if made is None:
-                        if kinds[i] != kind:
-                            return None
-                    else:
-                        made.append(kind)
+                    made.append((len(value.shape), value.dtype, _NAMED))
                     handles.append(buffer.handle)
                     dims += value.shape
                     continue
                 value = value.local_array()  # (None: memory neither this process nor the worker reads)
-            elif type(value) is not np.ndarray or not is_plain_dtype(value.dtype):
+                if value is None:
+                    return None
+            elif type(value) is not np.ndarray:
                 return None
-            if value is None or not value.flags.c_contiguous:
+            if not value.flags.c_contiguous:
                 return None
             # An array of this process's memory: its bytes go inline where small, else through a staging buffer
             shape = value.shape
             if value.nbytes < INLINE_LIMIT:
-                kind = (len(shape), value.dtype, _INLINE)
-                inline.append(value)
+                made.append((len(shape), value.dtype, _INLINE))
+                parts.append(value)
                 nbytes += value.nbytes
             elif self._staging is not None:
-                kind = (len(shape), value.dtype, _STAGED)
+                made.append((len(shape), value.dtype, _STAGED))
                 if staged is None:
                     staged = {}
                 staged[i] = (len(handles), value)
                 handles.append(0)  # the staging buffer's, once it is known
             else:
                 return None
-            if made is None:
-                if kinds[i] != kind:
-                    return None
-            else:
-                made.append(kind)
             dims += shape
+        # One comparison of the whole: a held call's kinds were found plain when it was kept
+        if kinds is None:
+            kinds = tuple(made)
+            if not all(is_plain_dtype(dtype) for _, dtype, way in kinds if way != _NAMED):
+                return None
+        elif kinds != tuple(made):
+            return None
         write = None
         if staged:
             arrays = [array for _, array in staged.values()]
@@ -197,9 +196,8 @@ class RemoteComputeInfo(RemoteHandle):
             staged = dict(zip(staged, buffers))
         if into:
             handles += [into[i].buffer.handle for i in sorted(into)]
-        packed = (head or _u64s(len(dims) + len(handles))).pack(*dims, *handles)
-        return _KeptForm(kinds if made is None else tuple(made), packed, inline, len(packed) + nbytes, write,
-                         staged or _NO_STAGING)
+        packed = parts[0] = (head or _u64s(len(dims) + len(handles))).pack(*dims, *handles)
+        return _KeptForm(kinds, parts, len(packed) + nbytes, write, staged or _NO_STAGING)
 
     def _key(self, allocator: RemoteAllocator | None, kinds: tuple, into: Mapping[int, Tensor],
              placed: tuple[int, ...]) -> tuple:
@@ -224,7 +222,7 @@ class RemoteComputeInfo(RemoteHandle):
             return self._request(inputs, allocator, placed, into, [], form.staged)
 
         timeout = call.timeout
-        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, [form.head, *form.inline], form.nbytes,
+        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, form.parts, form.nbytes,
                                                      request_of, timeout, write), conn=conn)
         return self._outputs(result, call, conn, into)
 
@@ -355,7 +353,7 @@ class KeptCompute:
         form = info.kept_form(call.inputs, into, self._kinds, conn, self._head)
         if form is None:
             return None
-        result = link.run(WorkerConnection.repeat, self._kept, [form.head, *form.inline], form.nbytes, call.timeout,
+        result = link.run(WorkerConnection.repeat, self._kept, form.parts, form.nbytes, call.timeout,
                           form.write, conn=conn)
         if result is None:
             return None

@@ -29,6 +29,7 @@ from ephost.client.planner import Partition
 
 MAX_PLANS = 16  # run plans a session keeps (by asked outputs and their placement); past it, made again
 _NONE: Mapping[str, Any] = {}  # never written to
+_NO_TARGETS: Mapping[int, Tensor] = {}  # never written to
 
 
 class Step(NamedTuple):
@@ -48,6 +49,8 @@ class Step(NamedTuple):
     drop: tuple[int, ...]
     scratch: tuple[tuple[int, tuple[int, ...], Any, bool], ...]
     link: Any  # the partition's worker's (None: in this process)
+    count: int  # how many outputs the partition makes
+    keep: tuple[int, ...]  # its `keep` and `placed`: what its EP keeps where it has an allocator
 
 
 class RunPlan:
@@ -79,7 +82,8 @@ class RunPlan:
             drop = tuple(position[v] for v in dict.fromkeys(p.graph.inputs) if last[v] == k and v not in asked)
             scratch = tuple((i, *shapes[v], any(q.registration != p.registration for q in readers[v]))
                             for i, v in ((i, p.graph.outputs[i]) for i in p.keep) if v not in asked and v in shapes)
-            steps.append(Step(k, p, sources, first, placed, leave, drop, scratch, link_of(p.registration)))
+            steps.append(Step(k, p, sources, first, placed, leave, drop, scratch, link_of(p.registration),
+                              len(p.graph.outputs), p.keep + placed))
             made.update((v, p.registration) for v in p.graph.outputs)
         self.steps = steps
         self.size = len(position)
@@ -185,12 +189,12 @@ class PartitionRunner:
                 values[at] = value
         if self.profiler.enabled:
             with self.profiler.span("Session", "model_run", run=run):
-                self._steps(run, plan, values, timeout, targets, options)
+                self._steps(run, plan, values, timeout, targets, options, True)
         elif tracing.active():
             with tracing.span("ephost.run", {"ephost.run": run, "ephost.partitions": len(plan.steps)}):
-                self._steps(run, plan, values, timeout, targets, options)
+                self._steps(run, plan, values, timeout, targets, options, True)
         else:
-            self._steps(run, plan, values, timeout, targets, options)
+            self._steps(run, plan, values, timeout, targets, options, False)
         out = []
         for name, at, maker in zip(plan.outputs, plan.picks, plan.makers):
             if at is None:
@@ -205,8 +209,9 @@ class PartitionRunner:
         return out
 
     def _steps(self, run: int, plan: RunPlan, values: list, timeout: float | None, targets: Mapping[str, Tensor],
-               options: RunOptions | None) -> None:
-        profiling = self.profiler.enabled
+               options: RunOptions | None, watched: bool) -> None:
+        """The plan's steps, each partition's outputs put among `values`; `watched`: the run is profiled or
+        traced (each partition's call gets a span of its own)."""
         to_eps = options.for_eps() if options is not None else None
         held = plan.held()
         for step in plan.steps:
@@ -217,38 +222,44 @@ class PartitionRunner:
             for j, value in enumerate(inputs):
                 if type(value) is Tensor and not value.addressable:
                     inputs[j] = self._reachable(value, p)
-            keep = p.keep
-            if step.placed and p.allocator is not None:
-                keep = keep + step.placed
-            call = ComputeCall(inputs, p.allocator, keep, run_options=to_eps, timeout=timeout)
-            if step.leave and p.allocator is not None:
-                call.leave = step.leave
-            if step.scratch and p.allocator is not None and step.link is not None:
-                call.into = plan.scratch(step, step.link)
+            allocator = p.allocator
+            if allocator is None:
+                call = ComputeCall(inputs, None, p.keep, _NO_TARGETS, (), to_eps, timeout)
+            else:
+                call = ComputeCall(inputs, allocator, step.keep, _NO_TARGETS, step.leave, to_eps, timeout)
+                if step.scratch and step.link is not None:
+                    call.into = plan.scratch(step, step.link)
             if targets:
                 into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
                 if into:
                     call.into = {**call.into, **into}
             try:
-                if profiling:
-                    kind = "Compute" if self._link_of(p.registration) is not None else "in process"
-                    with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes),
-                                            ep=p.placement.ep_name, registration=p.registration, call=kind):
-                        outputs = compute_held(p.compute_info, call, held, step.index)
-                elif tracing.recording():  # whole, carrying the trace context: not the held call's repeat
-                    held[step.index] = None
-                    with self._traced(p):
-                        outputs = compute_held(p.compute_info, call, held, step.index)
+                if watched:
+                    outputs = self._watched(run, step, call, held)
                 else:
                     outputs = compute_held(p.compute_info, call, held, step.index)
             except EpError as error:  # the failure policy's to answer
                 held[step.index] = None
                 outputs = self.recover(run, p, call, error)
-            if len(outputs) != len(p.graph.outputs):
-                raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {len(p.graph.outputs)}")
-            values[step.first:step.first + len(outputs)] = outputs
+            if len(outputs) != step.count:
+                raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {step.count}")
+            values[step.first:step.first + step.count] = outputs
             for at in step.drop:  # let go of values no later partition reads
                 values[at] = None
+
+    def _watched(self, run: int, step: Step, call: ComputeCall, held: list) -> list[Any]:
+        """A step's call in a profiled or traced run: in a span of its own."""
+        p = step.partition
+        if self.profiler.enabled:
+            kind = "Compute" if self._link_of(p.registration) is not None else "in process"
+            with self.profiler.span("Node", p.graph.name, run=run, nodes=len(p.graph.nodes),
+                                    ep=p.placement.ep_name, registration=p.registration, call=kind):
+                return compute_held(p.compute_info, call, held, step.index)
+        if tracing.recording():  # whole, carrying the trace context: not the held call's repeat
+            held[step.index] = None
+            with self._traced(p):
+                return compute_held(p.compute_info, call, held, step.index)
+        return compute_held(p.compute_info, call, held, step.index)
 
     def _traced(self, p: Partition):
         """The span of partition `p`'s call (a call to another process where its EP is in a worker)."""
