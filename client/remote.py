@@ -97,7 +97,7 @@ class RemoteComputeInfo(RemoteHandle):
         into = self._owned(call.into) if call.into else _NO_TARGETS
         traced = tracing.recording()  # (a traced call goes whole, carrying the trace context)
         if call.run_options is None and (not call.keep or call.allocator is not None) and not traced:
-            form = self.kept_form(call.inputs, into, conn=conn)  # (a kept call's repeats carry neither)
+            form = self.kept_form(call.inputs, _handles(into), conn=conn)  # (a kept call's repeats carry neither)
             if form is not None:
                 outputs = self._compute_kept(conn, call, into, form)
                 self.link.between_calls()
@@ -124,15 +124,14 @@ class RemoteComputeInfo(RemoteHandle):
                 (call.keep and call.allocator is None) or tracing.recording():
             return None
         into = self._owned(call.into) if call.into else _NO_TARGETS
-        form = self.kept_form(call.inputs, into)
+        form = self.kept_form(call.inputs, _handles(into))
         if form is None:
             return None
         placed = _placed(call.keep, into)
         kept = conn.kept(conn.ep.Compute, self._key(call.allocator, form.kinds, into, placed))
         if kept is None:
             return None
-        return KeptCompute(self, conn, kept, form.kinds, call.allocator, placed,
-                           tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())))
+        return KeptCompute(self, conn, kept, form.kinds, call.allocator, placed, _targets(into))
 
     def _owned(self, targets: Mapping[int, Tensor]) -> Mapping[int, Tensor]:
         """The targets in the memory of the worker that runs now (all of them, as given, in the common case)."""
@@ -140,12 +139,13 @@ class RemoteComputeInfo(RemoteHandle):
             return targets
         return {i: t for i, t in targets.items() if owned(t.buffer, self.link)}
 
-    def kept_form(self, inputs: Sequence[Any], into: Mapping[int, Tensor], kinds: tuple | None = None,
+    def kept_form(self, inputs: Sequence[Any], into: Sequence[int], kinds: tuple | None = None,
                   conn=None, head: struct.Struct | None = None) -> _KeptForm | None:
         """How the inputs go as a kept call, where every input is a tensor the worker has (named by handle) or
         this process can read: small ones inline, large ones through buffers this thread keeps for this call
         (named by handle too); with `kinds`, only where they go so (a held kept call's, whose `head` packs the
-        dimensions and handles they make). Else None."""
+        dimensions and handles they make). Else None. `into`: the handles of the buffers outputs go into, by
+        position (_handles)."""
         current = conn or self.link.current
         made = []  # each input's kind
         dims, handles, parts, nbytes, staged = [], [], [b""], 0, None
@@ -195,7 +195,7 @@ class RemoteComputeInfo(RemoteHandle):
             write = _write_once(self._stager, list(zip(buffers, arrays)))
             staged = dict(zip(staged, buffers))
         if into:
-            handles += [into[i].buffer.handle for i in sorted(into)]
+            handles += into
         packed = parts[0] = (head or _u64s(len(dims) + len(handles))).pack(*dims, *handles)
         return _KeptForm(kinds, parts, len(packed) + nbytes, write, staged or _NO_STAGING)
 
@@ -203,7 +203,7 @@ class RemoteComputeInfo(RemoteHandle):
              placed: tuple[int, ...]) -> tuple:
         """What makes a kept Compute of this partition the same call (WorkerConnection.call_kept's key)."""
         return (self.handle, allocator.handle if allocator is not None else 0, kinds,
-                tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())) if into else (), placed)
+                _targets(into) if into else (), placed)
 
     def _compute_kept(self, conn, call: ComputeCall, into: Mapping[int, Tensor], form: _KeptForm) -> list[Any]:
         """A Compute as the transport keeps it (WorkerConnection.call_kept), so that a stream of them sends the
@@ -314,6 +314,16 @@ def _u64s(count: int) -> struct.Struct:
     return packer
 
 
+def _targets(into: Mapping[int, Tensor]) -> tuple:
+    """Where outputs go into the caller's tensors: (position, shape, dtype) of each, by position."""
+    return tuple((i, t.shape, t.dtype) for i, t in sorted(into.items()))
+
+
+def _handles(into: Mapping[int, Tensor]) -> list[int]:
+    """The handles of the buffers outputs go into, by position (the tensors in the worker's memory)."""
+    return [into[i].buffer.handle for i in sorted(into)] if into else []
+
+
 def _placed(keep: Sequence[int], into: Mapping[int, Tensor]) -> tuple[int, ...]:
     """The outputs a kept call leaves in new buffers of the worker's: those kept there, but those written into the
     caller's tensors."""
@@ -346,11 +356,10 @@ class KeptCompute:
             return None
         if (call.keep or self._placed) and _placed(call.keep, into) != self._placed:
             return None
-        if into or self._into:
-            if tuple((i, t.shape, t.dtype) for i, t in sorted(into.items())) != self._into or \
-                    any(t.buffer is None or t.buffer.owner is not conn for t in into.values()):
-                return None
-        form = info.kept_form(call.inputs, into, self._kinds, conn, self._head)
+        handles = self._handles(into, conn) if into or self._into else ()
+        if handles is None:
+            return None
+        form = info.kept_form(call.inputs, handles, self._kinds, conn, self._head)
         if form is None:
             return None
         result = link.run(WorkerConnection.repeat, self._kept, form.parts, form.nbytes, call.timeout,
@@ -361,6 +370,23 @@ class KeptCompute:
         if self._recycles:
             link.between_calls()
         return outputs
+
+
+    def _handles(self, into: Mapping[int, Tensor], conn) -> list[int] | None:
+        """The handles of the buffers of `conn`'s worker the outputs go into, where they go into tensors of the
+        positions, shapes and types they went into when the call was kept; else None."""
+        if len(into) != len(self._into):
+            return None
+        handles = []
+        for i, shape, dtype in self._into:
+            target = into.get(i)
+            if target is None or target.shape != shape or target.dtype != dtype:
+                return None
+            buffer = target.buffer
+            if buffer is None or buffer.owner is not conn:
+                return None
+            handles.append(buffer.handle)
+        return handles
 
 
 class RemoteEp(RemoteHandle):
