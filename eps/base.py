@@ -133,8 +133,15 @@ class ComputeCall:
     def __init__(self, inputs: Sequence[Any], allocator: "Allocator | None" = None, keep: tuple[int, ...] = (),
                  into: Mapping[int, "Tensor"] = _NO_TENSORS, leave: tuple[int, ...] = (), run_options: Any = None,
                  timeout: float | None = None, on_kernel_ran: Callable[[], Any] | None = None):
-        self.inputs, self.allocator, self.keep, self.into = inputs, allocator, keep, into
-        self.leave, self.run_options, self.timeout, self.on_kernel_ran = leave, run_options, timeout, on_kernel_ran
+        # One assignment each: tuple assignments build and unpack a tuple on every Compute.
+        self.inputs = inputs
+        self.allocator = allocator
+        self.keep = keep
+        self.into = into
+        self.leave = leave
+        self.run_options = run_options
+        self.timeout = timeout
+        self.on_kernel_ran = on_kernel_ran
 
     def __repr__(self) -> str:
         return (f"ComputeCall({len(self.inputs)} inputs, keep={self.keep}, into={sorted(self.into)}, "

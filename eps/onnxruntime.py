@@ -242,92 +242,84 @@ class OrtComputeInfo:
 
     def _run_bound(self, binding: "_Binding", arrays: list[np.ndarray], call: ComputeCall) -> list[Any]:
         """A run through `binding`: small inputs copied into memory kept with it, large ones bound where they lie;
-        an output whose target is an input's memory written there in place, whatever its shape says; each other
-        output of known shape written by ORT into the caller's tensor (a large one of `into`), into a new buffer
-        of the allocator (kept, or large), or into memory kept with the binding and copied out; the others
-        allocated by ORT. Only what moved is bound again."""
+        each output where its plan (_output_plan) sends it. Only what moved is bound again."""
         io, allocator, keep, into = binding.io, call.allocator, call.keep, call.into
-        aliased = _aliased(into, arrays, binding.address) if into else {}
-        sources = {k for k, _ in aliased.values()}
+        if into:
+            aliased = _aliased(into, arrays, binding.address)
+            sources = {k for k, _ in aliased.values()}
+            plan = _output_plan(self._outputs, binding, allocator is not None, keep, into, arrays, aliased)
+        else:
+            sources = ()
+            plan = binding.plan(self._outputs, allocator is not None, keep)
+        bound, copies, names = binding.inputs, binding.copies, binding.names
         for k, array in enumerate(arrays):
             if array.nbytes <= COPY_BYTES and k not in sources:
                 # Small inputs (inline bytes of a request, new memory every call) are copied into memory kept with
                 # the binding and bound once: a copy of a few bytes costs less than binding anew.
-                copy = binding.copies[k]
+                copy = copies[k]
                 if copy is None or copy.shape != array.shape or copy.dtype != array.dtype:
-                    copy = binding.copies[k] = np.empty(array.shape, array.dtype)
+                    copy = copies[k] = np.empty(array.shape, array.dtype)
                 copy[...] = array
                 array = copy
-            if binding.inputs[k] is not array:  # rebound only where the memory moved
-                io.bind_input(binding.names[k], "cpu", 0, array.dtype, array.shape, binding.address(k, array))
-                binding.inputs[k] = array
-        placed: dict[int, Tensor] = {}
-        written: dict[int, Tensor] = {}  # outputs ORT writes straight into the caller's tensors (`into`)
-        scratch: dict[int, np.ndarray] = {}  # outputs ORT writes into memory kept with the binding
-        copied: dict[int, Tensor] = {}  # of those, the ones then copied into the caller's tensors (small ones)
-        for i, (name, static) in enumerate(self._outputs):
-            if i in aliased:
-                # Written in place whatever its size, and of the shape the caller's kernel context gave it (one
-                # the model leaves dynamic too: genai's present, as long as its past)
-                target = written[i] = into[i]
-                address = aliased[i][1]
-                bound = (address, target.shape)
-                if binding.outputs[i] != bound:
-                    io.bind_output(name, "cpu", 0, target.dtype, target.shape, address)
-                    binding.outputs[i] = bound
-                continue
-            if static is None:
-                # ORT allocates it. Bound again every run: the binding keeps the OrtValue ORT made, and ORT
-                # refuses to write a result of another shape into it (a dynamic shape: NonZero).
+            if bound[k] is not array:  # rebound only where the memory moved
+                io.bind_input(names[k], "cpu", 0, array.dtype, array.shape, binding.address(k, array))
+                bound[k] = array
+        placed: dict[int, Tensor | None] = {}  # outputs placed in the allocator (None: its memory is not ours)
+        outputs = binding.outputs
+        for i, name, static, how, _, target, _, address in plan:
+            if how is _ALLOCATED:
+                # Bound again every run: the binding keeps the OrtValue ORT made, and ORT refuses to write a result
+                # of another shape into it (a dynamic shape: NonZero).
                 io.bind_output(name, "cpu")
-                binding.outputs[i] = None
+                outputs[i] = None
                 continue
-            target = _writable_target(into, i, static, arrays) if into else None
-            if target is not None and static[2] > COPY_BYTES:
-                written[i] = target
-                address = target.local_array().ctypes.data
-            elif allocator is not None and (i in keep and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES) and \
-                    (made := _in_allocator(*static, allocator)) is not None:
-                # ORT writes the result straight into a buffer of the allocator (shared memory the client
-                # maps, for a worker's client): it leaves by handle, without a copy.
-                placed[i], array = made
-                address = array.ctypes.data
-            else:
-                # Into memory kept with the binding (bound once), read out after the run: small outputs travel
-                # inline anyway, and an allocation for them would be waste. A small one the caller gives a tensor
-                # for is copied there: the caller's tensors change from run to run (a swapped pair).
-                scratch[i], address = binding.scratch(i, static)
-                if target is not None:
-                    copied[i] = target
-            if binding.outputs[i] != address:
+            if how is _IN_PLACE:
+                bound_to = (address, target.shape)  # (with the shape: the model may leave it dynamic)
+                if outputs[i] != bound_to:
+                    io.bind_output(name, "cpu", 0, target.dtype, target.shape, address)
+                    outputs[i] = bound_to
+                continue
+            if how is _PLACED:
+                made = _in_allocator(*static, allocator)
+                if made is None:  # memory this process cannot write: into the binding's, as a small output
+                    placed[i], address = None, binding.scratch(i, static)[1]
+                else:
+                    placed[i], array = made
+                    address = array.ctypes.data
+            if outputs[i] != address:
                 io.bind_output(name, "cpu", 0, static[1], static[0], address)
-                binding.outputs[i] = address
+                outputs[i] = address
         try:
             self._session.run_with_iobinding(io)
             call.kernel_ran()
         except Exception as e:
             for tensor in placed.values():
-                tensor.release()
+                if tensor is not None:
+                    tensor.release()
             raise ort_error(f"{self.name} failed in ONNX Runtime", e) from None
         # Placed and written outputs are already where they go; the others are copied out (the binding's memory,
         # and ORT's own, are written again by the next run).
         produced = io.get_outputs_as_ortvaluevector() if binding.ort_allocated else ()
         out = []
-        for i, (_, static) in enumerate(self._outputs):
-            if i in placed or i in written:
-                out.append(placed[i] if i in placed else written[i])
-                continue
-            kept = i in keep and allocator is not None
-            if i not in scratch:
+        for i, _, static, how, kept, target, array, _ in plan:
+            if how is _SCRATCH and not kept and target is None:
+                out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=array.copy()))
+            elif how is _IN_PLACE or how is _WRITTEN:
+                out.append(target)
+            elif how is _ALLOCATED:
                 result = produced[i].numpy()
                 out.append(_kept_in(result, allocator) if kept else as_value(result.copy()))
-            elif i in copied:
-                np.copyto(copied[i].local_array(), scratch[i])
-                out.append(copied[i])
-            elif kept:
-                out.append(_kept_in(scratch[i], allocator))
-            else:
-                out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=scratch[i].copy()))
+            elif how is _PLACED and placed[i] is not None:
+                out.append(placed[i])
+            else:  # in the binding's memory: copied into the caller's tensor, or into the allocator
+                result = array if how is _SCRATCH else binding.scratch(i, static)[0]
+                if target is not None:
+                    np.copyto(target.local_array(), result)
+                    out.append(target)
+                elif kept:
+                    out.append(_kept_in(result, allocator))
+                else:
+                    out.append(Tensor.trusted(static[0], static[1], HOST_MEMORY, static[2], host=result.copy()))
         return out
 
     def _run(self, call: ComputeCall) -> list[Any]:
@@ -383,6 +375,46 @@ def _ort_run_options(options) -> Any:
     return ro
 
 
+# How a bound run writes an output (an entry of _output_plan): in place into the caller's tensor that is an input's
+# memory; into memory ORT allocates; into the caller's tensor; into a new buffer of the allocator; into memory kept
+# with the binding, then copied out.
+_IN_PLACE, _ALLOCATED, _WRITTEN, _PLACED, _SCRATCH = "in place", "allocated", "written", "placed", "scratch"
+
+
+def _output_plan(outputs: list, binding: "_Binding", allocator: bool, keep: tuple[int, ...], into,
+                 inputs: Sequence[np.ndarray], aliased: Mapping[int, tuple[int, int]]) -> tuple[tuple, ...]:
+    """Where each of a bound run's outputs goes, as (position, name, (shape, dtype, nbytes) or None, how, kept, the
+    caller's tensor, the binding's memory, the address bound) (`allocator`: the run has one; `aliased`: _aliased's).
+
+    An output whose target is an input's memory is written there in place, whatever its size, and of the shape the
+    caller's kernel context gave it (one the model leaves dynamic too: genai's present, as long as its past). One
+    of unknown shape is allocated by ORT. Each other one is written by ORT into the caller's tensor (a large one of
+    `into`), into a new buffer of the allocator (kept and not small, or large: it leaves by handle, without a
+    copy), or into memory kept with the binding (bound once) and read out after the run: small outputs travel
+    inline anyway, and an allocation for them would be waste; a small one the caller gives a tensor for is copied
+    there (the caller's tensors change from run to run: a swapped pair). `kept`: the caller keeps it in the
+    allocator, where what is read out then goes."""
+    plan = []
+    for i, (name, static) in enumerate(outputs):
+        kept = allocator and i in keep
+        target = array = address = None
+        if i in aliased:
+            how, target, address = _IN_PLACE, into[i], aliased[i][1]
+        elif static is None:
+            how = _ALLOCATED
+        else:
+            target = _writable_target(into, i, static, inputs) if into else None
+            if target is not None and static[2] > COPY_BYTES:
+                how, address = _WRITTEN, target.local_array().ctypes.data
+            elif allocator and (kept and static[2] > COPY_BYTES or static[2] >= PLACE_BYTES):
+                how = _PLACED  # (no target: a small one's is not placed, a large one's is written)
+            else:
+                how = _SCRATCH
+                array, address = binding.scratch(i, static)
+        plan.append((i, name, static, how, kept, target, array, address))
+    return tuple(plan)
+
+
 def _aliased(into, inputs: Sequence[np.ndarray], address: Callable[[int, np.ndarray], int]) \
         -> dict[int, tuple[int, int]]:
     """Outputs (by position) whose target IS an input's memory (same start, same size), with that input and where
@@ -417,7 +449,7 @@ class _Binding:
     """An IOBinding kept between runs: what each input and output is bound to, and the memory kept with it
     (small inputs are copied into it; small outputs of known shape are written into it)."""
 
-    __slots__ = ("io", "names", "inputs", "copies", "outputs", "_scratch", "_addresses", "ort_allocated")
+    __slots__ = ("io", "names", "inputs", "copies", "outputs", "_scratch", "_addresses", "ort_allocated", "_plan")
 
     def __init__(self, io, inputs: list[str], outputs: list):
         self.io = io
@@ -429,6 +461,17 @@ class _Binding:
         self._scratch: dict[int, tuple[np.ndarray, int]] = {}
         self._addresses: dict[int, tuple[np.ndarray, int]] = {}  # key -> (the array of the last run, its address)
         self.ort_allocated = any(static is None for _, static in outputs)
+        self._plan: tuple = (None, None, ())  # (allocator, keep, plan) of the last run without `into`
+
+    def plan(self, outputs: list, allocator: bool, keep: tuple[int, ...]) -> tuple[tuple, ...]:
+        """The output plan (_output_plan) of a run without `into`: a function of whether the run has an allocator
+        and of its `keep` only (the binding's memory it names stays the binding's), so the last one is made anew
+        only where either differs."""
+        last_allocator, last_keep, plan = self._plan
+        if allocator is not last_allocator or keep != last_keep:
+            plan = _output_plan(outputs, self, allocator, keep, None, (), {})
+            self._plan = (allocator, keep, plan)
+        return plan
 
     def address(self, key: int, array: np.ndarray) -> int:
         """Where `array`'s bytes lie, asked of numpy only where the array in place `key` is not the last run's: a

@@ -101,8 +101,9 @@ class EpService(Servicer):
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
-        counts = call.counts = {"kept_calls": 1}
-        inputs, handles = kept.input_tensors(payload, client, counts)
+        call.counts = {"kept_calls": 1}  # (a frame refused as it is read counts so)
+        inputs, handles, counts = kept.input_tensors(payload, client)
+        call.counts = counts
         into = kept.into_tensors(handles, client) if kept.into else None
         if written is not None:
             written()

@@ -17,6 +17,7 @@ and the tensors' types and shapes; each repeat names the buffers, and its reply 
 from __future__ import annotations
 
 import itertools
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -26,7 +27,7 @@ import numpy as np
 from ephost.errors import EpInvalidArgument, EpUnknownKeptCall
 from ephost.fastlane import KEPT_ID, MAX_KEPT, PLACED
 from ephost.tensor import Tensor
-from ephost.types import HOST_MEMORY, checked_desc, desc_to_proto, nbytes_of
+from ephost.types import HOST_MEMORY, MAX_TENSOR_BYTES, checked_desc, desc_to_proto, nbytes_of
 from ephost.server.clients import BufferEntry, ClientState
 from ephost.server.tensors import fits, place_output, write_into
 from ephost.v1 import common_pb2
@@ -96,6 +97,12 @@ class KeptCompute:
     _views: _Views = field(default_factory=_Views, compare=False, repr=False)
     _structs: tuple = field(default=(), init=False, compare=False, repr=False)  # input dims, handles, output dims
     placed: tuple[int, ...] = field(default=(), init=False, compare=False, repr=False)  # positions left in buffers
+    # What reading a frame and making a reply look up for each tensor, laid out once: each input's (position,
+    # where its dimensions lie among the frame's, dtype, item size, by handle); each returned output's
+    # (position, rank, dtype, left in a new buffer); how many outputs a run makes.
+    _reads: tuple = field(default=(), init=False, compare=False, repr=False)
+    _writes: tuple = field(default=(), init=False, compare=False, repr=False)
+    _output_count: int = field(default=0, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         named = sum(1 for *_, by_handle in self.inputs if by_handle) + len(self.into)
@@ -103,6 +110,12 @@ class KeptCompute:
         object.__setattr__(self, "_structs", (struct.Struct(f"<{ranks + named}Q"), ranks,
                                               struct.Struct(f"<{sum(r for r, _, _ in self.outputs)}Q")))
         object.__setattr__(self, "placed", tuple(i for i, (*_, left) in zip(self.returned, self.outputs) if left))
+        starts = itertools.accumulate((r for r, _, _ in self.inputs), initial=0)
+        object.__setattr__(self, "_reads", tuple((i, at, at + rank, dtype, dtype.itemsize, by_handle)
+                                                 for i, ((rank, dtype, by_handle), at)
+                                                 in enumerate(zip(self.inputs, starts))))
+        object.__setattr__(self, "_writes", tuple((i, *output) for i, output in zip(self.returned, self.outputs)))
+        object.__setattr__(self, "_output_count", len(self.returned) + len(self.into))
 
     @classmethod
     def of(cls, request, reply) -> "KeptCompute | None":
@@ -136,11 +149,11 @@ class KeptCompute:
                    dict(zip(positions, into)), tuple(returned), tuple(outputs),
                    tuple(i for i in dict.fromkeys(request.keep) if i not in request.output_buffers))
 
-    def input_tensors(self, payload, client: ClientState, counts: dict[str, int]) -> tuple[list[Tensor], tuple]:
-        """A repeat's inputs, as tensors over its payload and over the client's buffers (no copy), and the handles
-        its payload names (its inputs' in buffers, then those outputs go into). Its dimensions are checked as a
-        request's are, and its length against the sizes they make, before any byte is read; what the inputs are
-        is counted in `counts` (resident: made here by an earlier Compute)."""
+    def input_tensors(self, payload, client: ClientState) -> tuple[list[Tensor], tuple, dict[str, int]]:
+        """A repeat's inputs, as tensors over its payload and over the client's buffers (no copy), the handles its
+        payload names (its inputs' in buffers, then those outputs go into), and the call's counts: what the
+        inputs are (resident: made here by an earlier Compute). Its dimensions are checked as a request's are,
+        and its length against the sizes they make, before any byte is read."""
         head, ranks = self._structs[0], self._structs[1]
         start = KEPT_ID.size + head.size
         size = len(payload)
@@ -149,14 +162,15 @@ class KeptCompute:
                                     f"buffers' handles), got {size - KEPT_ID.size}")
         values = head.unpack_from(payload, KEPT_ID.size)
         handles = values[ranks:]
-        tensors, at, named, offset = [], 0, 0, start
+        tensors, named, offset = [], ranks, start
         resident = resident_bytes = moved = moved_bytes = 0
-        for i, (rank, dtype, by_handle) in enumerate(self.inputs):
-            shape = values[at:at + rank]
-            at += rank
-            nbytes = nbytes_of(shape, dtype)
+        for i, lo, hi, dtype, itemsize, by_handle in self._reads:
+            shape = values[lo:hi]
+            nbytes = math.prod(shape) * itemsize
+            if not 0 < nbytes <= MAX_TENSOR_BYTES:  # a zero dimension, or one nbytes_of refuses
+                nbytes = nbytes_of(shape, dtype)
             if by_handle:
-                tensor, entry = self._views.tensor(i, client, handles[named], shape, dtype, nbytes, "input")
+                tensor, entry = self._views.tensor(i, client, values[named], shape, dtype, nbytes, "input")
                 named += 1
                 tensors.append(tensor)
                 if entry.produced:
@@ -173,14 +187,13 @@ class KeptCompute:
             moved += 1
             moved_bytes += nbytes
         if offset != size or len(tensors) != len(self.inputs):
-            inline = sum(nbytes_of(values[a:a + r], d) for a, (r, d, h) in zip(
-                itertools.accumulate([0, *(r for r, _, _ in self.inputs)]), self.inputs) if not h)
+            inline = sum(nbytes_of(values[lo:hi], dtype) for _, lo, hi, dtype, _, by_handle in self._reads
+                         if not by_handle)
             raise EpInvalidArgument(f"a kept call takes {head.size + inline} bytes (its inputs' dimensions, its "
                                     f"buffers' handles, then its inline inputs), got {size - KEPT_ID.size}")
-        counts.update(compute_inputs_resident=resident, compute_input_bytes_resident=resident_bytes,
-                      compute_inputs_transferred=moved, compute_input_bytes_transferred=moved_bytes,
-                      bytes_inline_in=offset - start)
-        return tensors, handles
+        return tensors, handles, {"kept_calls": 1, "compute_inputs_resident": resident,
+                                  "compute_input_bytes_resident": resident_bytes, "compute_inputs_transferred": moved,
+                                  "compute_input_bytes_transferred": moved_bytes, "bytes_inline_in": offset - start}
 
     def into_tensors(self, handles: tuple[int, ...], client: ClientState) -> dict[int, Tensor]:
         """The client's buffers outputs are written into, by position."""
@@ -208,10 +221,10 @@ class KeptCompute:
         """A KEPT reply's parts before its records (the returned outputs' dimensions, then those carried inline,
         as arrays), the inline outputs' bytes and the whole payload's length (a record for each output left in the
         worker too); None where an output is not a tensor of its kept type and rank (the whole reply goes then)."""
-        if len(outputs) != len(self.returned) + len(self.into):
+        if len(outputs) != self._output_count:
             return None
         dims, parts, inline = [], [b""], 0
-        for i, (rank, dtype, left) in zip(self.returned, self.outputs):
+        for i, rank, dtype, left in self._writes:
             value = outputs[i]
             if type(value) is not Tensor or len(value.shape) != rank or value.dtype != dtype:
                 return None
