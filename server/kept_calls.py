@@ -27,7 +27,7 @@ import numpy as np
 from ephost.errors import EpInvalidArgument, EpUnknownKeptCall
 from ephost.fastlane import KEPT_ID, MAX_KEPT, PLACED
 from ephost.tensor import Tensor
-from ephost.types import HOST_MEMORY, MAX_TENSOR_BYTES, checked_desc, desc_to_proto, nbytes_of
+from ephost.types import MAX_TENSOR_BYTES, checked_desc, desc_to_proto, nbytes_of
 from ephost.server.clients import BufferEntry, ClientState
 from ephost.server.tensors import fits, place_output, write_into
 from ephost.v1 import common_pb2
@@ -149,11 +149,11 @@ class KeptCompute:
                    dict(zip(positions, into)), tuple(returned), tuple(outputs),
                    tuple(i for i in dict.fromkeys(request.keep) if i not in request.output_buffers))
 
-    def input_tensors(self, payload, client: ClientState) -> tuple[list[Tensor], tuple, dict[str, int]]:
-        """A repeat's inputs, as tensors over its payload and over the client's buffers (no copy), the handles its
-        payload names (its inputs' in buffers, then those outputs go into), and the call's counts: what the
-        inputs are (resident: made here by an earlier Compute). Its dimensions are checked as a request's are,
-        and its length against the sizes they make, before any byte is read."""
+    def input_tensors(self, payload, client: ClientState) -> tuple[list[np.ndarray | Tensor], tuple, dict[str, int]]:
+        """A repeat's inputs, as arrays over its payload (those it carries) and tensors over the client's buffers
+        (no copy), the handles its payload names (its inputs' in buffers, then those outputs go into), and the
+        call's counts: what the inputs are (resident: made here by an earlier Compute). Its dimensions are
+        checked as a request's are, and its length against the sizes they make, before any byte is read."""
         head, ranks = self._structs[0], self._structs[1]
         start = KEPT_ID.size + head.size
         size = len(payload)
@@ -180,9 +180,9 @@ class KeptCompute:
             else:
                 if offset + nbytes > size:
                     break
-                # One constructor: frombuffer then reshape costs twice as much (the payload's length is checked).
-                tensors.append(Tensor.trusted(shape, dtype, HOST_MEMORY, nbytes,
-                                              host=np.ndarray(shape, dtype, payload, offset)))
+                # An array over the payload, as a Compute's inputs may be (no tensor to make around it); one
+                # constructor: frombuffer then reshape costs twice as much (the payload's length is checked).
+                tensors.append(np.ndarray(shape, dtype, payload, offset))
                 offset += nbytes
             moved += 1
             moved_bytes += nbytes
