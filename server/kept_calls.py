@@ -103,6 +103,8 @@ class KeptCompute:
     _reads: tuple = field(default=(), init=False, compare=False, repr=False)
     _writes: tuple = field(default=(), init=False, compare=False, repr=False)
     _output_count: int = field(default=0, init=False, compare=False, repr=False)
+    _start: int = field(default=0, init=False, compare=False, repr=False)  # where a frame's inline inputs start
+    _reply_bytes: int = field(default=0, init=False, compare=False, repr=False)  # a reply's but its inline outputs
 
     def __post_init__(self):
         named = sum(1 for *_, by_handle in self.inputs if by_handle) + len(self.into)
@@ -116,6 +118,8 @@ class KeptCompute:
                                                  in enumerate(zip(self.inputs, starts))))
         object.__setattr__(self, "_writes", tuple((i, *output) for i, output in zip(self.returned, self.outputs)))
         object.__setattr__(self, "_output_count", len(self.returned) + len(self.into))
+        object.__setattr__(self, "_start", KEPT_ID.size + self._structs[0].size)
+        object.__setattr__(self, "_reply_bytes", self._structs[2].size + PLACED.size * len(self.placed))
 
     @classmethod
     def of(cls, request, reply) -> "KeptCompute | None":
@@ -154,14 +158,13 @@ class KeptCompute:
         (no copy), the handles its payload names (its inputs' in buffers, then those outputs go into), and the
         call's counts: what the inputs are (resident: made here by an earlier Compute). Its dimensions are
         checked as a request's are, and its length against the sizes they make, before any byte is read."""
-        head, ranks = self._structs[0], self._structs[1]
-        start = KEPT_ID.size + head.size
+        head, ranks, _ = self._structs
+        start = self._start
         size = len(payload)
         if size < start:
             raise EpInvalidArgument(f"a kept call takes at least {head.size} bytes (its inputs' dimensions, its "
                                     f"buffers' handles), got {size - KEPT_ID.size}")
         values = head.unpack_from(payload, KEPT_ID.size)
-        handles = values[ranks:]
         tensors, named, offset = [], ranks, start
         resident = resident_bytes = moved = moved_bytes = 0
         for i, lo, hi, dtype, itemsize, by_handle in self._reads:
@@ -179,21 +182,25 @@ class KeptCompute:
                     continue
             else:
                 if offset + nbytes > size:
-                    break
+                    raise self._length_error(values, size)
                 # An array over the payload, as a Compute's inputs may be (no tensor to make around it); one
                 # constructor: frombuffer then reshape costs twice as much (the payload's length is checked).
                 tensors.append(np.ndarray(shape, dtype, payload, offset))
                 offset += nbytes
             moved += 1
             moved_bytes += nbytes
-        if offset != size or len(tensors) != len(self.inputs):
-            inline = sum(nbytes_of(values[lo:hi], dtype) for _, lo, hi, dtype, _, by_handle in self._reads
-                         if not by_handle)
-            raise EpInvalidArgument(f"a kept call takes {head.size + inline} bytes (its inputs' dimensions, its "
-                                    f"buffers' handles, then its inline inputs), got {size - KEPT_ID.size}")
-        return tensors, handles, {"kept_calls": 1, "compute_inputs_resident": resident,
-                                  "compute_input_bytes_resident": resident_bytes, "compute_inputs_transferred": moved,
-                                  "compute_input_bytes_transferred": moved_bytes, "bytes_inline_in": offset - start}
+        if offset != size:
+            raise self._length_error(values, size)
+        return tensors, values[ranks:], {
+            "kept_calls": 1, "compute_inputs_resident": resident, "compute_input_bytes_resident": resident_bytes,
+            "compute_inputs_transferred": moved, "compute_input_bytes_transferred": moved_bytes,
+            "bytes_inline_in": offset - start}
+
+    def _length_error(self, values: tuple[int, ...], size: int) -> EpInvalidArgument:
+        """The error for a frame of `size` bytes whose dimensions (`values`) make another length."""
+        inline = sum(nbytes_of(values[lo:hi], dtype) for _, lo, hi, dtype, _, by_handle in self._reads if not by_handle)
+        return EpInvalidArgument(f"a kept call takes {self._structs[0].size + inline} bytes (its inputs' dimensions, "
+                                 f"its buffers' handles, then its inline inputs), got {size - KEPT_ID.size}")
 
     def into_tensors(self, handles: tuple[int, ...], client: ClientState) -> dict[int, Tensor]:
         """The client's buffers outputs are written into, by position."""
@@ -236,7 +243,7 @@ class KeptCompute:
                 parts.append(array)
                 inline += value.nbytes
         parts[0] = self._structs[2].pack(*dims)
-        return parts, inline, len(parts[0]) + inline + PLACED.size * len(self.placed)
+        return parts, inline, self._reply_bytes + inline
 
     def place(self, client: ClientState, allocator, outputs: list[Any], counts: dict[str, int]) -> tuple[bytes, list]:
         """The outputs left in the allocator handed to the client: their PLACED records, and the shared regions
