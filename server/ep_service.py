@@ -101,7 +101,7 @@ class EpService(Servicer):
         client = call.client
         _, info = client.get("compute_info", kept.compute_info)
         allocator = client.get("allocator", kept.allocator) if kept.allocator else None
-        call.counts = {"kept_calls": 1}  # (a frame refused as it is read counts so)
+        call.counts = {"kept_calls": 1}  # what a repeat refused as its frame is read counts
         inputs, handles, counts = kept.input_tensors(payload, client)
         call.counts = counts
         into = kept.into_tensors(handles, client) if kept.into else None
