@@ -36,7 +36,7 @@ def result_in_worker(registration, values: np.ndarray):
 
 def bring_in(copies, t: np.ndarray):
     """The copy kept for ORT's tensor `t` (by its address), brought up to date."""
-    return copies.bring_in(t.ctypes.data, t.ctypes.data, t.nbytes)
+    return copies.bring_in([(t.ctypes.data, t.ctypes.data, t.nbytes)])[0]
 
 
 def test_sync_copies_only_the_chunks_that_differ(sync):
@@ -47,25 +47,35 @@ def test_sync_copies_only_the_chunks_that_differ(sync):
     src[999] = 2.0      # in the tail (4000 bytes: 62 whole chunks, then 32 bytes)
     assert sync(dst.ctypes.data, src.ctypes.data, dst.nbytes) == 64 + 32
     np.testing.assert_array_equal(dst, src)
+    others = [np.zeros(100, np.float32) for _ in range(9)]  # several in one call: more than its first room holds
+    src[500] = src[0] = 3.0
+    for other in others:
+        other[50] = 1.0
+    jobs = [(dst.ctypes.data, src.ctypes.data, dst.nbytes)]
+    jobs += [(o.ctypes.data, dst.ctypes.data, o.nbytes) for o in others]
+    assert sync.many(jobs) == [2 * 64] + [3 * 64] * 9, "in order: the first brings dst up to date for the others"
+    np.testing.assert_array_equal(dst, src)
+    for other in others:
+        np.testing.assert_array_equal(other, src[:100])
 
 
 def test_a_kept_copy_is_brought_in_with_only_what_changed(worker, sync):
     copies = KeptCopies(lambda: worker, sync)
     kv = np.random.default_rng(0).standard_normal((2, 256, 16)).astype(np.float32)  # ORT's tensor, 32 KiB
     address = kv.ctypes.data
-    assert copies.bring_in(address, address, kv.nbytes) is None, "nothing kept yet"
+    assert copies.bring_in([(address, address, kv.nbytes)])[0] is None, "nothing kept yet"
     step = kv.copy()
     step[:, 5] = 7.0  # the worker's result: one new row per head
-    copied = copies.bring_out(address, kv.nbytes, result_in_worker(worker, step))
+    copied = copies.bring_out([(address, kv.nbytes, result_in_worker(worker, step))])[0]
     assert copied == 2 * 64, "the two changed rows, one chunk each"
     np.testing.assert_array_equal(kv, step)
-    buffer, copied = copies.bring_in(address, address, kv.nbytes)
+    buffer, copied = copies.bring_in([(address, address, kv.nbytes)])[0]
     assert copied == 0, "nobody but the bridge wrote ORT's tensor"
     kv[1, 200, 3] = -1.0  # the application writes it
-    buffer2, copied = copies.bring_in(address, address, kv.nbytes)
+    buffer2, copied = copies.bring_in([(address, address, kv.nbytes)])[0]
     assert buffer2 is buffer and copied == 64
     np.testing.assert_array_equal(buffer.host_view().view(np.float32).reshape(kv.shape), kv)
-    assert copies.bring_in(address, address, 4) is None, "another size at that address: not a copy of it"
+    assert copies.bring_in([(address, address, 4)])[0] is None, "another size at that address: not a copy of it"
     assert len(copies) == 0
 
 
@@ -91,7 +101,7 @@ def test_copies_of_a_worker_that_died_are_dropped(worker, sync):
     copies = KeptCopies(lambda: worker, sync)
     tensors = [np.full(2048, float(i), np.float32) for i in range(3)]
     for t in tensors:
-        copies.bring_out(t.ctypes.data, t.nbytes, result_in_worker(worker, t))
+        copies.bring_out([(t.ctypes.data, t.nbytes, result_in_worker(worker, t))])
     assert len(copies) == 3 and copies.nbytes == 3 * 8192
     process = worker.process
     os.kill(process.pid, signal.SIGKILL)
@@ -106,9 +116,9 @@ def test_the_least_recently_used_copies_go_past_the_limit(worker, sync):
     copies = KeptCopies(lambda: worker, sync, limit=3 * 8192)
     tensors = [np.full(2048, float(i), np.float32) for i in range(4)]
     for t in tensors[:3]:
-        copies.bring_out(t.ctypes.data, t.nbytes, result_in_worker(worker, t))
+        copies.bring_out([(t.ctypes.data, t.nbytes, result_in_worker(worker, t))])
     assert bring_in(copies, tensors[0]) is not None  # used again: the newest now
-    copies.bring_out(tensors[3].ctypes.data, tensors[3].nbytes, result_in_worker(worker, tensors[3]))
+    copies.bring_out([(tensors[3].ctypes.data, tensors[3].nbytes, result_in_worker(worker, tensors[3]))])
     assert copies.nbytes == 3 * 8192
     assert bring_in(copies, tensors[1]) is None, "the least recently used went"
     for t in (tensors[0], tensors[2], tensors[3]):
@@ -123,13 +133,13 @@ def test_a_released_partition_lets_go_of_its_inputs_copies(worker, sync):
     first, second = PartitionCopies(copies, 1), PartitionCopies(copies, 2)
     mask = np.ones((1, 1000), np.int64)
     kv = np.zeros(4096, np.float32)
-    assert first.bring_in(0, mask.ctypes.data, mask.nbytes)[1] == mask.nbytes
-    assert second.bring_in(0, mask.ctypes.data, mask.nbytes)[1] == mask.nbytes
-    copies.bring_out(kv.ctypes.data, kv.nbytes, result_in_worker(worker, kv))
+    assert first.bring_in([(0, mask.ctypes.data, mask.nbytes)])[0][1] == mask.nbytes
+    assert second.bring_in([(0, mask.ctypes.data, mask.nbytes)])[0][1] == mask.nbytes
+    copies.bring_out([(kv.ctypes.data, kv.nbytes, result_in_worker(worker, kv))])
     assert len(copies) == 3
     first.release()
     assert len(copies) == 2, "the other partition's input and the copy of ORT's memory stay"
-    assert second.bring_in(0, mask.ctypes.data, mask.nbytes)[1] == 0
+    assert second.bring_in([(0, mask.ctypes.data, mask.nbytes)])[0][1] == 0
 
 
 def test_an_output_is_kept_in_the_worker_once_its_memory_comes_back_as_an_input(worker, sync):
@@ -144,7 +154,7 @@ def test_an_output_is_kept_in_the_worker_once_its_memory_comes_back_as_an_input(
         assert partition.bring_out(learned, o, t.ctypes.data, t.nbytes, None, []) is None  # (written plainly)
     partition.done(learned)
     assert partition.keep({}) == ()
-    partition.bring_in(0, present.ctypes.data, present.nbytes)  # the next step's past, in the present's memory
+    partition.bring_in([(0, present.ctypes.data, present.nbytes)])  # the next step's past, in the present's memory
     assert partition.keep({}) == (0,), "the present only"
     partition.release()
     assert len(copies) == 0, "the copy of its input went with the partition"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from types import MappingProxyType
 from ctypes import c_size_t, c_void_p
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from ephost.ort.callbacks import Guard, Strings, fill, forget, keep
 from ephost.ort.context import ContextRequest, context_node
 from ephost.ort.profiler import BridgeProfiler
 from ephost.ort.graph_reader import GraphReader
-from ephost.ort.resident import Learned, PartitionCopies
+from ephost.ort.resident import MIN_BYTES, Learned, PartitionCopies
 from ephost.ort.values import array_over, string_bytes, write_strings
 from ephost.tensor import Tensor
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from ephost.ort.factory import BridgeFactory
 
 log = logging.getLogger(__name__)
+
+_NOTHING: Mapping = MappingProxyType({})
 
 class BridgeEp:
     """OrtEp: one per ORT session that selected the bridged devices; an EP in the worker behind it."""
@@ -223,34 +226,37 @@ class BridgeComputeInfo:
             return self.ep.guard.failed(self._what, e)
 
     def compute(self, context: int) -> None:
-        if not hasattr(self._held, "calls"):
-            self._held.calls = [None]
+        held = getattr(self._held, "calls", None)
+        if held is None:
+            held = self._held.calls = [None]
         # What the Compute copied (bytes in, bytes out) and named in place (inputs, outputs), counted however it
         # ends: a Compute that fails in the worker copied its inputs all the same.
         crossed = [0, 0, 0, 0]
         try:
-            self._run(context, crossed)
+            self._run(context, crossed, held)
         except EpWorkerDraining:
             # Refused by a worker this process is replacing (past its memory limit), nothing of it run: made again
             # on the successor (WorkerLink.wait_replaced), as a session's Compute is.
             if not self.remote.link.wait_replaced():
                 raise
-            self._run(context, crossed)
+            self._run(context, crossed, held)
         finally:
             self.ep.factory.stats.count(*crossed)
 
-    def _run(self, context: int, crossed: list[int]) -> None:
+    def _run(self, context: int, crossed: list[int], held: list) -> None:
         """One Compute: ORT's tensors in the worker's memory named by handle, the others' bytes sent (the
-        transport repeats the call with only what changes where it keeps calls); what it copied added to
-        `crossed`."""
+        transport repeats the call with only what changes where it keeps calls: `held`, this thread's); what it
+        copied added to `crossed`."""
         factory = self.ep.factory
-        arrays, addresses = factory.kernel_io.inputs(context)
+        io = factory.kernel_io
+        arrays, addresses = io.inputs(context)
         memory, copies = factory.memory, self.copies
         inputs: list[Any] = []
         in_place = in_bytes = 0
-        brought: dict[int, Tensor] = {}  # inputs sent as the worker's kept copy of ORT's tensor
+        wanted: list[tuple[int, int, int]] = []  # large inputs that may go as the worker's kept copy of ORT's
+        brought: dict[int, Tensor] = {}  # those that do
         try:
-            for i, (array, address) in enumerate(zip(arrays, addresses)):
+            for i, array in enumerate(arrays):
                 if array is None:
                     raise EpInvalidArgument(f"input {i} of {self.graph.name} is missing")
                 if array.dtype.hasobject:
@@ -258,44 +264,52 @@ class BridgeComputeInfo:
                     in_bytes += string_bytes(array)
                     continue
                 nbytes = array.nbytes
-                buffer = memory.buffer_at(address) if memory is not None and nbytes else None
-                if buffer is not None:  # in the worker's memory already: named by handle
-                    inputs.append(Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
-                                                 buffer=buffer))
-                    in_place += 1
-                elif copies is not None and (made := copies.bring_in(i, address, nbytes)) is not None:
-                    buffer, copied = made  # the worker's copy of it, brought up to date: named by handle
-                    tensor = brought[i] = Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
-                                                         buffer=buffer)
-                    inputs.append(tensor)
+                if memory is not None and nbytes:
+                    buffer = memory.buffer_at(addresses[i])
+                    if buffer is not None:  # in the worker's memory already: named by handle
+                        inputs.append(Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
+                                                     buffer=buffer))
+                        in_place += 1
+                        continue
+                    if copies is not None and nbytes >= MIN_BYTES:
+                        wanted.append((i, addresses[i], nbytes))
+                        inputs.append(array)  # (in place of the copy, where it has none)
+                        continue
+                inputs.append(array)  # ORT's memory, this process's: its bytes go
+                in_bytes += nbytes
+            made = copies.bring_in(wanted) if wanted else _NOTHING
+            for i, _, nbytes in wanted:
+                array = arrays[i]
+                if i in made:  # the worker's copy of it, brought up to date: named by handle
+                    buffer, copied = made[i]
+                    inputs[i] = brought[i] = Tensor.trusted(array.shape, array.dtype, buffer.memory_info, nbytes,
+                                                            buffer=buffer)
                     in_bytes += copied
                 else:
-                    inputs.append(array)  # ORT's memory, this process's: its bytes go
                     in_bytes += nbytes
         finally:
             crossed[0] += in_bytes
             crossed[2] += in_place
-        at = copies.targets(brought, addresses, lambda o, shape: factory.kernel_io.output(context, o, shape)[1]) \
-            if brought else {}
-        into = {o: tensor for o, (tensor, _) in at.items()}
+        at = copies.targets(brought, addresses, lambda o, shape: io.output(context, o, shape)[1]) \
+            if brought else _NOTHING
+        into = {o: tensor for o, (tensor, _) in at.items()} if at else _NOTHING
         # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory, or kept
         # as the copy of ORT's memory they are brought out into); small ones come back inline: a buffer per
         # small output and its free cost more than the copy.
-        call = ComputeCall(inputs, factory.output_allocator(), keep=copies.keep(into) if copies else (), into=into)
-        outputs = compute_held(self.remote, call, self._held.calls, 0)
+        call = ComputeCall(inputs, factory.output_allocator(), copies.keep(into) if copies is not None else (), into)
+        outputs = compute_held(self.remote, call, held, 0)
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
         self._write_outputs(context, outputs, crossed, addresses, at)
 
     def _write_outputs(self, context: int, outputs: list[Any], crossed: list[int], addresses: list[int],
-                       at: dict[int, tuple[Tensor, int]]) -> None:
+                       at: Mapping[int, tuple[Tensor, int]]) -> None:
         """ORT's outputs from the partition's: an output in the worker's memory handed over as it is (ORT's
         output tensor is the worker's buffer), or brought out of it into ORT's memory, where ORT had that
         allocated, as the worker's kept copy of it (resident.py; `at`: those the worker wrote into an input's
         copy, and that input); the others' bytes copied into ORT's. What it copied is added to `crossed`."""
         factory = self.ep.factory
         memory, io, copies = factory.memory, factory.kernel_io, self.copies
-        learned = Learned()
         if self._output_count is None:  # the fused node's, the same every Compute
             n = c_size_t()
             self.abi.check(self.abi.api.KernelContext_GetOutputCount(context, ctypes.byref(n)),
@@ -304,36 +318,44 @@ class BridgeComputeInfo:
         if self._output_count != len(outputs):
             raise EpInvalidArgument(f"{self.graph.name} made {len(outputs)} outputs where ORT expects "
                                     f"{self._output_count}")
+        learned = Learned() if copies is not None else None
         out_place = out_bytes = 0
         try:
+            if at:  # made already, in the memory of the input whose copy the worker wrote each into
+                out_bytes += copies.bring_out_in_place(learned, [(o, k, addresses[k], outputs[o])
+                                                                 for o, (_, k) in at.items()])
             for i, out in enumerate(outputs):
-                if i in at:  # made already, in the memory of the input whose copy the worker wrote it into
-                    k = at[i][1]
-                    out_bytes += copies.bring_out_in_place(learned, i, k, addresses[k], out)
+                if at and i in at:
                     continue
-                array = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
-                offered = memory.offer(out.buffer) if memory is not None and isinstance(out, Tensor) \
-                    and out.buffer is not None else None
-                value = address = elem = 0
+                if type(out) is np.ndarray:  # (the common case: an array over the reply)
+                    array, buffer = out, None
+                elif isinstance(out, Tensor):
+                    array, buffer = out.numpy(), out.buffer
+                else:
+                    array, buffer = np.asarray(out), None
+                offered = memory.offer(buffer) if buffer is not None and memory is not None else None
+                value = address = 0
                 try:
-                    value, address, elem = io.output(context, i, array.shape)
+                    value, address, elem, view = io.output(context, i, array.shape)
                 finally:
                     taken = offered is not None and memory.taken(offered, address)
                 if taken:  # ORT's output is the worker's buffer: it is ORT's to free now
                     out.detach_buffer()
                     out_place += 1
                     continue
-                if copies is not None and address and array.dtype != object:
+                strings = array.dtype.hasobject
+                if copies is not None and address and not strings:
                     copied = copies.bring_out(learned, i, address, array.nbytes, out, addresses)
                     if copied is not None:  # only what changed, from the worker's buffer, now the copy of ORT's
                         out_bytes += copied
                         continue
-                if array.dtype == object:
+                if strings:
                     out_bytes += write_strings(self.abi, value, array)
                 elif array.size:
-                    np.copyto(array_over(address, elem, array.shape), array, casting="no")
+                    np.copyto(array_over(address, elem, array.shape) if view is None else view, array,
+                              casting="no")
                     out_bytes += array.nbytes
-                if isinstance(out, Tensor):
+                if buffer is not None:
                     out.release()
         finally:
             crossed[1] += out_bytes

@@ -42,6 +42,7 @@ class BridgeFactory:
         self.stats = binding.stats
         self.name = binding.ort_name
         self.registration = binding.registration
+        self._output_allocator = None  # the registration's allocator outputs are left in (output_allocator)
         self.guard = Guard(abi, self.name)
         self._strings = Strings()
         self._device_of: dict[int, int] = {}  # OrtHardwareDevice* -> the worker's device index
@@ -102,11 +103,15 @@ class BridgeFactory:
         return compatibility_info(*self.worker_ep())
 
     def output_allocator(self):
-        """Where partitions leave their outputs: the worker's memory this process maps, read in place."""
-        registration = self.registration  # (read once: release may set it to None on another thread)
-        if registration is None:
-            raise EpNotFound(f"{self.name} was unregistered: a session made with it can no longer run")
-        return registration.session_allocator()
+        """Where partitions leave their outputs: the worker's memory this process maps, read in place (through the
+        registration's allocator of it, the same one for the registration's life: read once)."""
+        allocator = self._output_allocator
+        if allocator is None:
+            registration = self.registration  # (read once: release may set it to None on another thread)
+            if registration is None:
+                raise EpNotFound(f"{self.name} was unregistered: a session made with it can no longer run")
+            allocator = self._output_allocator = registration.session_allocator()
+        return allocator
 
     # --- devices ---
 
@@ -197,4 +202,5 @@ class BridgeFactory:
             self.kept.forget()
         if self.memory is not None:
             self.memory.release()
+        self._output_allocator = None
         self.registration = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ MIN_BYTES = 4096  # smaller tensors travel inline with the call: a buffer and it
 LIMIT_BYTES = 1 << 30  # worker memory the copies of one registration may hold; the least recently used go first
 
 
+_UNREAD = object()  # a value not read yet
+_JOB = struct.Struct("@PPNN")  # ephost_sync_t: dst, src, nbytes, copied
+
+
 class Sync:
     """The shim's `ephost_ort_sync`: dst made equal to src by copying the 64-byte chunks that differ."""
 
@@ -45,10 +50,28 @@ class Sync:
         self._sync = shim.ephost_ort_sync
         self._sync.restype = c_size_t
         self._sync.argtypes = [c_void_p, c_void_p, c_size_t]
+        self._many = shim.ephost_ort_sync_many
+        self._many.restype = None
+        self._many.argtypes = [c_void_p, c_size_t]
+        self._local = threading.local()  # per thread: the jobs `many` hands over, and their address
 
     def __call__(self, dst: int, src: int, nbytes: int) -> int:
         """The bytes copied, of the `nbytes` at each address."""
         return self._sync(dst, src, nbytes)
+
+    def many(self, jobs: list[tuple[int, int, int]]) -> list[int]:
+        """Each (dst, src, nbytes) synced, in one call into the shim; the bytes each copied."""
+        local = self._local
+        room = getattr(local, "room", None)
+        if room is None or len(room) < len(jobs) * _JOB.size:
+            room = local.room = bytearray(max(len(jobs), 8) * _JOB.size)
+            # (a bytearray's memory stays where it is while it is not resized)
+            local.at = ctypes.addressof((ctypes.c_char * len(room)).from_buffer(room))
+        pack = _JOB.pack_into
+        for k, (dst, src, nbytes) in enumerate(jobs):
+            pack(room, k * _JOB.size, dst, src, nbytes, 0)
+        self._many(local.at, len(jobs))
+        return [copied for *_, copied in _JOB.iter_unpack(memoryview(room)[:len(jobs) * _JOB.size])]
 
 
 @dataclass(eq=False)
@@ -86,28 +109,46 @@ class KeptCopies:
     def __len__(self) -> int:
         return len(self._copies)
 
-    def bring_in(self, key: Hashable, address: int, nbytes: int, exact: bool = True) -> tuple[Buffer, int] | None:
-        """The worker's copy kept under `key`, its first bytes made equal to ORT's `nbytes` at `address`, and the
-        bytes that took; None where there is none (or it is a dead worker's, or copies a tensor of another size:
-        `exact`, or has no room)."""
+    def bring_in(self, wanted: list[tuple[Hashable, int, int]], exact: bool = True) \
+            -> list[tuple[Buffer, int] | None]:
+        """For each (key, address, nbytes): the worker's copy kept under `key`, its first bytes made equal to ORT's
+        `nbytes` at `address` (all of them in one sync), and the bytes that took; None where there is none (or it
+        is a dead worker's, or copies a tensor of another size: `exact`, or has no room)."""
         with self._lock:
-            copy = self._copies.get(key)
-            if copy is not None:
-                self._copies.move_to_end(key)  # the most recently used
-        if copy is None:
-            return None
-        if not self._usable(copy, nbytes, exact):
-            self._take(key, None)
-            return None
-        copied = self._sync(copy.address, address, nbytes)
-        copy.size = nbytes
-        return copy.buffer, copied
+            found = [self._copies.get(key) for key, _, _ in wanted]
+            for (key, _, _), copy in zip(wanted, found):
+                if copy is not None:
+                    self._copies.move_to_end(key)  # the most recently used
+        jobs = []
+        conn = _UNREAD
+        for k, ((key, address, nbytes), copy) in enumerate(zip(wanted, found)):
+            if copy is None:
+                continue
+            if conn is _UNREAD:
+                conn = self._conn()
+            if conn is None or copy.buffer.owner is not conn or \
+                    (copy.size != nbytes if exact else copy.buffer.nbytes < nbytes):
+                self._take(key, None)
+                found[k] = None
+                continue
+            jobs.append((copy.address, address, nbytes))
+        if not jobs:
+            return [None] * len(wanted)
+        copied = iter(self._sync.many(jobs))
+        made: list[tuple[Buffer, int] | None] = []
+        for (_, _, nbytes), copy in zip(wanted, found):
+            if copy is None:
+                made.append(None)
+                continue
+            copy.size = nbytes
+            made.append((copy.buffer, next(copied)))
+        return made
 
     def bring_in_growing(self, key: Hashable, address: int, nbytes: int) -> tuple[Buffer, int] | None:
         """As bring_in, for an input that grows from Compute to Compute (a decoder's attention mask, a token
         longer every step): where there is no copy with room for it, a new one with room to double, the whole
         tensor copied in. None where the worker gives no buffer."""
-        made = self.bring_in(key, address, nbytes, exact=False)
+        made = self.bring_in([(key, address, nbytes)], exact=False)[0]
         if made is not None:
             return made
         registration = self._registration()
@@ -125,32 +166,44 @@ class KeptCopies:
         self._put(key, copy)
         return buffer, nbytes
 
-    def bring_out(self, address: int, nbytes: int, buffer: Buffer) -> int:
-        """ORT's `nbytes` at `address` made equal to the worker's result in `buffer` (mapped here), which becomes
-        the copy of them (under that key alone); the bytes copied."""
+    def bring_out(self, results: list[tuple[int, int, Buffer]]) -> list[int]:
+        """For each (address, nbytes, buffer): ORT's `nbytes` at `address` made equal to the worker's result in
+        `buffer` (mapped here), which becomes the copy of them (under that key alone); the bytes copied. Results
+        written in place into their copy are synced in one call."""
         with self._lock:
-            copy = self._copies.get(address)
-            if copy is not None and copy.buffer is buffer:  # written in place: the copy it is already
-                self._copies.move_to_end(address)
-        if copy is not None and copy.buffer is buffer:
-            copy.size = nbytes
-            return self._sync(address, copy.address, nbytes)
-        copy = _Copy(buffer, buffer.host_view(), nbytes)
-        copied = self._sync(address, copy.address, nbytes)
-        old = self._take(address, None)
-        if old is not None and old.buffer is not buffer:
-            self._free([old.buffer])
-        self._put(address, copy)
-        return copied
+            found = [self._copies.get(address) for address, _, _ in results]
+            for (address, _, buffer), copy in zip(results, found):
+                if copy is not None and copy.buffer is buffer:  # written in place: the copy it is already
+                    self._copies.move_to_end(address)
+        jobs = []
+        for (address, nbytes, buffer), copy in zip(results, found):
+            if copy is not None and copy.buffer is buffer:
+                copy.size = nbytes
+                jobs.append((address, copy.address, nbytes))
+        copied = iter(self._sync.many(jobs) if jobs else ())
+        made = []
+        for (address, nbytes, buffer), copy in zip(results, found):
+            if copy is not None and copy.buffer is buffer:
+                made.append(next(copied))
+                continue
+            copy = _Copy(buffer, buffer.host_view(), nbytes)
+            made.append(self._sync(address, copy.address, nbytes))
+            old = self._take(address, None)
+            if old is not None and old.buffer is not buffer:
+                self._free([old.buffer])
+            self._put(address, copy)
+        return made
 
-    def written(self, address: int, partition: "PartitionCopies", o: int) -> None:
-        """Partition `partition` wrote its output `o` into ORT's memory at `address` (its last write of `o`)."""
+    def written(self, partition: "PartitionCopies", outputs: list[tuple[int, int]]) -> None:
+        """Partition `partition` wrote each (address, o) of `outputs`, its output `o` into ORT's memory at
+        `address` (its last write of `o`)."""
         with self._lock:
-            last = self._wrote.get((partition, o))
-            if last is not None and last != address and self._writers.get(last) == (partition, o):
-                del self._writers[last]
-            self._wrote[(partition, o)] = address
-            self._writers[address] = (partition, o)
+            for address, o in outputs:
+                last = self._wrote.get((partition, o))
+                if last is not None and last != address and self._writers.get(last) == (partition, o):
+                    del self._writers[last]
+                self._wrote[(partition, o)] = address
+                self._writers[address] = (partition, o)
 
     def forget_writer(self, partition: "PartitionCopies") -> None:
         """A released partition's writes are forgotten."""
@@ -179,13 +232,11 @@ class KeptCopies:
 
     # --- bookkeeping ---
 
-    def _usable(self, copy: _Copy, nbytes: int, exact: bool) -> bool:
-        """Whether the copy is the running worker's and fits `nbytes` (a tensor of that size, or room for it: not
-        `exact`). A worker that died is waited for while it is replaced (the call would wait for it too)."""
+    def _conn(self):
+        """The connection of the worker a copy must be in to be used: the running one (one that died is waited
+        for while it is replaced: the call would wait for it too); None where the registration is gone."""
         link = self._link()
-        if link is None or copy.buffer.owner is not link.conn:
-            return False
-        return copy.size == nbytes if exact else copy.buffer.nbytes >= nbytes
+        return link.conn if link is not None else None
 
     def _take(self, key: Hashable, nbytes: int | None, exact: bool = True) -> _Copy | None:
         """The copy under `key`, out of the table (put back by the caller), where it can still be used for
@@ -270,18 +321,25 @@ class PartitionCopies:
         self._changing: set[int] = set()  # inputs mostly new every Compute: sent as they are
         self._read_back: set[int] = set()  # outputs whose memory a later Compute got as an input
 
-    def bring_in(self, i: int, address: int, nbytes: int) -> tuple[Buffer, int] | None:
-        """Input `i` (ORT's `nbytes` at `address`) as a copy in the worker, brought up to date: the copy of what an
-        earlier Compute wrote there (a KV cache), else of what this input was the last time (a mask a token longer
-        every step); None (sent as it is) for a small one, or one mostly new every time."""
-        if nbytes < MIN_BYTES:
-            return None
-        self.kept.read_back(address)
-        made = self.kept.bring_in(address, address, nbytes)
-        if made is not None or i in self._changing:
-            return made
+    def bring_in(self, wanted: list[tuple[int, int, int]]) -> dict[int, tuple[Buffer, int]]:
+        """The inputs of `wanted` (position, ORT's address, nbytes: MIN_BYTES or more) that go as a copy in the
+        worker, brought up to date, by position: the copy of what an earlier Compute wrote there (a KV cache), else
+        of what this input was the last time (a mask a token longer every step). Left out (sent as they are):
+        those mostly new every time."""
+        kept = self.kept
+        for _, address, _ in wanted:
+            kept.read_back(address)
+        brought = {}
+        for (i, address, nbytes), made in zip(wanted, kept.bring_in([(a, a, n) for _, a, n in wanted])):
+            if made is None and i not in self._changing:
+                made = self._bring_in_by_position(i, address, nbytes)
+            if made is not None:
+                brought[i] = made
+        return brought
+
+    def _bring_in_by_position(self, i: int, address: int, nbytes: int) -> tuple[Buffer, int] | None:
         key = (self._partition, i)
-        made = self.kept.bring_in(key, address, nbytes, exact=False)
+        made = self.kept.bring_in([(key, address, nbytes)], exact=False)[0]
         if made is None:
             return self.kept.bring_in_growing(key, address, nbytes)
         if made[1] > nbytes // 2:
@@ -317,12 +375,14 @@ class PartitionCopies:
     def was_read_back(self, o: int) -> None:
         self._read_back.add(o)
 
-    def bring_out_in_place(self, learned: Learned, o: int, i: int, address: int, out: Tensor) -> int:
-        """Output `o`, which the worker wrote in place into the copy of input `i` (targets), brought out into ORT's
-        memory at `address` (that input's, given to the output too): only what changed; the bytes copied."""
-        learned.aliases[o] = i
-        self.kept.written(address, self, o)
-        return self.kept.bring_out(address, out.nbytes, out.buffer)
+    def bring_out_in_place(self, learned: Learned, written: list[tuple[int, int, int, Tensor]]) -> int:
+        """The outputs of `written` (o, i, address, out), each of which the worker wrote in place into the copy of
+        input `i` (targets), brought out into ORT's memory at `address` (that input's, given to the output too):
+        only what changed; the bytes copied."""
+        for o, i, _, _ in written:
+            learned.aliases[o] = i
+        self.kept.written(self, [(address, o) for o, _, address, _ in written])
+        return sum(self.kept.bring_out([(address, out.nbytes, out.buffer) for _, _, address, out in written]))
 
     def bring_out(self, learned: Learned, o: int, address: int, nbytes: int, out, addresses: list[int]) \
             -> int | None:
@@ -333,10 +393,10 @@ class PartitionCopies:
             learned.aliases[o] = addresses.index(address)
         if nbytes < MIN_BYTES:
             return None
-        self.kept.written(address, self, o)
+        self.kept.written(self, [(address, o)])
         if not isinstance(out, Tensor) or out.buffer is None:
             return None
-        copied = self.kept.bring_out(address, nbytes, out.buffer)
+        copied = self.kept.bring_out([(address, nbytes, out.buffer)])[0]
         out.detach_buffer()  # the kept copy's now
         return copied
 

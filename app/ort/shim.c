@@ -242,8 +242,10 @@ typedef struct {
   element_type_fn element_type; dims_count_fn dims_count; dims_fn dims; release_info_fn release_info; data_fn data;
 } ephost_kernel_api_t;
 
+/* One tensor. Its first members, up to `value`, name a view of its data (app/ort/kernel_io.py keys its views by their
+ * bytes): the dimensions past its rank are zero. */
 typedef struct {
-  const void *value; void *data; int32_t elem; int32_t rank; int64_t dims[EPHOST_DIMS];
+  void *data; int32_t elem; int32_t rank; int64_t dims[EPHOST_DIMS]; const void *value;
 } ephost_tensor_t;
 
 /* The context's inputs into out[0 .. capacity); *count says how many it has. An input ORT gave none for reads as
@@ -260,7 +262,7 @@ EXPORT void *ephost_ort_inputs(const ephost_kernel_api_t *api, const void *conte
     void *info = 0;
     int elem = 0;
     size_t rank = 0;
-    t->data = 0;
+    memset(t, 0, sizeof *t);
     if ((status = api->input(context, i, &value))) return status;
     t->value = value;
     if (!value) {
@@ -280,18 +282,28 @@ EXPORT void *ephost_ort_inputs(const ephost_kernel_api_t *api, const void *conte
   return 0;
 }
 
-/* Output `index` of the context, made with these dimensions: its OrtValue, where its data lies, and its ONNX
- * element type (what the caller's bytes are checked against before they are copied in). */
+/* Output `index` of the context, made with these dimensions, into *out as an input is read: its OrtValue, where its
+ * data lies, its ONNX element type (what the caller's bytes are checked against before they are copied in) and
+ * the dimensions (rank -1, none of them, where there are more than EPHOST_DIMS). */
 EXPORT void *ephost_ort_output(const ephost_kernel_api_t *api, void *context, size_t index, const int64_t *dims,
-                        size_t rank, void **value, void **data, int32_t *elem) {
-  void *info = 0;
+                        size_t rank, ephost_tensor_t *out) {
+  void *info = 0, *value = 0;
   int type = 0;
-  void *status = api->output(context, index, dims, rank, value);
-  if (status || (status = api->data(*value, data))) return status;
-  if ((status = api->type_and_shape(*value, &info))) return status;
+  memset(out, 0, sizeof *out);
+  void *status = api->output(context, index, dims, rank, &value);
+  if (status) return status;
+  out->value = value;
+  if ((status = api->data(value, &out->data))) return status;
+  if ((status = api->type_and_shape(value, &info))) return status;
   status = api->element_type(info, &type);
   api->release_info(info);
-  *elem = type;
+  out->elem = type;
+  if (rank <= EPHOST_DIMS) {
+    memcpy(out->dims, dims, rank * sizeof *dims);
+    out->rank = (int32_t)rank;
+  } else {
+    out->rank = -1;
+  }
   return status;
 }
 
@@ -453,4 +465,14 @@ EXPORT size_t ephost_ort_sync(unsigned char *dst, const unsigned char *src, size
     }
   }
   return copied;
+}
+
+/* ephost_ort_sync of several (dst, src, nbytes) in one call, each one's bytes copied into its `copied`: a Compute's
+ * kept copies are brought up to date together. */
+typedef struct {
+  unsigned char *dst; const unsigned char *src; size_t nbytes; size_t copied;
+} ephost_sync_t;
+
+EXPORT void ephost_ort_sync_many(ephost_sync_t *jobs, size_t count) {
+  for (size_t i = 0; i < count; i++) jobs[i].copied = ephost_ort_sync(jobs[i].dst, jobs[i].src, jobs[i].nbytes);
 }
