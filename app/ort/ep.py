@@ -5,8 +5,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from types import MappingProxyType
 from ctypes import c_size_t, c_void_p
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -273,7 +273,7 @@ class BridgeComputeInfo:
                         continue
                     if copies is not None and nbytes >= MIN_BYTES:
                         wanted.append((i, addresses[i], nbytes))
-                        inputs.append(array)  # (in place of the copy, where it has none)
+                        inputs.append(array)  # (replaced by its copy below, where it has one)
                         continue
                 inputs.append(array)  # ORT's memory, this process's: its bytes go
                 in_bytes += nbytes
