@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import replace
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -50,16 +50,11 @@ def _write_once(stager: Stager, pending: list[tuple[Buffer, np.ndarray]]) -> Cal
     return write
 
 
-class _KeptForm(NamedTuple):
-    """How a Compute's inputs go as a kept call: each input's (rank, dtype, way), what a repeat carries (`parts`:
-    its head, the inputs' dimensions then the handles of the buffers it names, followed by the inline inputs'
-    arrays; `nbytes` in all), and the large inputs to write into their staging buffers first (`write`, None where
-    there are none)."""
-    kinds: tuple
-    parts: list
-    nbytes: int
-    write: Callable[[], None] | None
-    staged: dict
+# How a Compute's inputs go as a kept call (kept_form): each input's (rank, dtype, way), what a repeat carries (its
+# parts: its head, the inputs' dimensions then the handles of the buffers it names, followed by the inline inputs'
+# arrays; their length in all), the large inputs to write into their staging buffers first (None where there are
+# none) and those buffers by input position. A plain tuple: one is made on every repeat.
+KeptForm = tuple[tuple, list, int, "Callable[[], None] | None", dict]
 
 
 class RemoteComputeInfo(RemoteHandle):
@@ -128,10 +123,10 @@ class RemoteComputeInfo(RemoteHandle):
         if form is None:
             return None
         placed = _placed(call.keep, into)
-        kept = conn.kept(conn.ep.Compute, self._key(call.allocator, form.kinds, into, placed))
+        kept = conn.kept(conn.ep.Compute, self._key(call.allocator, form[0], into, placed))
         if kept is None:
             return None
-        return KeptCompute(self, conn, kept, form.kinds, call.allocator, placed, _targets(into))
+        return KeptCompute(self, conn, kept, form[0], call.allocator, placed, _targets(into))
 
     def _owned(self, targets: Mapping[int, Tensor]) -> Mapping[int, Tensor]:
         """The targets in the memory of the worker that runs now (all of them, as given, in the common case)."""
@@ -140,7 +135,7 @@ class RemoteComputeInfo(RemoteHandle):
         return {i: t for i, t in targets.items() if owned(t.buffer, self.link)}
 
     def kept_form(self, inputs: Sequence[Any], into: Sequence[int], kinds: tuple | None = None,
-                  conn=None, head: struct.Struct | None = None) -> _KeptForm | None:
+                  conn=None, head: struct.Struct | None = None) -> KeptForm | None:
         """How the inputs go as a kept call, where every input is a tensor the worker has (named by handle) or
         this process can read: small ones inline, large ones through buffers this thread keeps for this call
         (named by handle too); with `kinds`, only where they go so (a held kept call's, whose `head` packs the
@@ -197,7 +192,7 @@ class RemoteComputeInfo(RemoteHandle):
         if into:
             handles += into
         packed = parts[0] = (head or _u64s(len(dims) + len(handles))).pack(*dims, *handles)
-        return _KeptForm(kinds, parts, len(packed) + nbytes, write, staged or _NO_STAGING)
+        return kinds, parts, len(packed) + nbytes, write, staged or _NO_STAGING
 
     def _key(self, allocator: RemoteAllocator | None, kinds: tuple, into: Mapping[int, Tensor],
              placed: tuple[int, ...]) -> tuple:
@@ -205,7 +200,7 @@ class RemoteComputeInfo(RemoteHandle):
         return (self.handle, allocator.handle if allocator is not None else 0, kinds,
                 _targets(into) if into else (), placed)
 
-    def _compute_kept(self, conn, call: ComputeCall, into: Mapping[int, Tensor], form: _KeptForm) -> list[Any]:
+    def _compute_kept(self, conn, call: ComputeCall, into: Mapping[int, Tensor], form: KeptForm) -> list[Any]:
         """A Compute as the transport keeps it (WorkerConnection.call_kept), so that a stream of them sends the
         inputs' dimensions, the handles of the buffers the call names (the large inputs' staging buffers, the
         inputs the worker has, and those the `into` outputs are written into) and the small inputs' bytes, and
@@ -213,16 +208,16 @@ class RemoteComputeInfo(RemoteHandle):
         worker's), nothing else."""
         inputs, allocator = call.inputs, call.allocator
         placed = _placed(call.keep, into)
-        key = self._key(allocator, form.kinds, into, placed)
-        write = form.write
+        kinds, parts, nbytes, write, staged = form
+        key = self._key(allocator, kinds, into, placed)
 
         def request_of() -> ep_pb2.ComputeRequest:
             if write is not None:
                 write()
-            return self._request(inputs, allocator, placed, into, [], form.staged)
+            return self._request(inputs, allocator, placed, into, [], staged)
 
         timeout = call.timeout
-        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, form.parts, form.nbytes,
+        result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, parts, nbytes,
                                                      request_of, timeout, write), conn=conn)
         return self._outputs(result, call, conn, into)
 
@@ -362,8 +357,8 @@ class KeptCompute:
         form = info.kept_form(call.inputs, handles, self._kinds, conn, self._head)
         if form is None:
             return None
-        result = link.run(WorkerConnection.repeat, self._kept, form.parts, form.nbytes, call.timeout,
-                          form.write, conn=conn)
+        _, parts, nbytes, write, _ = form
+        result = link.run(WorkerConnection.repeat, self._kept, parts, nbytes, call.timeout, write, conn=conn)
         if result is None:
             return None
         outputs = info._outputs(result, call, conn, into)
