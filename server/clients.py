@@ -36,7 +36,7 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _tables: dict[str, dict[int, Any]] = field(default_factory=lambda: {k: {} for k in KINDS})
-    _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _ids and _tables
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _ids, and _tables' changes
 
     def add(self, kind: str, obj: Any) -> int:
         with self._lock:
@@ -45,12 +45,11 @@ class ClientState:
             return handle
 
     def get(self, kind: str, handle: int) -> Any:
-        with self._lock:
-            try:
-                return self._tables[kind][handle]
-            except KeyError:
-                raise EpNotFound(f"unknown {kind.replace('_', ' ')} handle {handle} (never made by this "
-                                 "client, or already released)") from None
+        try:
+            return self._tables[kind][handle]  # one step of a table's, atomic without the lock (as under it)
+        except KeyError:
+            raise EpNotFound(f"unknown {kind.replace('_', ' ')} handle {handle} (never made by this "
+                             "client, or already released)") from None
 
     def pop(self, kind: str, handle: int) -> Any:
         with self._lock:
@@ -81,7 +80,7 @@ class ClientState:
 class ClientRegistry:
     def __init__(self, release: Callable[[str, Any], None], left: Callable[[ClientState], None] = lambda c: None):
         self._clients: dict[str, ClientState] = {}
-        self._lock = threading.Lock()  # guards _clients
+        self._lock = threading.Lock()  # guards _clients' changes, and reads of more than one step
         self._release = release
         self._left = left  # told when a client is gone, after its handles are released
         self.departures = 0  # clients gone so far (a worker trims its heap after some went: server/malloc.py)
@@ -97,8 +96,7 @@ class ClientRegistry:
         """The client a call's client id names (ephost.wire.CLIENT_ID_KEY in gRPC metadata)."""
         if not client_id:
             raise EpFailedPrecondition("no client id in the call's metadata; call Worker.Hello first")
-        with self._lock:
-            client = self._clients.get(client_id)
+        client = self._clients.get(client_id)  # one step, atomic without the lock (as under it), on every call
         if client is None:
             raise EpUnknownClient("unknown client (the worker may have restarted, or released this client "
                                        "after its lease ran out); call Worker.Hello again")

@@ -231,9 +231,10 @@ class LaneServer:
         KEPT_WRITING frame, no buffer is read before the caller says its inputs are written."""
         def respond(reply):
             if isinstance(reply, KeptReply):
-                new = [r for r in reply.regions if r not in peer.sent]
-                if new and self._export is not None:
-                    self._hand_over(peer, new)
+                if reply.regions and self._export is not None:  # (most replies name none)
+                    new = [r for r in reply.regions if r not in peer.sent]
+                    if new:
+                        self._hand_over(peer, new)
                 send_parts(peer.conn, KEPT, 0.0, reply.parts, reply.nbytes, peer.slots)
             else:
                 self._send_reply(peer, METHODS[call.method].id, reply)

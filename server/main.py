@@ -245,7 +245,7 @@ def _serve(ep: str, options: Mapping[str, str], listen: Listen, exit_with_parent
     health_servicer.enter_graceful_shutdown()
     stopped = server.stop(grace[0])
     listen.release_files()
-    idle = dispatcher.admission.wait_idle(grace[0])
+    idle = dispatcher.wait_idle(grace[0])
     left = max(0.0, started + grace[0] - time.monotonic())
     if idle:  # a handler has returned, its reply may still be on its way: not cancelled, not waited on for long
         left = min(left, REPLY_SLACK_S)

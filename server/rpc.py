@@ -49,9 +49,9 @@ class Servicer:
         self.state = state
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
-    """What a handler knows about the call beyond its request."""
+    """What a handler knows about the call beyond its request (one made per call: its fields in slots)."""
 
     client: Any                      # ClientState, or None for methods that need no client
     deadline: float | None = None    # time.monotonic() by which the caller stops waiting
@@ -90,7 +90,8 @@ class Method:
 class Admission:
     """Bounds on calls under way: per client, and for the whole worker (so that the server keeps threads for
     health checks whatever clients do). Streams count for as long as they are open. A call whose reply is on its
-    way counts no more (a client that never reads its replies holds no slot), but a drain waits for it."""
+    way counts no more (a client that never reads its replies holds no slot); a drain waits for its reply
+    through the lane's tallies (Dispatcher.wait_idle)."""
 
     def __init__(self, per_client: int, total: int):
         self.per_client = per_client
@@ -100,7 +101,6 @@ class Admission:
         self._waiting = 0                             # leaves, and a notify costs more than the rest of it
         self._by_client: dict[str, int] = {}
         self._all = 0
-        self._replying = 0  # calls that left, whose replies are being sent
         self._full_since: float | None = None  # time.monotonic() since when every slot is taken; None: one is free
 
     def enter(self, client_id: str) -> None:
@@ -118,13 +118,12 @@ class Admission:
             if client_id:
                 self._by_client[client_id] = mine + 1
 
-    def leave(self, client_id: str, replying: bool = False) -> None:
-        """A call ends (`replying`: its reply is about to be sent; `replied` follows once it went)."""
+    def leave(self, client_id: str) -> None:
+        """A call ends, or its reply is about to be sent."""
         with self._lock:
             self._all -= 1
-            self._replying += replying
             self._full_since = None
-            if not self._all and not self._replying and self._waiting:
+            if not self._all and self._waiting:
                 self._idle.notify_all()
             if client_id:
                 left = self._by_client[client_id] - 1
@@ -132,12 +131,6 @@ class Admission:
                     self._by_client[client_id] = left
                 else:
                     del self._by_client[client_id]
-
-    def replied(self) -> None:
-        with self._lock:
-            self._replying -= 1
-            if not self._all and not self._replying and self._waiting:
-                self._idle.notify_all()
 
     def under_way(self) -> int:
         with self._lock:
@@ -153,7 +146,7 @@ class Admission:
         with self._lock:
             self._waiting += 1
             try:
-                return self._idle.wait_for(lambda: not self._all and not self._replying, timeout)
+                return self._idle.wait_for(lambda: not self._all, timeout)
             finally:
                 self._waiting -= 1
 
@@ -187,10 +180,17 @@ class Dispatcher:
             self.methods[method.key] = method
 
     def method(self, key: str) -> Method:
-        try:
-            return self.methods[key]
-        except KeyError:
-            raise EpUnimplemented(f"no method {quoted(key)} on this worker") from None
+        method = self.methods.get(key)
+        if method is None:
+            raise EpUnimplemented(f"no method {quoted(key)} on this worker")
+        return method
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no call is under way and every reply on its way has gone (the lane answers a call after it
+        left the bounds: WorkerStats.answering); False if some are left after `timeout`."""
+        deadline = time.monotonic() + timeout
+        return self.admission.wait_idle(timeout) and \
+            self.state.stats.settle(max(0.0, deadline - time.monotonic()))
 
     # --- the one path every call takes ------------------------------------------------------------
 
@@ -198,37 +198,39 @@ class Dispatcher:
                  lane: bool = False, handler: Callable | None = None, respond: Callable | None = None,
                  ran: Callable[[], bool] | None = None):
         """Run one call (`lane`: it came on the fast lane; `handler`: another form of the method, admitted and
-        counted as the method; `respond(reply)` sends the reply, after which the call is counted and leaves the
-        admission bounds; `ran`: the call's Call.ran). Returns the reply (an iterator of replies for
-        server-streaming methods, which is accounted while it is iterated); raises EpError, and what `respond`
-        raises."""
+        counted as the method; `respond(reply)` sends the reply, after which the call is counted; `ran`: the
+        call's Call.ran). Returns the reply (an iterator of replies for server-streaming methods, which is
+        accounted while it is iterated); raises EpError, and what `respond` raises."""
         method = self.method(key)
         if method.server_streaming:
             return self._stream(method, request, client_id, deadline)
         start = time.perf_counter()
         call = self._enter(method, client_id, deadline, ran)
+        stats, admission = self.state.stats, self.admission
         try:
-            if method.traced and handler is None and request.trace_context:  # a traced caller's Compute
+            if handler is None and method.traced and request.trace_context:  # a traced caller's Compute
                 with tracing.served(method.key, request.trace_context, {"ephost.ep": self.state.ep_name}):
                     reply = method.handler(request, call)
             else:
                 reply = (handler or method.handler)(request, call)
         except BaseException as e:
-            self._record(method, call, time.perf_counter() - start, _status(e), lane)
-            self.admission.leave(call.client_id)
+            stats.record_call(method.key, time.perf_counter() - start, _status(e), lane, call.counts)
+            admission.leave(call.client_id)
             if isinstance(e, EpError) or not isinstance(e, Exception):
                 raise
             raise _internal(method, e) from None
         seconds = time.perf_counter() - start
         if respond is None:  # the caller answers once this returns: counted first
-            self._record(method, call, seconds, "", lane)
-            self.admission.leave(call.client_id)
+            stats.record_call(method.key, seconds, "", lane, call.counts)
+            admission.leave(call.client_id)
             return reply
-        # Answered first, counted right after: counting first would hold every lane reply back; a GetStats
-        # waits for the calls answered before it (WorkerStats.settle).
-        answered = self.state.stats.answering()
+        # Answered first, counted right after: counting first would hold every lane reply back. The tally says
+        # which replies are on their way: a GetStats waits for the calls answered before it (WorkerStats.settle),
+        # a drain for every reply (wait_idle); the call leaves the bounds before its reply goes, so that a reply
+        # its client does not read holds no slot.
+        answered = stats.answering()
         answered.answered += 1
-        self.admission.leave(call.client_id, replying=True)  # a reply its client does not read holds no slot
+        admission.leave(call.client_id)
         try:
             respond(reply)
             # The caller polls for this reply, and on a machine with fewer CPUs than busy threads it may be queued
@@ -236,9 +238,8 @@ class Dispatcher:
             # the caller runs at once; where no one waits, it costs a system call.
             os.sched_yield()
         finally:
-            self._record(method, call, seconds, "", lane)
+            stats.record_call(method.key, seconds, "", lane, call.counts)
             answered.counted += 1
-            self.admission.replied()
         return reply
 
     def _stream(self, method: Method, request, client_id, deadline) -> Iterator:
@@ -255,30 +256,28 @@ class Dispatcher:
             failed = "INTERNAL"
             raise _internal(method, e) from None
         finally:
-            self._record(method, call, time.perf_counter() - start, failed, False)
+            self.state.stats.record_call(method.key, time.perf_counter() - start, failed, False, call.counts)
             self.admission.leave(call.client_id)
 
     def _enter(self, method: Method, client_id: str | None, deadline: float | None,
                ran: Callable[[], bool] | None = None) -> Call:
         """Admit a call: refused while draining, bounded per client and for the whole worker; its client."""
         state = self.state
+        client_id = client_id or ""
         try:
             if state.draining.is_set():  # calls under way finish; new ones are turned away
                 raise EpWorkerDraining("worker is draining (shutting down); try another")
-            self.admission.enter(client_id or "")
+            self.admission.enter(client_id)
         except EpError as e:
             state.stats.refused(method.key, _status(e))
             raise
         try:
-            return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline,
-                        client_id=client_id or "", ran=ran)
+            return Call(state.clients.lookup(client_id) if method.needs_client else None, deadline, None, client_id,
+                        ran)
         except EpError as e:
-            self.admission.leave(client_id or "")
+            self.admission.leave(client_id)
             state.stats.refused(method.key, _status(e))
             raise
-
-    def _record(self, method: Method, call: Call, seconds: float, failed: str, lane: bool) -> None:
-        self.state.stats.record_call(method.key, seconds, failed, lane, call.counts)
 
     # --- gRPC -------------------------------------------------------------------------------------
 

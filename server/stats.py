@@ -66,12 +66,12 @@ class WorkerStats:
             if counts:
                 for key, value in counts.items():
                     counters[key] += value
-                if lane:
+            if lane:
+                counters["fast_lane_calls"] += 1
+                if counts:
                     lane_bytes = self._lane_bytes
                     lane_bytes[0] += counts.get("bytes_inline_in", 0)
                     lane_bytes[1] += counts.get("bytes_inline_out", 0)
-            if lane:
-                counters["fast_lane_calls"] += 1
             m = self._methods[method]
             m[0] += 1
             m[2] += seconds
@@ -98,15 +98,18 @@ class WorkerStats:
                 self._answering.add(mine)
         return mine
 
-    def settle(self, timeout: float = SETTLE_S) -> None:
+    def settle(self, timeout: float = SETTLE_S) -> bool:
         """Wait until every call answered before now is counted, so that what a caller has an answer to is in
-        the figures it asks for next."""
+        the figures it asks for next; False where some are not after `timeout`."""
         with self._lock:
             marks = [(tally, tally.answered) for tally in self._answering]
         deadline = time.monotonic() + timeout
         for tally, answered in marks:
-            while tally.counted < answered and time.monotonic() < deadline:
+            while tally.counted < answered:
+                if time.monotonic() >= deadline:
+                    return False
                 time.sleep(50e-6)
+        return True
 
     def add(self, amounts: dict[str, int] | None = None, /, **more: int) -> None:
         """Add to the counters: `amounts` (a call's counters, gathered as it ran) and `more`, under one lock."""
