@@ -20,6 +20,7 @@ from ephost.v1 import allocator_pb2, data_transfer_pb2, ep_pb2, factory_pb2, wor
 MAGIC = b"EL"
 HEADER = struct.Struct("<2sHHdI")  # magic, method id, status, timeout_s (0 = none), payload length
 PACKET = 64 << 10                  # bytes in one packet, header included
+_FIRST = PACKET - HEADER.size      # the longest payload a frame's first packet (or a slot) carries
 SOCKET_BUFFER = 1 << 20            # SO_SNDBUF / SO_RCVBUF: room for several packets in flight
 MAX_LENGTH = 1 << 30               # the longest payload either side accepts (a reader may take less)
 # A frame's payload up to this long is received into a buffer of its announced length; a longer one grows as its
@@ -127,7 +128,7 @@ def send_frame(sock: socket.socket, method: int, status: int, timeout_s: float, 
                slots=None) -> None:
     """One frame: through `slots` (ephost/lane_slots.py) where given and it fits, else on the socket."""
     header = HEADER.pack(MAGIC, method, status, timeout_s, len(payload))
-    first = PACKET - HEADER.size
+    first = _FIRST
     if len(payload) <= first:
         if slots is None or not slots.put(header + payload):
             sock.sendmsg([header, payload])
@@ -143,16 +144,17 @@ def send_frame(sock: socket.socket, method: int, status: int, timeout_s: float, 
 def put_parts(slots, method: int, timeout_s: float, parts: list, nbytes: int) -> bool:
     """A frame whose payload is `parts` (`nbytes` in all) put into `slots`; False (nothing written) where it
     does not go there (longer than a packet, or following descriptors on the socket)."""
-    return nbytes <= PACKET - HEADER.size and \
+    return nbytes <= _FIRST and \
         slots.put(b"".join((HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes), *parts)))
 
 
 def send_parts(sock: socket.socket, method: int, timeout_s: float, parts: list, nbytes: int, slots=None) -> None:
     """A frame whose payload is `parts` (bytes-like, `nbytes` in all) one after another: sent without joining
     them where they fit one packet (joined once, into the slot, where there are slots)."""
-    if nbytes <= PACKET - HEADER.size:
-        if slots is None or not put_parts(slots, method, timeout_s, parts, nbytes):
-            sock.sendmsg([HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes), *parts])
+    if nbytes <= _FIRST:
+        header = HEADER.pack(MAGIC, method, STATUS_OK, timeout_s, nbytes)
+        if slots is None or not slots.put(b"".join((header, *parts))):
+            sock.sendmsg([header, *parts])
     else:
         # As bytes: an array's len() and slices count its rows, not its bytes.
         send_frame(sock, method, STATUS_OK, timeout_s, memoryview(parts[0]).cast("B") if len(parts) == 1
@@ -170,7 +172,7 @@ def decode_error(payload) -> tuple[str, str]:
     return message, reason
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     method: int
     status: int
