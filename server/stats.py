@@ -90,7 +90,8 @@ class WorkerStats:
 
     def answering(self) -> _Answered:
         """The calling thread's tally of calls it answers before it counts them (the fast lane's: a count made
-        first would delay every reply): raise `answered` before the reply goes, `counted` once recorded."""
+        first would delay every reply): raise `answered` before the reply goes, `counted` once recorded. A
+        GetStats waits on the tallies (settle), and so does a drain, for the replies on their way."""
         mine = getattr(self._local, "answered", None)
         if mine is None:
             mine = self._local.answered = _Answered()
