@@ -91,8 +91,9 @@ class RemoteComputeInfo(RemoteHandle):
         # Bound outputs in this worker's memory are written there (no new buffer, nothing to free).
         into = self._owned(call.into) if call.into else _NO_TARGETS
         traced = tracing.recording()  # (a traced call goes whole, carrying the trace context)
+        # (run options and a trace context: a kept call's repeats carry neither)
         if call.run_options is None and (not call.keep or call.allocator is not None) and not traced:
-            form = self.kept_form(call.inputs, _handles(into), conn=conn)  # (a kept call's repeats carry neither)
+            form = self.kept_form(call.inputs, _target_handles(into), conn=conn)
             if form is not None:
                 outputs = self._compute_kept(conn, call, into, form)
                 self.link.between_calls()
@@ -119,7 +120,7 @@ class RemoteComputeInfo(RemoteHandle):
                 (call.keep and call.allocator is None) or tracing.recording():
             return None
         into = self._owned(call.into) if call.into else _NO_TARGETS
-        form = self.kept_form(call.inputs, _handles(into))
+        form = self.kept_form(call.inputs, _target_handles(into))
         if form is None:
             return None
         placed = _placed(call.keep, into)
@@ -140,7 +141,7 @@ class RemoteComputeInfo(RemoteHandle):
         this process can read: small ones inline, large ones through buffers this thread keeps for this call
         (named by handle too); with `kinds`, only where they go so (a held kept call's, whose `head` packs the
         dimensions and handles they make). Else None. `into`: the handles of the buffers outputs go into, by
-        position (_handles)."""
+        position (_target_handles)."""
         current = conn or self.link.current
         made = []  # each input's kind
         dims, handles, parts, nbytes, staged = [], [], [b""], 0, None
@@ -314,7 +315,7 @@ def _targets(into: Mapping[int, Tensor]) -> tuple:
     return tuple((i, t.shape, t.dtype) for i, t in sorted(into.items()))
 
 
-def _handles(into: Mapping[int, Tensor]) -> list[int]:
+def _target_handles(into: Mapping[int, Tensor]) -> list[int]:
     """The handles of the buffers outputs go into, by position (the tensors in the worker's memory)."""
     return [into[i].buffer.handle for i in sorted(into)] if into else []
 
@@ -351,7 +352,7 @@ class KeptCompute:
             return None
         if (call.keep or self._placed) and _placed(call.keep, into) != self._placed:
             return None
-        handles = self._handles(into, conn) if into or self._into else ()
+        handles = self._into_handles(into, conn) if into or self._into else ()
         if handles is None:
             return None
         form = info.kept_form(call.inputs, handles, self._kinds, conn, self._head)
@@ -367,7 +368,7 @@ class KeptCompute:
         return outputs
 
 
-    def _handles(self, into: Mapping[int, Tensor], conn) -> list[int] | None:
+    def _into_handles(self, into: Mapping[int, Tensor], conn) -> list[int] | None:
         """The handles of the buffers of `conn`'s worker the outputs go into, where they go into tensors of the
         positions, shapes and types they went into when the call was kept; else None."""
         if len(into) != len(self._into):
