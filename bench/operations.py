@@ -18,20 +18,12 @@ import threading
 import time
 
 import numpy as np
-from onnx import TensorProto, helper
 
 import ephost
 from ephost import InferenceSession, SessionOptions
+from bench.recovery import model
 
 RESTART_AFTER_S = 0.5  # the scenario: the new worker starts this long after the SIGTERM
-
-
-def model():
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("Add", ["r", "x"], ["y"], name="add")]
-    return helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)])
 
 
 def free_port() -> int:
@@ -83,7 +75,7 @@ def restart(directory: str, policy: str) -> dict:
             options.ep_failure_policy = policy
             options.add_provider_for_devices(env.get_ep_devices())
             link = env.registration("w").link
-            with InferenceSession(model(), options, env=env) as session:
+            with InferenceSession(model(64), options, env=env) as session:
                 runs, stop = [], threading.Event()
 
                 def work():

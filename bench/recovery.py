@@ -16,9 +16,10 @@ import ephost
 from ephost import InferenceSession, SessionOptions
 
 
-def model():
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 256])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 256])
+def model(size: int = 256):
+    """Relu(x) + x on a size x size float tensor."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, size])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [size, size])
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
              helper.make_node("Add", ["r", "x"], ["y"], name="add")]
     return helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)])

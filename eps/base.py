@@ -247,7 +247,7 @@ class Ep(Protocol):
 
 @dataclass(frozen=True)
 class ProfilingEvent:
-    """What an EP measured while profiling (a Chrome trace event): `start_ns` is a wall-clock time.time_ns() reading,
+    """What an EP recorded while profiling (a Chrome trace event): `start_ns` is a wall-clock time (time.time_ns()),
     `duration_ns` a length, both in nanoseconds."""
 
     name: str

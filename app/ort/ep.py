@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_NOTHING: Mapping = MappingProxyType({})
+_NOTHING: Mapping = MappingProxyType({})  # never written to
+
 
 class BridgeEp:
     """OrtEp: one per ORT session that selected the bridged devices; an EP in the worker behind it."""
