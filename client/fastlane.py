@@ -63,13 +63,15 @@ class _Kept:
     (True); `used`: when it was last repeated, on its connection's clock (0: never), `born`: when it was kept
     (_room). Each reply of a Compute says the outputs' dimensions first (ephost/fastlane.py); a copy's is empty."""
 
-    __slots__ = ("id", "id_bytes", "outputs", "placed", "used", "born", "live", "conn", "key", "method", "_dims")
+    __slots__ = ("id", "id_bytes", "outputs", "placed", "records", "used", "born", "live", "conn", "key", "method",
+                 "_dims")
 
     def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
         self.id = kid
         self.id_bytes = KEPT_ID.pack(kid)
         self.outputs = outputs
         self.placed = sum(1 for *_, left in outputs if left)
+        self.records = PLACED.size * self.placed  # the bytes of a reply's Placed records, at its end
         self.used = self.born = 0
         self.live = True  # False once its connection forgot it (the worker let it go, or room was made)
         self.conn: _Connection | None = None  # the connection that keeps it, its key there, and its method
@@ -109,13 +111,14 @@ class _Kept:
                 nbytes = nbytes_of(shape, dtype)
             if left:
                 arrays.append((shape, dtype, nbytes))  # made below, once the records' offset is known
-            elif offset + nbytes <= size:
-                arrays.append(np.ndarray(shape, dtype, payload, offset))  # frombuffer + reshape: twice the cost
-                offset += nbytes
-            else:
-                offset += nbytes
+                continue
+            end = offset + nbytes
+            if end > size:
+                offset = end
                 break
-        if size != offset + PLACED.size * self.placed or len(arrays) != len(self.outputs):
+            arrays.append(np.ndarray(shape, dtype, payload, offset))  # frombuffer + reshape: twice the cost
+            offset = end
+        if size != offset + self.records:
             raise EpInternal(f"the worker answered a kept call with {size} bytes, not what its outputs' "
                              "dimensions make")
         if self.placed:
@@ -124,6 +127,7 @@ class _Kept:
                     arrays[i] = Placed(*arrays[i], *PLACED.unpack_from(payload, offset))
                     offset += PLACED.size
         return arrays
+
 
 _FULL = object()
 LOOKS = 8  # kept calls a new call looks at for one unused long enough to take the place of (_room)

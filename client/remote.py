@@ -12,14 +12,13 @@ import onnx
 from ephost import tracing, values
 from ephost.ep_context import EpContext
 from ephost.eps.base import ComputeCall, FusedGraph, NodeGroup, ProfilingEvent
-from ephost.errors import EpNotFound
+from ephost.errors import EpError, EpNotFound
 from ephost.external_data import ExternalData
 from ephost.memory import Buffer
 from ephost.tensor import Tensor
 from ephost.values import as_value
 from ephost.types import HOST_MEMORY, EpDeviceInfo, MemoryInfo, checked_desc, desc_to_proto, is_plain_dtype
 from ephost.client.allocator import FreeQueue, RemoteAllocator
-from ephost.client.connection import WorkerConnection
 from ephost.client.context_model import restore_graph
 from ephost.client.fastlane import Placed
 from ephost.client.handles import RemoteHandle, owned
@@ -108,7 +107,7 @@ class RemoteComputeInfo(RemoteHandle):
             reply = self.link.call(_compute_of, request, conn=conn, timeout=call.timeout)
         finally:
             self._stager.release(staged)
-        outputs = self._outputs(reply, call, conn, into)
+        outputs = self._outputs(reply, call.allocator, call.leave, conn, into)
         self.link.between_calls()
         return outputs
 
@@ -127,7 +126,7 @@ class RemoteComputeInfo(RemoteHandle):
         kept = conn.kept(conn.ep.Compute, self._key(call.allocator, form[0], into, placed))
         if kept is None:
             return None
-        return KeptCompute(self, conn, kept, form[0], call.allocator, placed, _targets(into))
+        return KeptCompute(self, conn, kept, form[0], call, placed, _targets(into))
 
     def _owned(self, targets: Mapping[int, Tensor]) -> Mapping[int, Tensor]:
         """The targets in the memory of the worker that runs now (all of them, as given, in the common case)."""
@@ -146,7 +145,9 @@ class RemoteComputeInfo(RemoteHandle):
         made = []  # each input's kind
         dims, handles, parts, nbytes, staged = [], [], [b""], 0, None
         for i, value in enumerate(inputs):
-            if type(value) is Tensor:
+            if type(value) is not np.ndarray:
+                if type(value) is not Tensor:
+                    return None
                 buffer = value.buffer
                 if buffer is not None and buffer.owner is current:  # a bound input, a value the worker made
                     made.append((len(value.shape), value.dtype, _NAMED))
@@ -156,16 +157,14 @@ class RemoteComputeInfo(RemoteHandle):
                 value = value.local_array()  # (None: memory neither this process nor the worker reads)
                 if value is None:
                     return None
-            elif type(value) is not np.ndarray:
-                return None
             if not value.flags.c_contiguous:
                 return None
             # An array of this process's memory: its bytes go inline where small, else through a staging buffer
-            shape = value.shape
-            if value.nbytes < INLINE_LIMIT:
+            shape, size = value.shape, value.nbytes
+            if size < INLINE_LIMIT:
                 made.append((len(shape), value.dtype, _INLINE))
                 parts.append(value)
-                nbytes += value.nbytes
+                nbytes += size
             elif self._staging is not None:
                 made.append((len(shape), value.dtype, _STAGED))
                 if staged is None:
@@ -220,12 +219,13 @@ class RemoteComputeInfo(RemoteHandle):
         timeout = call.timeout
         result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, parts, nbytes,
                                                      request_of, timeout, write), conn=conn)
-        return self._outputs(result, call, conn, into)
+        return self._outputs(result, call.allocator, call.leave, conn, into)
 
-    def _outputs(self, result, call: ComputeCall, conn, into: Mapping[int, Tensor]) -> list[Any]:
+    def _outputs(self, result, allocator: RemoteAllocator | None, leave: Sequence[int], conn,
+                 into: Mapping[int, Tensor]) -> list[Any]:
         """A Compute's outputs from what came back: a kept call's (the outputs not written into `into`, in order:
-        arrays over its reply, and a Placed for each left in a new buffer of the worker's), or a whole reply."""
-        allocator, leave = call.allocator, call.leave
+        arrays over its reply, and a Placed for each left in a new buffer of the worker's), or a whole reply.
+        `allocator` and `leave`: the call's."""
         if isinstance(result, list):
             if not into:
                 for value in result:
@@ -333,40 +333,57 @@ class KeptCompute:
     (None, nothing sent) once the worker, the thread's connection or the kept call is another, or the call is not
     one it repeats; the caller then goes through compute, which keeps the call anew."""
 
-    __slots__ = ("info", "_conn", "_kept", "_kinds", "_allocator", "_placed", "_into", "_recycles", "_head")
+    __slots__ = ("info", "_conn", "_kept", "_kinds", "_allocator", "_keep", "_leave", "_placed", "_into", "_recycles",
+                 "_head")
 
-    def __init__(self, info: RemoteComputeInfo, conn, kept, kinds: tuple, allocator, placed: tuple[int, ...],
+    def __init__(self, info: RemoteComputeInfo, conn, kept, kinds: tuple, call: ComputeCall, placed: tuple[int, ...],
                  into: tuple):
         self.info, self._conn, self._kept, self._kinds = info, conn, kept, kinds
-        self._allocator, self._placed, self._into = allocator, placed, into
+        self._allocator, self._keep, self._leave = call.allocator, call.keep, call.leave
+        self._placed, self._into = placed, into
         self._recycles = info.link.recycles  # (a link's policy does not change)
         # The head of its repeats: every input's dimensions, then the handles named (inputs', then `into`'s)
         self._head = _u64s(sum(rank for rank, _, _ in kinds) + sum(1 for *_, way in kinds if way != _INLINE)
                            + len(into))
 
     def __call__(self, call: ComputeCall) -> list[Any] | None:
-        info = self.info
-        link, conn, into = info.link, self._conn, call.into
-        # link.conn first: it waits for a worker being replaced (a call of the dead one's is no longer this one)
-        if link.conn is not conn or call.allocator is not self._allocator or call.run_options is not None:
+        """`call` made as a repeat (see repeat), where its parts but the inputs and `into` are the kept call's."""
+        if call.allocator is not self._allocator or call.run_options is not None or call.keep != self._keep \
+                or call.leave != self._leave:
             return None
-        if (call.keep or self._placed) and _placed(call.keep, into) != self._placed:
+        return self.repeat(call.inputs, call.into, call.timeout)
+
+    def repeat(self, inputs: Sequence[Any], into: Mapping[int, Tensor], timeout: float | None) -> list[Any] | None:
+        """The call made again with these inputs and `into` (see ComputeCall), its allocator, `keep` and other
+        parts those of the call it was kept from (the caller's to know: a run's step's are the same every run);
+        None where it no longer applies (nothing was sent)."""
+        info = self.info
+        link, conn = info.link, self._conn
+        # link.conn first: it waits for a worker being replaced (a call of the dead one's is no longer this one)
+        if link.conn is not conn:
+            return None
+        if self._keep and _placed(self._keep, into) != self._placed:
             return None
         handles = self._into_handles(into, conn) if into or self._into else ()
         if handles is None:
             return None
-        form = info.kept_form(call.inputs, handles, self._kinds, conn, self._head)
+        form = info.kept_form(inputs, handles, self._kinds, conn, self._head)
         if form is None:
             return None
         _, parts, nbytes, write, _ = form
-        result = link.run(WorkerConnection.repeat, self._kept, parts, nbytes, call.timeout, write, conn=conn)
-        if result is None:
+        try:
+            result = conn.repeat(self._kept, parts, nbytes, timeout, write)
+        except EpError as error:
+            link.raise_failure(conn, error)  # (as link.run raises it)
+        if type(result) is list and not self._kept.placed and not into:
+            outputs = result  # arrays over the reply, every one (the common case)
+        elif result is None:
             return None
-        outputs = info._outputs(result, call, conn, into)
+        else:
+            outputs = info._outputs(result, self._allocator, self._leave, conn, into)
         if self._recycles:
             link.between_calls()
         return outputs
-
 
     def _into_handles(self, into: Mapping[int, Tensor], conn) -> list[int] | None:
         """The handles of the buffers of `conn`'s worker the outputs go into, where they go into tensors of the

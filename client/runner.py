@@ -11,7 +11,8 @@ straight; a held call that no longer applies says so, and the step makes the cal
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 from onnx import numpy_helper
 
@@ -32,7 +33,8 @@ _NONE: Mapping[str, Any] = {}  # never written to
 _NO_TARGETS: Mapping[int, Tensor] = {}  # never written to
 
 
-class Step(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Step:
     """One partition in a run plan: where its inputs are among the run's values, where its outputs go (from
     `first` on, in order), the outputs placed in its EP's memory for this run beyond its own `keep` (`placed`:
     positions among its outputs; `leave`: those of them nothing in this process reads), the values no one
@@ -61,7 +63,6 @@ class RunPlan:
                  owners: Mapping[str, Any], registration_of: Callable[[str], Any],
                  shapes: Mapping[str, tuple[tuple[int, ...], Any]], link_of: Callable[[str], Any]):
         position = {name: i for i, name in enumerate(feeds)}
-        self.feeds = dict(position)
         read = {v for p in partitions for v in p.graph.inputs}
         readers: dict[str, list[Partition]] = {}
         for p in partitions:
@@ -87,6 +88,7 @@ class RunPlan:
             made.update((v, p.registration) for v in p.graph.outputs)
         self.steps = steps
         self.size = len(position)
+        self.made = [None] * (self.size - len(feeds))  # the places of the values the steps make, after the feeds
         self.outputs = list(names)
         self.picks = [position.get(n) for n in names]  # None: a constant (an initializer asked for)
         self.makers = [made.get(n) for n in names]
@@ -118,16 +120,30 @@ class RunPlan:
 
 def compute_held(info, call: ComputeCall, held: list, at: int) -> list[Any]:
     """`info`'s outputs for `call`: the call held at `held[at]` repeated where it still applies, else made through
-    compute, after which the transport's kept call for it is held there (where there is one: info.prepare)."""
+    compute, after which the transport's kept call for it is held there (compute_and_hold)."""
     kept = held[at]
     if kept is not None and kept.info is info:
         outputs = kept(call)
         if outputs is not None:
             return outputs
+    return compute_and_hold(info, call, held, at)
+
+
+def compute_and_hold(info, call: ComputeCall, held: list, at: int) -> list[Any]:
+    """`info`'s outputs for `call`, made through compute; the transport's kept call for it is held at `held[at]`
+    after (where there is one: info.prepare)."""
     outputs = info.compute(call)
     prepare = getattr(info, "prepare", None)
     held[at] = prepare(call) if prepare is not None else None
     return outputs
+
+
+def _call(step: Step, inputs: list, into: Mapping[int, Tensor], run_options, timeout: float | None) -> ComputeCall:
+    """A step's Compute: outputs kept in its EP's memory where it has an allocator (else all to the host)."""
+    allocator = step.partition.allocator
+    if allocator is None:
+        return ComputeCall(inputs, None, step.partition.keep, into, (), run_options, timeout)
+    return ComputeCall(inputs, allocator, step.keep, into, step.leave, run_options, timeout)
 
 
 class PartitionRunner:
@@ -156,37 +172,35 @@ class PartitionRunner:
         with self._plans_lock:
             self._partitions, self._feeds, self._shapes, self._plans = partitions, list(feeds), shapes, {}
 
-    def _plan(self, names: Sequence[str], owners: Mapping[str, Any]) -> RunPlan:
-        key = (tuple(names), tuple((n, id(o)) for n, o in owners.items())) if owners else tuple(names)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = RunPlan(self._partitions, self._feeds, names, owners, self._registration, self._shapes,
-                           self._link_of)
-            with self._plans_lock:
-                if len(self._plans) >= MAX_PLANS:
-                    self._plans.clear()
-                self._plans[key] = plan
+    def _plan(self, key: tuple, names: Sequence[str], owners: Mapping[str, Any]) -> RunPlan:
+        """A new plan for the runs `key` names (see run)."""
+        plan = RunPlan(self._partitions, self._feeds, names, owners, self._registration, self._shapes,
+                       self._link_of)
+        with self._plans_lock:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
         return plan
 
     def _registration(self, name: str):
         return self._env.registration(name) if self._env.is_registered(name) else None
 
-    def run(self, run: int, feeds: Mapping[str, Any], names: Sequence[str], timeout: float | None,
+    def run(self, run: int, feeds: list[Any], names: Sequence[str], timeout: float | None,
             placed: Mapping[str, MemoryInfo | None] | None = None, targets: Mapping[str, Tensor] | None = None,
             options: RunOptions | None = None) -> list[Any]:
-        """The values of `names` after one run from `feeds`. `placed` names outputs to leave in an EP's memory
-        (its MemoryInfo; None: wherever they are made): the partition of that EP that makes one keeps it there
-        rather than sending it back. `targets`: outputs to write into these tensors where the EP that makes them
-        can (a worker, into its own memory). `options`: the run's RunOptions (its terminate flag is read before
-        each partition; what an EP reads of them goes with each Compute)."""
-        owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()} if placed else _NONE
-        plan = self._plan(names, owners)
-        values: list[Any] = [None] * plan.size
-        positions = plan.feeds
-        for name, value in feeds.items():
-            at = positions.get(name)
-            if at is not None:
-                values[at] = value
+        """The values of `names` after one run from `feeds` (the graph inputs' values, in plan_for's order).
+        `placed` names outputs to leave in an EP's memory (its MemoryInfo; None: wherever they are made): the
+        partition of that EP that makes one keeps it there rather than sending it back. `targets`: outputs to
+        write into these tensors where the EP that makes them can (a worker, into its own memory). `options`: the
+        run's RunOptions (its terminate flag is read before each partition; what an EP reads of them goes with
+        each Compute)."""
+        if placed:
+            owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()}
+            key = (tuple(names), tuple((n, id(o)) for n, o in owners.items()))
+        else:
+            owners, key = _NONE, tuple(names)
+        plan = self._plans.get(key) or self._plan(key, names, owners)
+        values = feeds + plan.made
         if self.profiler.enabled:
             with self.profiler.span("Session", "model_run", run=run):
                 self._steps(run, plan, values, timeout, targets, options, True)
@@ -219,28 +233,33 @@ class PartitionRunner:
                 raise EpCancelled(TERMINATED)
             p = step.partition
             inputs = [values[i] for i in step.sources]
-            for j, value in enumerate(inputs):
+            for value in inputs:
                 if type(value) is Tensor and not value.addressable:
-                    inputs[j] = self._reachable(value, p)
-            allocator = p.allocator
-            if allocator is None:
-                call = ComputeCall(inputs, None, p.keep, _NO_TARGETS, (), to_eps, timeout)
-            else:
-                call = ComputeCall(inputs, allocator, step.keep, _NO_TARGETS, step.leave, to_eps, timeout)
-                if step.scratch and step.link is not None:
-                    call.into = plan.scratch(step, step.link)
+                    inputs = [self._reachable(v, p) if type(v) is Tensor and not v.addressable else v
+                              for v in inputs]
+                    break
+            into = plan.scratch(step, step.link) if step.scratch and step.link is not None \
+                and p.allocator is not None else _NO_TARGETS
             if targets:
-                into = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
-                if into:
-                    call.into = {**call.into, **into}
+                bound = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
+                if bound:
+                    into = {**into, **bound}
+            # The call held for this step repeated (a plain run's: no RunOptions, no span), else made through
+            # compute, which holds the call anew
+            kept = held[step.index]
+            outputs = call = None
             try:
-                if watched:
-                    outputs = self._watched(run, step, call, held)
-                else:
-                    outputs = compute_held(p.compute_info, call, held, step.index)
+                if kept is not None and to_eps is None and not watched and kept.info is p.compute_info:
+                    outputs = kept.repeat(inputs, into, timeout)
+                if outputs is None:
+                    call = _call(step, inputs, into, to_eps, timeout)
+                    if watched:
+                        outputs = self._watched(run, step, call, held)
+                    else:
+                        outputs = compute_and_hold(p.compute_info, call, held, step.index)
             except EpError as error:  # the failure policy's to answer
                 held[step.index] = None
-                outputs = self.recover(run, p, call, error)
+                outputs = self.recover(run, p, call or _call(step, inputs, into, to_eps, timeout), error)
             if len(outputs) != step.count:
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {step.count}")
             values[step.first:step.first + step.count] = outputs

@@ -12,7 +12,7 @@ from ephost.errors import EpError, EpInvalidArgument
 from ephost.types import dtype_of, is_plain_dtype
 from ephost.tensor import Tensor
 from ephost.values import host_value
-from ephost.client.feeds import FeedCheck, check_feed_names, foreign, shape_of, type_string
+from ephost.client.feeds import FeedCheck, check_feed_names, shape_of, type_string
 
 
 @dataclass(frozen=True)
@@ -74,22 +74,21 @@ class ModelIO:
             raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")
         return names
 
-    def feeds(self, input_feed: Mapping[str, Any], to_host) -> dict[str, Any]:
-        """The feeds as graph values, each checked against its input's declared type (lists made arrays of it);
-        `to_host(tensor)` brings a tensor no EP can read (in memory of a worker that went) to this process."""
+    def feeds(self, input_feed: Mapping[str, Any], to_host) -> list[Any]:
+        """The feeds as graph values, in the order of `input_names`, each checked against its input's declared type
+        (lists made arrays of it); `to_host(tensor)` brings a tensor no EP can read (in memory of a worker that
+        went) to this process. Initializers fed (a variant session's to take) are not among them."""
         checks = self._checks
         if self._empty_optionals:
             input_feed = {**self._empty_optionals, **input_feed}
         if input_feed.keys() != checks.keys():  # the common case, every input fed and nothing else, is known
             check_feed_names(checks, self._constants, input_feed)
-        values = {}
-        for name, value in input_feed.items():
-            check = checks.get(name)
-            if type(value) is np.ndarray and check is not None and check.passes(value):
-                values[name] = value
-                continue
-            value = host_value(check.take(value) if check is not None else foreign(value))
-            if type(value) is Tensor and not value.addressable and value.buffer.owner is None:
-                value = to_host(value)
-            values[name] = value
+        values = []
+        for name, check in checks.items():
+            value = input_feed[name]
+            if type(value) is not np.ndarray or not check.passes(value):
+                value = host_value(check.take(value))
+                if type(value) is Tensor and not value.addressable and value.buffer.owner is None:
+                    value = to_host(value)
+            values.append(value)
         return values

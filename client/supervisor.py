@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -429,29 +429,35 @@ class WorkerLink:
         try:
             return fn(conn, *args)
         except EpError as error:
-            if self.closing:
-                # Unregistered while the call was under way: whatever it met on the way (the worker forgetting
-                # this client at Goodbye, its connection closed under it), that is what happened.
-                raise self._unregistered() from error
-            if isinstance(error, EpDeadlineExceeded):
-                # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
-                self.kill("a call ran past its deadline")
-            if self.remote is None:
-                raise
-            if isinstance(error, EpWorkerDraining):
-                self.remote.lost(conn, "is draining (it refused a call)", gone=True, draining=True)
-                raise
-            if type(error) is EpWorkerUnavailable and conn.draining:
-                # Its connection ended as the worker drained (a call it had not read when it closed, or one cut
-                # at the drain's grace): no failure of the EP, made again on the worker that answers next.
-                raise EpWorkerDraining(f"the worker for {self.name!r} at {self.address} ended the call's "
-                                       f"connection as it drained ({error})") from None
-            if not isinstance(error, EpUnknownClient):
-                raise
-            self.remote.lost(conn, "restarted and forgot this client", gone=True)
-            raise EpWorkerReplaced(f"the worker for {self.name!r} at {self.address} restarted and does not know "
-                                   "this client: nothing of the call ran; its handles are made again on the new "
-                                   "worker") from None
+            self.raise_failure(conn, error)
+
+    def raise_failure(self, conn: WorkerConnection, error: EpError) -> NoReturn:
+        """Raise what a call on `conn` that raised `error` raises (see run), after what it asks for: a worker
+        past a call's deadline ended, one at an address that refused the call or forgot this client reconnected
+        to. Called where the call was made, in its `except`."""
+        if self.closing:
+            # Unregistered while the call was under way: whatever it met on the way (the worker forgetting
+            # this client at Goodbye, its connection closed under it), that is what happened.
+            raise self._unregistered() from error
+        if isinstance(error, EpDeadlineExceeded):
+            # Past its deadline a worker is stuck (a hang in vendor code): end it; supervision restarts it.
+            self.kill("a call ran past its deadline")
+        if self.remote is None:
+            raise error
+        if isinstance(error, EpWorkerDraining):
+            self.remote.lost(conn, "is draining (it refused a call)", gone=True, draining=True)
+            raise error
+        if type(error) is EpWorkerUnavailable and conn.draining:
+            # Its connection ended as the worker drained (a call it had not read when it closed, or one cut
+            # at the drain's grace): no failure of the EP, made again on the worker that answers next.
+            raise EpWorkerDraining(f"the worker for {self.name!r} at {self.address} ended the call's "
+                                   f"connection as it drained ({error})") from None
+        if not isinstance(error, EpUnknownClient):
+            raise error
+        self.remote.lost(conn, "restarted and forgot this client", gone=True)
+        raise EpWorkerReplaced(f"the worker for {self.name!r} at {self.address} restarted and does not know "
+                               "this client: nothing of the call ran; its handles are made again on the new "
+                               "worker") from None
 
     # --- supervision state ------------------------------------------------------------------------
 
