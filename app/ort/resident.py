@@ -319,13 +319,14 @@ class PartitionCopies:
         self.kept, self._partition = kept, partition
         self._last = Learned()
         self._changing: set[int] = set()  # inputs mostly new every Compute: sent as they are
+        self._sizes: dict[int, int] = {}  # input -> its bytes the last Compute it had no copy by address
         self._read_back: set[int] = set()  # outputs whose memory a later Compute got as an input
 
     def bring_in(self, wanted: list[tuple[int, int, int]]) -> dict[int, tuple[Buffer, int]]:
         """The inputs of `wanted` (position, ORT's address, nbytes: MIN_BYTES or more) that go as a copy in the
         worker, brought up to date, by position: the copy of what an earlier Compute wrote there (a KV cache), else
-        of what this input was the last time (a mask a token longer every step). Left out (sent as they are):
-        those mostly new every time."""
+        of what this input was the last time where it grew since (a mask a token longer every step). Left out
+        (sent as they are): the others, and those mostly new every time."""
         kept = self.kept
         for _, address, _ in wanted:
             kept.read_back(address)
@@ -338,6 +339,12 @@ class PartitionCopies:
         return brought
 
     def _bring_in_by_position(self, i: int, address: int, nbytes: int) -> tuple[Buffer, int] | None:
+        # Kept only for an input that grew since the last Compute (a mask): one of the same size goes as it is,
+        # its bytes written while the worker reads the call, which costs less than a compare of both sides first.
+        last = self._sizes.get(i)
+        self._sizes[i] = nbytes
+        if last is None or nbytes <= last:
+            return None
         key = (self._partition, i)
         made = self.kept.bring_in([(key, address, nbytes)], exact=False)[0]
         if made is None:
