@@ -65,7 +65,7 @@ def check_feed(name: str, type_proto: onnx.TypeProto, value: Any) -> None:
     FeedCheck.of(name, type_proto)(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FeedCheck:
     """check_feed for one input, its declared type read once (a session makes one per input, at creation)."""
     name: str
@@ -75,6 +75,7 @@ class FeedCheck:
     string: bool
     rank: int | None                      # None: no declared shape
     fixed: tuple[tuple[int, int], ...]    # (axis, size) of every fixed dimension
+    shape: tuple[int, ...] | None = None  # the declared shape, where every dimension is fixed
 
     @classmethod
     def of(cls, name: str, type_proto: onnx.TypeProto) -> "FeedCheck":
@@ -87,16 +88,19 @@ class FeedCheck:
             return cls(name, type_proto, True, dtype, string, None, ())
         dims = tensor_type.shape.dim
         fixed = tuple((axis, d.dim_value) for axis, d in enumerate(dims) if d.HasField("dim_value"))
-        return cls(name, type_proto, True, dtype, string, len(dims), fixed)
+        shape = tuple(size for _, size in fixed) if len(fixed) == len(dims) else None
+        return cls(name, type_proto, True, dtype, string, len(dims), fixed, shape)
 
     def passes(self, array: np.ndarray) -> bool:
         """Whether an array goes on as it is: C-contiguous, of the declared element type, rank and fixed sizes
         (what most feeds are, looked at first and at least cost); False sends it through `take`."""
         if array.dtype != self.dtype or not array.flags.c_contiguous:
             return False
+        shape = array.shape
+        if self.shape is not None:  # (the common case: compared whole)
+            return shape == self.shape
         if self.rank is None:
             return array.ndim <= MAX_RANK
-        shape = array.shape
         if len(shape) != self.rank:
             return False
         for axis, size in self.fixed:

@@ -134,7 +134,7 @@ class RemoteComputeInfo(RemoteHandle):
             return targets
         return {i: t for i, t in targets.items() if owned(t.buffer, self.link)}
 
-    def kept_form(self, inputs: Sequence[Any], into: Sequence[int], kinds: tuple | None = None,
+    def kept_form(self, inputs: Sequence[Any], into: Sequence[int], kinds: list | None = None,
                   conn=None, head: struct.Struct | None = None) -> KeptForm | None:
         """How the inputs go as a kept call, where every input is a tensor the worker has (named by handle) or
         this process can read: small ones inline, large ones through buffers this thread keeps for this call
@@ -143,7 +143,11 @@ class RemoteComputeInfo(RemoteHandle):
         position (_target_handles)."""
         current = conn or self.link.current
         made = []  # each input's kind
-        dims, handles, parts, nbytes, staged = [], [], [b""], 0, None
+        dims = []
+        handles = []
+        parts = [b""]
+        nbytes = 0
+        staged = None
         for i, value in enumerate(inputs):
             if type(value) is not np.ndarray:
                 if type(value) is not Tensor:
@@ -162,11 +166,11 @@ class RemoteComputeInfo(RemoteHandle):
             # An array of this process's memory: its bytes go inline where small, else through a staging buffer
             shape, size = value.shape, value.nbytes
             if size < INLINE_LIMIT:
-                made.append((len(shape), value.dtype, _INLINE))
+                made.append((value.ndim, value.dtype, _INLINE))
                 parts.append(value)
                 nbytes += size
             elif self._staging is not None:
-                made.append((len(shape), value.dtype, _STAGED))
+                made.append((value.ndim, value.dtype, _STAGED))
                 if staged is None:
                     staged = {}
                 staged[i] = (len(handles), value)
@@ -174,12 +178,12 @@ class RemoteComputeInfo(RemoteHandle):
             else:
                 return None
             dims += shape
-        # One comparison of the whole: a held call's kinds were found plain when it was kept
+        # One comparison of the whole (`kinds` a list: a held call's, found plain when it was kept)
         if kinds is None:
             kinds = tuple(made)
             if not all(is_plain_dtype(dtype) for _, dtype, way in kinds if way != _NAMED):
                 return None
-        elif kinds != tuple(made):
+        elif kinds != made:
             return None
         write = None
         if staged:
@@ -338,7 +342,7 @@ class KeptCompute:
 
     def __init__(self, info: RemoteComputeInfo, conn, kept, kinds: tuple, call: ComputeCall, placed: tuple[int, ...],
                  into: tuple):
-        self.info, self._conn, self._kept, self._kinds = info, conn, kept, kinds
+        self.info, self._conn, self._kept, self._kinds = info, conn, kept, list(kinds)
         self._allocator, self._keep, self._leave = call.allocator, call.keep, call.leave
         self._placed, self._into = placed, into
         self._recycles = info.link.recycles  # (a link's policy does not change)

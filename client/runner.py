@@ -35,8 +35,8 @@ _NO_TARGETS: Mapping[int, Tensor] = {}  # never written to
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One partition in a run plan: where its inputs are among the run's values, where its outputs go (from
-    `first` on, in order), the outputs placed in its EP's memory for this run beyond its own `keep` (`placed`:
+    """One partition in a run plan: where its inputs are among the run's values, where its outputs go (`places`:
+    a slice of them, in order), the outputs placed in its EP's memory for this run beyond its own `keep` (`placed`:
     positions among its outputs; `leave`: those of them nothing in this process reads), the values no one
     reads after it (`drop`), and the outputs it keeps in its EP's memory for a later partition there that the run
     does not hand out, of a shape known before it runs (`scratch`: (position, shape, dtype, whether a partition
@@ -45,7 +45,7 @@ class Step:
     index: int
     partition: Partition
     sources: tuple[int, ...]
-    first: int
+    places: slice
     placed: tuple[int, ...]
     leave: tuple[int, ...]
     drop: tuple[int, ...]
@@ -83,15 +83,15 @@ class RunPlan:
             drop = tuple(position[v] for v in dict.fromkeys(p.graph.inputs) if last[v] == k and v not in asked)
             scratch = tuple((i, *shapes[v], any(q.registration != p.registration for q in readers[v]))
                             for i, v in ((i, p.graph.outputs[i]) for i in p.keep) if v not in asked and v in shapes)
-            steps.append(Step(k, p, sources, first, placed, leave, drop, scratch, link_of(p.registration),
-                              len(p.graph.outputs), p.keep + placed))
+            steps.append(Step(k, p, sources, slice(first, len(position)), placed, leave, drop, scratch,
+                              link_of(p.registration), len(p.graph.outputs), p.keep + placed))
             made.update((v, p.registration) for v in p.graph.outputs)
         self.steps = steps
         self.size = len(position)
         self.made = [None] * (self.size - len(feeds))  # the places of the values the steps make, after the feeds
-        self.outputs = list(names)
-        self.picks = [position.get(n) for n in names]  # None: a constant (an initializer asked for)
-        self.makers = [made.get(n) for n in names]
+        # Each asked output: its name, its place among the values (None: a constant, an initializer asked for),
+        # and the registration that makes it (None: a graph input)
+        self.outputs = [(n, position.get(n), made.get(n)) for n in names]
         self.local = threading.local()  # the calling thread's held calls (`held`)
 
     def held(self) -> list:
@@ -185,7 +185,7 @@ class PartitionRunner:
     def _registration(self, name: str):
         return self._env.registration(name) if self._env.is_registered(name) else None
 
-    def run(self, run: int, feeds: list[Any], names: Sequence[str], timeout: float | None,
+    def run(self, run: int, feeds: list[Any], names: tuple[str, ...], timeout: float | None,
             placed: Mapping[str, MemoryInfo | None] | None = None, targets: Mapping[str, Tensor] | None = None,
             options: RunOptions | None = None) -> list[Any]:
         """The values of `names` after one run from `feeds` (the graph inputs' values, in plan_for's order).
@@ -196,9 +196,9 @@ class PartitionRunner:
         each Compute)."""
         if placed:
             owners = {n: None if m is None else self._env.owner_of(m) for n, m in placed.items()}
-            key = (tuple(names), tuple((n, id(o)) for n, o in owners.items()))
+            key = (names, tuple((n, id(o)) for n, o in owners.items()))
         else:
-            owners, key = _NONE, tuple(names)
+            owners, key = _NONE, names
         plan = self._plans.get(key) or self._plan(key, names, owners)
         values = feeds + plan.made
         if self.profiler.enabled:
@@ -210,7 +210,7 @@ class PartitionRunner:
         else:
             self._steps(run, plan, values, timeout, targets, options, False)
         out = []
-        for name, at, maker in zip(plan.outputs, plan.picks, plan.makers):
+        for name, at, maker in plan.outputs:
             if at is None:
                 out.append(self._constant(name))
                 continue
@@ -227,12 +227,15 @@ class PartitionRunner:
         """The plan's steps, each partition's outputs put among `values`; `watched`: the run is profiled or
         traced (each partition's call gets a span of its own)."""
         to_eps = options.for_eps() if options is not None else None
+        repeats = to_eps is None and not watched  # a held call is repeated (else a span, or RunOptions, go along)
         held = plan.held()
         for step in plan.steps:
             if options is not None and options.terminated:
                 raise EpCancelled(TERMINATED)
             p = step.partition
-            inputs = [values[i] for i in step.sources]
+            inputs = []
+            for i in step.sources:  # (a loop, not a comprehension: one Python call fewer)
+                inputs.append(values[i])
             for value in inputs:
                 if type(value) is Tensor and not value.addressable:
                     inputs = [self._reachable(v, p) if type(v) is Tensor and not v.addressable else v
@@ -249,7 +252,7 @@ class PartitionRunner:
             kept = held[step.index]
             outputs = call = None
             try:
-                if kept is not None and to_eps is None and not watched and kept.info is p.compute_info:
+                if kept is not None and repeats and kept.info is p.compute_info:
                     outputs = kept.repeat(inputs, into, timeout)
                 if outputs is None:
                     call = _call(step, inputs, into, to_eps, timeout)
@@ -262,7 +265,7 @@ class PartitionRunner:
                 outputs = self.recover(run, p, call or _call(step, inputs, into, to_eps, timeout), error)
             if len(outputs) != step.count:
                 raise EpInvalidArgument(f"{p.graph.name} made {len(outputs)} outputs, not {step.count}")
-            values[step.first:step.first + step.count] = outputs
+            values[step.places] = outputs
             for at in step.drop:  # let go of values no later partition reads
                 values[at] = None
 

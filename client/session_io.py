@@ -63,12 +63,12 @@ class ModelIO:
     def output_args(self) -> list[NodeArg]:
         return [NodeArg(o.name, type_string(o.type), shape_of(o.type)) for o in self.outputs]
 
-    def output_names(self, asked: Sequence[str] | None) -> Sequence[str]:
+    def output_names(self, asked: Sequence[str] | None) -> tuple[str, ...]:
         """The outputs a run asks for (None or empty: all of them, in the model's order)."""
         known = self._output_names
         if not asked:
             return self._all_outputs
-        names = list(asked)
+        names = tuple(asked)
         unknown = [n for n in names if n not in known]
         if unknown:
             raise EpInvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are {sorted(known)}")

@@ -37,15 +37,12 @@ def _api():
 
 def active() -> bool:
     """Whether the application has a tracer provider (spans are made)."""
-    return _on or _look()
+    return _on or (time.monotonic() >= _next_check and _look())
 
 
 def _look() -> bool:
     global _on, _next_check
-    now = time.monotonic()
-    if now < _next_check:
-        return False
-    _next_check = now + CHECK_S
+    _next_check = time.monotonic() + CHECK_S
     trace = _api()
     _on = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     return _on
