@@ -158,7 +158,7 @@ class RemoteComputeInfo(RemoteHandle):
                     handles.append(buffer.handle)
                     dims += value.shape
                     continue
-                value = value.local_array()  # (None: memory neither this process nor the worker reads)
+                value = value.local_array(keeps=False)  # (None: memory neither this process nor the worker reads)
                 if value is None:
                     return None
             if not value.flags.c_contiguous:

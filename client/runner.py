@@ -104,17 +104,18 @@ class RunPlan:
 
     def scratch(self, step: Step, link) -> dict[int, Tensor]:
         """The calling thread's tensors its step writes its scratch outputs into, in the memory of the worker of
-        `link` that runs now (made again for a new one)."""
+        `link` that runs now (made again for a new one: they are made on one connection, `link.current`)."""
         p = step.partition
-        made = self.local.scratch[step.index]
-        if made is None or any(not owned(t.buffer, link) for t in made.values()):
-            mapped = p.allocator.memory_info.host_accessible  # (read here by partitions elsewhere)
-            try:
-                made = {i: Tensor.empty(shape, dtype, p.allocator) for i, shape, dtype, elsewhere in step.scratch
-                        if mapped or not elsewhere}
-            except EpError:  # the worker is away: its outputs go to new buffers this run, under the policy
-                return {}
-            self.local.scratch[step.index] = made
+        held = self.local.scratch[step.index]
+        if held is not None and held[0] is link.current:
+            return held[1]
+        mapped = p.allocator.memory_info.host_accessible  # (read here by partitions elsewhere)
+        try:
+            made = {i: Tensor.empty(shape, dtype, p.allocator) for i, shape, dtype, elsewhere in step.scratch
+                    if mapped or not elsewhere}
+        except EpError:  # the worker is away: its outputs go to new buffers this run, under the policy
+            return {}
+        self.local.scratch[step.index] = (link.current, made)
         return made
 
 

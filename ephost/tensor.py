@@ -127,11 +127,18 @@ class Tensor:
             return None
         return self._buffer.host_view(owner=self)[: self.nbytes]
 
-    def local_array(self) -> np.ndarray | None:
+    def local_array(self, keeps: bool = True) -> np.ndarray | None:
+        """The tensor as an array of this process's memory, where it can address it (else None). `keeps`: the
+        array keeps the tensor alive; False: a view that does not, cheaper to make, for bytes read while the
+        caller holds the tensor (a Compute's input on its way to the worker)."""
         host = self._host
         if host is not None and host.shape == self.shape and host.dtype == self.dtype:
             return host  # the array itself (every Compute reads its inputs so: no views to make)
-        raw = self.local_bytes()
+        if keeps or host is not None or self._buffer is None:
+            raw = self.local_bytes()
+        else:
+            raw = self._buffer.host_view()  # (made once for the buffer)
+            raw = None if raw is None else raw[:self.nbytes]
         return None if raw is None else raw.view(self.dtype).reshape(self.shape)
 
     def detach_buffer(self) -> Buffer | None:
