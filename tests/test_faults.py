@@ -402,10 +402,8 @@ def test_a_hang_past_the_run_deadline_kills_the_worker_and_the_next_run_works():
         with session(env, "raise", timeout=30) as s:
             process = env.registration("chaos").process
             s.run(None, {"x": X})
-            start = time.monotonic()
-            with pytest.raises(ephost.EpDeadlineExceeded):
+            with pytest.raises(ephost.EpDeadlineExceeded, match="deadline of 1 s"):
                 s.run(None, {"x": X}, RunOptions(compute_timeout_s=1.0))  # overrides the session's 30 s
-            assert time.monotonic() - start < 5
             assert process.exited.wait(5) and process.proc.returncode == -signal.SIGKILL
             np.testing.assert_allclose(s.run(None, {"x": X})[0], EXPECTED, rtol=1e-6)
     finally:
@@ -557,7 +555,7 @@ def test_tensors_keep_their_data_across_a_crash_and_restart():
 
 
 @pytest.mark.timeout(60)
-def test_a_remote_worker_that_goes_away_and_comes_back(worker):
+def test_a_remote_worker_that_goes_away_and_comes_back(worker, monkeypatch):
     """Not launched by this process: calls wait for it up to recovery_timeout_s from the moment it went, then
     fail at once naming the cause, and resume (handles made again) once a worker answers at the address."""
     first = worker("--ep", "reference")
@@ -578,10 +576,12 @@ def test_a_remote_worker_that_goes_away_and_comes_back(worker):
         with pytest.raises(ephost.EpWorkerUnavailable, match="has not come back within") as info:
             allocator.get_stats()  # waits out what is left of the second it may take
         assert "stopped answering" in str(info.value) and "left by a worker that is gone" in str(info.value), info.value
-        start = time.monotonic()
+        waits = []  # what the next call waits for the worker (the link's condition, past the wait: nothing)
+        monkeypatch.setattr(link._cond, "wait", lambda timeout=None: waits.append(timeout))
         with pytest.raises(ephost.EpWorkerUnavailable, match="has not come back"):
             allocator.get_stats()
-        assert time.monotonic() - start < 0.5, "past the wait, calls fail at once"
+        assert waits == [], "past the wait, calls fail at once"
+        monkeypatch.undo()
         worker("--ep", "reference", "--listen", address)
         recovered, errors = None, []
         while recovered is None and time.monotonic() < deadline + 20:
