@@ -52,14 +52,11 @@ def on(folder, provider: str):
 
 
 def test_the_fixture_is_genais_layout_and_decodes_through_its_kv_cache(tmp_path):
-    """The fixture is what the builder makes (names, GQA, shared KV), is quick to make, and its tokens depend on
-    the KV cache: genai's greedy tokens equal a full recompute of the sequence by ORT alone each step."""
-    import time
+    """The fixture is what the builder makes (names, GQA, shared KV), and its tokens depend on the KV cache:
+    genai's greedy tokens equal a full recompute of the sequence by ORT alone each step."""
     import numpy as np
     import onnxruntime as ort
-    started = time.perf_counter()
     folder = F.write(tmp_path, max_length=len(PROMPT) + NEW)
-    assert time.perf_counter() - started < 1.0
     model = F.model()
     assert [i.name for i in model.graph.input][:5] == ["input_ids", "attention_mask", "position_ids",
                                                       "past_key_values.0.key", "past_key_values.0.value"]
