@@ -1,7 +1,6 @@
 """A run's RunOptions as ONNX Runtime's: ORT's own object taken, its run config entries reaching ONNX Runtime in the
 worker, the terminate flag stopping a run between partitions, and bad entries refused on both sides."""
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -170,10 +169,8 @@ def test_a_deadline_given_in_onnx_runtimes_run_options(env):
             session.run(None, {"x": x})
             options = ort.RunOptions()
             options.add_run_config_entry("ephost.compute_timeout_s", "0.5")
-            started = time.monotonic()
-            with pytest.raises(ephost.EpDeadlineExceeded):
+            with pytest.raises(ephost.EpDeadlineExceeded, match="deadline of 0.5 s"):  # (the run's, not the link's)
                 session.run(None, {"x": x}, options)
-            assert time.monotonic() - started < 20
             options.add_run_config_entry("ephost.compute_timeout_s", "soon")
             with pytest.raises(ephost.EpInvalidArgument, match="compute_timeout_s"):
                 session.run(None, {"x": x}, options)
