@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -141,6 +142,37 @@ def test_a_released_partition_lets_go_of_its_inputs_copies(worker, sync):
     first.release()
     assert len(copies) == 2, "the other partition's input and the copy of ORT's memory stay"
     assert second.bring_in([(0, masks[2].ctypes.data, masks[2].nbytes)])[0][1] <= 64, "the new token's chunk"
+
+
+def test_each_thread_growing_an_input_has_a_copy_of_its_own(worker, sync):
+    """Two of ORT's threads running one partition at once (two generators on one session), each growing its own
+    mask: each gets a copy by position of its own, so that one thread's sync never rewrites the copy the other's
+    Compute reads in the worker."""
+    from ephost.ort.resident import PartitionCopies
+    copies = KeptCopies(lambda: worker, sync)
+    partition = PartitionCopies(copies, 1)
+    first_done, both_done = threading.Event(), threading.Barrier(2)  # (both alive to the end: two thread ids)
+    got = {}
+
+    def decode(fill: int, after: threading.Event | None) -> None:
+        if after is not None:
+            after.wait()
+        masks = [np.full((1, n), fill, np.int64) for n in (1000, 1001)]  # a token longer the second step
+        assert partition.bring_in([(0, masks[0].ctypes.data, masks[0].nbytes)]) == {}, "not grown yet"
+        ((buffer, _),) = partition.bring_in([(0, masks[1].ctypes.data, masks[1].nbytes)]).values()
+        got[fill] = buffer, buffer.host_view()[:masks[1].nbytes].view(np.int64).copy()
+        first_done.set()
+        both_done.wait()
+
+    threads = [threading.Thread(target=decode, args=(1, None)), threading.Thread(target=decode, args=(2, first_done))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[1][0] is not got[2][0] and len(copies) == 2, "a copy for each thread"
+    assert (got[1][1] == 1).all() and (got[2][1] == 2).all()
+    partition.release()
+    assert len(copies) == 0, "both went with the partition"
 
 
 def test_an_input_of_the_same_size_every_compute_is_sent_as_it_is(worker, sync):

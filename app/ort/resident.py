@@ -319,7 +319,9 @@ class PartitionCopies:
         self.kept, self._partition = kept, partition
         self._last = Learned()
         self._changing: set[int] = set()  # inputs mostly new every Compute: sent as they are
-        self._sizes: dict[int, int] = {}  # input -> its bytes the last Compute it had no copy by address
+        # (input, thread) -> its bytes the last Compute it had no copy by address (each thread's own: ORT may run
+        # the partition on several at once, two generators on one session, each with a mask of its own)
+        self._sizes: dict[tuple[int, int], int] = {}
         self._read_back: set[int] = set()  # outputs whose memory a later Compute got as an input
 
     def bring_in(self, wanted: list[tuple[int, int, int]]) -> dict[int, tuple[Buffer, int]]:
@@ -341,11 +343,12 @@ class PartitionCopies:
     def _bring_in_by_position(self, i: int, address: int, nbytes: int) -> tuple[Buffer, int] | None:
         # Kept only for an input that grew since the last Compute (a mask): one of the same size goes as it is,
         # its bytes written while the worker reads the call, which costs less than a compare of both sides first.
-        last = self._sizes.get(i)
-        self._sizes[i] = nbytes
+        thread = threading.get_ident()
+        last = self._sizes.get((i, thread))
+        self._sizes[i, thread] = nbytes
         if last is None or nbytes <= last:
             return None
-        key = (self._partition, i)
+        key = (self._partition, i, thread)  # a thread's own copy: another's sync never rewrites what it reads
         made = self.kept.bring_in([(key, address, nbytes)], exact=False)[0]
         if made is None:
             return self.kept.bring_in_growing(key, address, nbytes)
