@@ -223,7 +223,7 @@ class RemoteComputeInfo(RemoteHandle):
         timeout = call.timeout
         result = self.link.run(lambda c: c.call_kept(c.ep.Compute, key, parts, nbytes,
                                                      request_of, timeout, write), conn=conn)
-        return self._outputs(result, call.allocator, call.leave, conn, into)
+        return self._outputs(result, allocator, call.leave, conn, into)
 
     def _outputs(self, result, allocator: RemoteAllocator | None, leave: Sequence[int], conn,
                  into: Mapping[int, Tensor]) -> list[Any]:
@@ -379,12 +379,9 @@ class KeptCompute:
             result = conn.repeat(self._kept, parts, nbytes, timeout, write)
         except EpError as error:
             link.raise_failure(conn, error)  # (as link.run raises it)
-        if type(result) is list and not self._kept.placed and not into:
-            outputs = result  # arrays over the reply, every one (the common case)
-        elif result is None:
+        if result is None:
             return None
-        else:
-            outputs = info._outputs(result, self._allocator, self._leave, conn, into)
+        outputs = info._outputs(result, self._allocator, self._leave, conn, into)
         if self._recycles:
             link.between_calls()
         return outputs

@@ -102,10 +102,10 @@ class RunPlan:
             self.local.scratch = [None] * len(self.steps)
         return held
 
-    def scratch(self, step: Step, link) -> dict[int, Tensor]:
+    def scratch(self, step: Step) -> dict[int, Tensor]:
         """The calling thread's tensors its step writes its scratch outputs into, in the memory of the worker of
-        `link` that runs now (made again for a new one: they are made on one connection, `link.current`)."""
-        p = step.partition
+        the step's link that runs now (made again for a new one: they are made on one connection, `link.current`)."""
+        p, link = step.partition, step.link
         held = self.local.scratch[step.index]
         if held is not None and held[0] is link.current:
             return held[1]
@@ -242,7 +242,7 @@ class PartitionRunner:
                     inputs = [self._reachable(v, p) if type(v) is Tensor and not v.addressable else v
                               for v in inputs]
                     break
-            into = plan.scratch(step, step.link) if step.scratch and step.link is not None \
+            into = plan.scratch(step) if step.scratch and step.link is not None \
                 and p.allocator is not None else _NO_TARGETS
             if targets:
                 bound = {i: targets[v] for i, v in enumerate(p.graph.outputs) if v in targets}
