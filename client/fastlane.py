@@ -58,9 +58,9 @@ class Placed(NamedTuple):
 
 
 class _Kept:
-    """A call the worker kept for this connection: its id, and the types and ranks of the outputs that come back
-    (those a Compute does not write into the caller's buffers), in order: inline (False) or left in the worker
-    (True); `used`: when it was last repeated, on its connection's clock (0: never), `born`: when it was kept
+    """A call the worker kept for this connection: its id, and the outputs that come back (those a Compute does not
+    write into the caller's buffers), in order, as (rank, dtype, item size, left): inline (False) or left in the
+    worker (True); `used`: when it was last repeated, on its connection's clock (0: never), `born`: when it was kept
     (_room). Each reply of a Compute says the outputs' dimensions first (ephost/fastlane.py); a copy's is empty."""
 
     __slots__ = ("id", "id_bytes", "outputs", "placed", "records", "used", "born", "live", "conn", "key", "method",
@@ -69,7 +69,7 @@ class _Kept:
     def __init__(self, kid: int, outputs: list[tuple[int, np.dtype, bool]]):
         self.id = kid
         self.id_bytes = KEPT_ID.pack(kid)
-        self.outputs = outputs
+        self.outputs = [(rank, dtype, dtype.itemsize, left) for rank, dtype, left in outputs]
         self.placed = sum(1 for *_, left in outputs if left)
         self.records = PLACED.size * self.placed  # the bytes of a reply's Placed records, at its end
         self.used = self.born = 0
@@ -100,13 +100,13 @@ class _Kept:
         if size < dims.size:
             raise EpInternal(f"the worker answered a kept call with {size} bytes, fewer than its outputs' "
                              "dimensions take")
-        values = dims.unpack_from(payload) if dims.size else ()
+        values = dims.unpack_from(payload)
         arrays: list = []
         at, offset = 0, dims.size  # the inline outputs' bytes follow the dimensions, then the Placed records
-        for rank, dtype, left in self.outputs:
+        for rank, dtype, itemsize, left in self.outputs:
             shape = values[at:at + rank]
             at += rank
-            nbytes = math.prod(shape) * dtype.itemsize
+            nbytes = math.prod(shape) * itemsize
             if not 0 < nbytes <= MAX_TENSOR_BYTES:  # (an empty one, or out of bounds: checked the long way)
                 nbytes = nbytes_of(shape, dtype)
             if left:
@@ -122,7 +122,7 @@ class _Kept:
             raise EpInternal(f"the worker answered a kept call with {size} bytes, not what its outputs' "
                              "dimensions make")
         if self.placed:
-            for i, (_, _, left) in enumerate(self.outputs):
+            for i, (*_, left) in enumerate(self.outputs):
                 if left:
                     arrays[i] = Placed(*arrays[i], *PLACED.unpack_from(payload, offset))
                     offset += PLACED.size

@@ -236,12 +236,10 @@ class PartitionRunner:
             p = step.partition
             inputs = []
             for i in step.sources:  # (a loop, not a comprehension: one Python call fewer)
-                inputs.append(values[i])
-            for value in inputs:
+                value = values[i]
                 if type(value) is Tensor and not value.addressable:
-                    inputs = [self._reachable(v, p) if type(v) is Tensor and not v.addressable else v
-                              for v in inputs]
-                    break
+                    value = self._reachable(value, p)
+                inputs.append(value)
             into = plan.scratch(step) if step.scratch and step.link is not None \
                 and p.allocator is not None else _NO_TARGETS
             if targets:

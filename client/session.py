@@ -266,7 +266,7 @@ class InferenceSession:
         if options is not None and options.adapters:
             input_feed = {**self._adapters.feeds(options.adapters), **input_feed}
             options = dataclasses.replace(options, adapters=[])
-        variant = self._overrides.variant(input_feed)
+        variant = self._overrides.variant(input_feed) if self._overrides.names else None
         if variant is not None:
             return variant._execute(names, input_feed, options, placed, targets)
         values = self._io.feeds(input_feed, self._env.to_host)

@@ -81,11 +81,16 @@ class ModelIO:
         checks = self._checks
         if self._empty_optionals:
             input_feed = {**self._empty_optionals, **input_feed}
-        if input_feed.keys() != checks.keys():  # the common case, every input fed and nothing else, is known
+        # As many feeds as inputs, each input among them: the names are the inputs' (else check_feed_names says why)
+        if len(input_feed) != len(checks):
             check_feed_names(checks, self._constants, input_feed)
         values = []
         for name, check in checks.items():
-            value = input_feed[name]
+            try:
+                value = input_feed[name]
+            except KeyError:
+                check_feed_names(checks, self._constants, input_feed)  # (raises: the input is not fed)
+                raise
             if type(value) is not np.ndarray or not check.passes(value):
                 value = host_value(check.take(value))
                 if type(value) is Tensor and not value.addressable and value.buffer.owner is None:

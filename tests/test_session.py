@@ -218,6 +218,7 @@ def test_inputs_outputs_and_bad_feeds(env):
         cases = [
             ({}, "missing input"),
             ({"x": good, "z": good}, "unknown input name"),
+            ({"z": good}, "unknown input name"),  # as many feeds as inputs, one of another name
             ({"x": good.astype(np.int64)}, "expects tensor(float), got a int64 array"),
             ({"x": np.ones((6,), np.float32)}, "expects rank 2"),
             ({"x": np.ones((3, 2), np.float32)}, "expects 2 along axis 0"),

@@ -242,7 +242,7 @@ class BridgeComputeInfo:
                 raise
             self._run(context, crossed, held)
         finally:
-            self.ep.factory.stats.count(*crossed)
+            self.ep.factory.stats.count(crossed)
 
     def _run(self, context: int, crossed: list[int], held: list) -> None:
         """One Compute: ORT's tensors in the worker's memory named by handle, the others' bytes sent (the
@@ -353,8 +353,11 @@ class BridgeComputeInfo:
                 if strings:
                     out_bytes += write_strings(self.abi, value, array)
                 elif array.size:
-                    np.copyto(array_over(address, elem, array.shape) if view is None else view, array,
-                              casting="no")
+                    target = array_over(address, elem, array.shape) if view is None else view
+                    if target.dtype != array.dtype:
+                        raise EpInvalidArgument(f"output {i} of {self.graph.name} is {array.dtype}, where ORT's is "
+                                                f"{target.dtype}")
+                    target[...] = array  # (np.copyto's dispatch costs more than the copy of a small output)
                     out_bytes += array.nbytes
                 if buffer is not None:
                     out.release()

@@ -123,7 +123,8 @@ class BridgeMemory:
         """Where the worker was replaced, the pool lets go of the blocks in the memory of the one gone (those ORT
         holds are freed through Python, and dropped, as it frees them): its memory is not named by handle, and
         stays mapped here only as long as a block holds it."""
-        current = self._current_worker()
+        registration = self.registration  # (_current_worker inline: every Compute reads this)
+        current = registration.link.current if registration is not None else None
         if current is not self._worker:
             self._worker = current
             self._give_back(self._pools.drain(self.pool))

@@ -20,13 +20,14 @@ class BridgeStats:
     # guards the counters
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def count(self, bytes_in: int, bytes_out: int, inputs_in_place: int = 0, outputs_in_place: int = 0) -> None:
+    def count(self, crossed: list[int]) -> None:
+        """One Compute's: [bytes in, bytes out, inputs in place, outputs in place]."""
         with self._lock:
             self.computes += 1
-            self.bytes_in_copied += bytes_in
-            self.bytes_out_copied += bytes_out
-            self.inputs_in_place += inputs_in_place
-            self.outputs_in_place += outputs_in_place
+            self.bytes_in_copied += crossed[0]
+            self.bytes_out_copied += crossed[1]
+            self.inputs_in_place += crossed[2]
+            self.outputs_in_place += crossed[3]
 
     def snapshot(self) -> "BridgeStats":
         with self._lock:
