@@ -543,6 +543,44 @@ def test_outputs_held_past_unregister_stay_readable_and_the_process_exits_cleanl
     assert still == "True"
 
 
+def test_a_failure_while_orts_factory_is_released_is_logged_and_the_binding_still_goes(tmp_path):
+    """ReleaseEpFactory returns ORT a status: a Python error escaping it would reach ORT as no status at all
+    (ctypes prints it and returns whatever the register held; ORT then reads and frees that). A fault injected
+    where the factory gives the worker's memory back (the call the release makes first) is logged as the
+    release's failure, and the registration's factory still leaves it. A child process: a crash must fail this
+    test, not end the run."""
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent("""
+        import gc, sys
+        import numpy as np, onnxruntime as ort
+        import ephost.ort
+        from ephost.client.allocator import RemoteAllocator
+        ephost.ort.register("failing", "onnxruntime")
+        options = ort.SessionOptions()
+        options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == "failing"], {})
+        session = ort.InferenceSession(sys.argv[1], options)
+        session.disable_fallback()
+        session.run(None, {"x": np.ones((2, 3), np.float32)})
+        from ephost.ort.library import loaded_library
+        binding = loaded_library().binding("failing")
+        del session, options
+        gc.collect()
+        def fault(self, buffers):
+            print("injected", flush=True)
+            raise RuntimeError("a fault while giving memory back")
+        RemoteAllocator.free_many = fault
+        ephost.ort.unregister("failing")
+        print(len(binding.factories))
+    """))
+    onnx.save(models.diamond(), str(tmp_path / "m.onnx"))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "m.onnx")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["injected", "0"], "the release met the fault, and its factory left the binding"
+    assert "ReleaseEpFactory failed: RuntimeError: a fault while giving memory back" in done.stderr, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct():
     """The chaos EP segfaults (a real SIGSEGV) in its second Compute: ORT raises naming the EP, the call and the
     signal; supervision restarts the worker and the bridge compiles again from what it recorded."""

@@ -190,16 +190,22 @@ class Library:
             return _raw_status(api_base, f"ephost.ort: {callbacks.describe(e)}")
 
     def _release_factory(self, address):
-        owner = callbacks.owner_of(address)
-        if owner is not None:
-            owner.release()
+        try:
+            owner = callbacks.owner_of(address)
+            if owner is None:
+                return None
             binding = owner.binding
-            binding.factories.remove(owner)
+            try:
+                owner.release()
+            finally:  # (what failed in the release leaves the binding all the same)
+                binding.factories.remove(owner)
             if binding.from_config and not binding.factories and self.binding(binding.ort_name) is binding:
                 try:  # ORT unregistered the name in every copy: its worker ends
                     self.unbind(binding.ort_name)
                 except EpError as e:
                     log.debug("ending %r: %s", binding.ort_name, e)
+        except BaseException as e:  # noqa: BLE001 - nothing may unwind into ORT (ctypes would return it no status)
+            log.warning("ephost.ort: ReleaseEpFactory failed: %s", callbacks.describe(e))
         return None
 
     def shutdown(self) -> None:
