@@ -5,27 +5,25 @@ application process with its own workers, the two taking turns block by block on
                        [--per N] [--option KEY=VALUE ...] [--binding[=worker]]
 
 `--option` adds a registration option to the workload's EPs in both stacks (`--option kept_calls=false`: every
-Compute sent whole; squeezenet so, an A/A of 40 blocks read +5.3 and +5.1 µs per run, the middle halves about
-±65 µs wide). `--binding` runs the workload through an IOBinding (its feeds bound from the application every run, its
-outputs bound to the application; not the decoding loop, which binds its state in the worker anyway); `--binding=worker`
-binds its feeds once as tensors of the worker's memory (`bench dataplane`'s "input in the worker" column: no input
-copied a run). `loop` is `bench iobinding`'s 4 KiB step bound to the device (its output a new tensor in the worker each
-step, fed back), `pair` the same step with two tensors of the worker's bound as its input and output, swapped each step.
-`split` is `bench dataplane`'s split chain (30 blocks, 61 partitions, one worker keeping a value for its next partition
-each time: the plan's `keep`), reported per partition call as the chain is. `large` is `bench dataplane`'s Neg(Relu(x))
-on 1 MiB (its input staged in a buffer of the worker's, its output left in one).
+Compute sent whole). `--binding` runs the workload through an IOBinding (its feeds bound from the application every
+run, its outputs bound to the application; not the decoding loop, which binds its state in the worker anyway);
+`--binding=worker` binds its feeds once as tensors of the worker's memory (`bench dataplane`'s "input in the
+worker" column: no input copied a run). `loop` is `bench iobinding`'s 4 KiB step bound to the device (its output a
+new tensor in the worker each step, fed back), `pair` the same step with two tensors of the worker's bound as its
+input and output, swapped each step. `split` is `bench dataplane`'s split chain (30 blocks, 61 partitions, one
+worker keeping a value for its next partition each time: the plan's `keep`), reported per partition call as the
+chain is. `large` is `bench dataplane`'s Neg(Relu(x)) on 1 MiB (its input staged in a buffer of the worker's, its
+output left in one).
 Nothing else may run on the machine meanwhile: one CPU-bound process, even at idle priority, changes what the
 lane does (README, "Background load").
 
-A change worth 1% of a run does not show in `bench dataplane` on a shared 2-core machine (its ratios swing by
-0.1-0.2 from run to run); the median of the per-block differences of two stacks running side by side, and in
-how many blocks the working tree won, does. The spread of one such comparison is worth knowing first: the
-working tree against HEAD with no change (an A/A) reads its noise (on a 2-core VM: about 1 µs on the tiny
-model, 1-3 µs per partition call on the chain; this afternoon's repeats of one change on the chain read -5.2,
--4.4, -5.2, -0.1, -4.2 and -1.3: repeat a comparison before believing it). The middle half of the per-block
-differences and a sign test on the blocks won say how far one comparison stands from a coin. Half the blocks
-run on stacks started the other way round: started once, base first, the chain's A/A read -10 to +12 µs (the
-stack started second was faster).
+A change worth 1% of a run does not show in `bench dataplane` on a shared machine (its ratios swing from run to
+run); the median of the per-block differences of two stacks running side by side, and in how many blocks the
+working tree won, does. The spread of one such comparison is worth knowing first: the working tree against HEAD
+with no change (an A/A) reads its noise, and a change's comparison is worth repeating before it is believed
+(bench/RESULTS.md has both for this project's machines). The middle half of the per-block differences and a sign
+test on the blocks won say how far one comparison stands from a coin. Half the blocks run on stacks started the
+other way round: the stack started second can be the faster one with the same code.
 
 Run as a script, not with -m: the revision's stack imports `ephost` from its own checkout (PYTHONPATH), which
 the repository root on sys.path (as -m puts it there) would hide.
@@ -147,8 +145,8 @@ def child(workload: str, per: int, options: dict[str, str], binding: str | None 
 def compare(rev: str, workload: str, blocks: int, per: int, options: list[str] = (),
             binding: str | None = None) -> dict:
     """Both stacks' medians per block, and where each imported ephost from. Half the blocks are run by stacks
-    started base first, half by two new stacks started the other way round: on the chain the stack started
-    second ran up to 11 µs per partition call faster than the same code started first (A/A, both pinned alike)."""
+    started base first, half by two new stacks started the other way round: the order they start in can make one
+    faster with the same code (bench/RESULTS.md)."""
     with tempfile.TemporaryDirectory(prefix="ephost-ab-") as scratch:
         package = checkout(rev, scratch)
         first = _compare(package, scratch, workload, (blocks + 1) // 2, per, ("base", "new"), options, binding)
