@@ -581,6 +581,97 @@ def test_a_failure_while_orts_factory_is_released_is_logged_and_the_binding_stil
     assert "Exception ignored" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("fault", ["unreadable error", "failing log filter"])
+def test_a_failure_in_every_kind_of_callback_reaches_ort_as_a_status_or_a_log_line_never_unwinding(tmp_path, fault):
+    """What a callback does with the error it caught can fail too: an error whose message raises as it is read
+    ("unreadable error"), a log filter of the application that raises on the line the callback logs ("failing log
+    filter"). Neither escapes: CreateEpFactories and GetCapability and Compute (Guard.failed) return ORT a status
+    that names the error, ReleaseNodeComputeInfos and ReleaseEp (Guard.quiet) and ReleaseEpFactory log it, each
+    with a fault injected into the dependency it calls. A child process: one that escaped would reach ORT as no
+    status at all (ctypes returns whatever the register held), which crashes the application."""
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent("""
+        import gc, logging, sys
+        import numpy as np, onnxruntime as ort
+        import ephost.ort
+        from ephost.client.allocator import RemoteAllocator
+        from ephost.client.environment import Environment
+        from ephost.client.remote import RemoteComputeInfo, RemoteEp
+
+        class Unreadable(RuntimeError):
+            def __str__(self):
+                raise ValueError("reading the message fails too")
+
+        class FailingFilter(logging.Filter):
+            def filter(self, record):
+                raise RuntimeError("a log filter that fails")
+
+        if sys.argv[2] == "unreadable error":
+            error, said = Unreadable, "Unreadable (its message raised an error)"
+        else:
+            error, said = (lambda: RuntimeError("injected")), "RuntimeError: injected"
+            handler = logging.StreamHandler()
+            handler.addFilter(FailingFilter())
+            for name in ("ephost.ort.callbacks", "ephost.ort.library"):
+                logging.getLogger(name).addHandler(handler)
+                logging.getLogger(name).setLevel(logging.DEBUG)
+
+        def failing(owner, *names):  # these methods raise the fault; what it returns restores them
+            real = {name: owner.__dict__[name] for name in names}
+            def fault(*args, **kwargs):
+                raise error()
+            for name in names:
+                setattr(owner, name, fault)
+            return lambda: [setattr(owner, name, fn) for name, fn in real.items()]
+
+        restore = failing(Environment, "registration")
+        try:
+            ephost.ort.register("failing", "onnxruntime")
+        except Exception as e:
+            print("CreateEpFactories", said in str(e))
+        restore()
+        ephost.ort.register("failing", "onnxruntime")
+        options = ort.SessionOptions()
+        options.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == "failing"], {})
+        x = np.ones((2, 3), np.float32)
+        restore = failing(RemoteEp, "get_capability")
+        session = ort.InferenceSession(sys.argv[1], options)
+        restore()
+        session.run(None, {"x": x})
+        print("GetCapability", ephost.ort.stats("failing").computes == 0)  # ORT's CPU EP ran it all
+        session = ort.InferenceSession(sys.argv[1], options)
+        session.disable_fallback()
+        restore = failing(RemoteComputeInfo, "compute")
+        try:
+            session.run(None, {"x": x})
+        except Exception as e:
+            print("Compute", "EP_FAIL" in str(e) and said in str(e))
+        restore()
+        print("next", bool((session.run(None, {"x": x})[0] == -x).all()))
+        restore = failing(RemoteEp, "release_node_compute_infos", "release")
+        del session
+        gc.collect()
+        restore()
+        binding = ephost.ort.library.loaded_library().binding("failing")
+        failing(RemoteAllocator, "free_many")
+        ephost.ort.unregister("failing")
+        print("ReleaseEpFactory", len(binding.factories))
+    """))
+    onnx.save(models.chain(["Neg"], shape=(2, 3)), str(tmp_path / "m.onnx"))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "m.onnx"), fault], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["CreateEpFactories True", "GetCapability True", "Compute True", "next True",
+                                        "ReleaseEpFactory 0"], done.stdout + done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr, done.stderr
+    said = "Unreadable (its message raised an error)" if fault == "unreadable error" else "RuntimeError: injected"
+    assert f"failing: GetCapability: {said}" in done.stderr, "ORT logs the status it got"
+    if fault == "unreadable error":  # (the failing filter lets none of ephost's lines through)
+        for line in (f"failing: ReleaseNodeComputeInfos failed: {said}", f"failing: ReleaseEp failed: {said}",
+                     f"ephost.ort: ReleaseEpFactory failed: {said}"):
+            assert line in done.stderr, done.stderr
+
+
 def test_a_worker_crash_in_compute_is_an_ort_error_and_the_next_run_is_correct():
     """The chaos EP segfaults (a real SIGSEGV) in its second Compute: ORT raises naming the EP, the call and the
     signal; supervision restarts the worker and the bridge compiles again from what it recorded."""

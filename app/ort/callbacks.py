@@ -86,8 +86,20 @@ class Strings:
 
 
 def describe(error: BaseException) -> str:
-    text = str(error) or repr(error)
+    """The error in words, for a log line or ORT's status; never raises (a callback describes what it caught)."""
+    try:
+        text = str(error) or repr(error)
+    except BaseException:  # noqa: BLE001 - its message fails too: named by its class
+        return f"{type(error).__name__} (its message raised an error)"
     return text if isinstance(error, EpError) else f"{type(error).__name__}: {text}"
+
+
+def note(logger: logging.Logger, level: int, message: str, *args) -> None:
+    """A log line from a callback: a handler or filter that raises neither reaches ORT nor fails the call."""
+    try:
+        logger.log(level, message, *args, stacklevel=2)  # (the record names the callback's line)
+    except BaseException:  # noqa: BLE001 - nothing may unwind into ORT
+        pass
 
 
 class Guard:
@@ -98,7 +110,7 @@ class Guard:
         self.abi, self.name = abi, name
 
     def status(self, what: str, body: Callable[[], None]) -> int | None:
-        log.debug("%s: %s", self.name, what)
+        note(log, logging.DEBUG, "%s: %s", self.name, what)
         try:
             body()
             return None
@@ -108,17 +120,18 @@ class Guard:
     def failed(self, what: str, error: BaseException) -> int | None:
         """The OrtStatus of a callback that raised `error` (logged), for a callback that catches it itself (one
         called every run, where a closure a call costs)."""
+        text = describe(error)
         # ORT logs and raises the status itself, with this message: at INFO here, so one failure is one warning.
-        log.info("%s: %s failed: %s", self.name, what, describe(error))
+        note(log, logging.INFO, "%s: %s failed: %s", self.name, what, text)
         try:
-            return self.abi.status(A.ORT_EP_FAIL, f"{self.name}: {what}: {describe(error)}")
+            return self.abi.status(A.ORT_EP_FAIL, f"{self.name}: {what}: {text}")
         except BaseException:  # noqa: BLE001
             return None
 
     def quiet(self, what: str, body: Callable[[], object], default=None):
-        log.debug("%s: %s", self.name, what)
+        note(log, logging.DEBUG, "%s: %s", self.name, what)
         try:
             return body()
         except BaseException as e:  # noqa: BLE001
-            log.warning("%s: %s failed: %s", self.name, what, describe(e))
+            note(log, logging.WARNING, "%s: %s failed: %s", self.name, what, describe(e))
             return default

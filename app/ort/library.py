@@ -175,8 +175,8 @@ class Library:
     # --- what ORT calls ---
 
     def _create_factories(self, name, api_base, logger, factories, max_factories, num_factories):
-        num_factories[0] = 0
         try:
+            num_factories[0] = 0
             copy = self.copy_of(api_base)
             ort_name = (name or b"").decode()
             binding = self.binding(ort_name) or self._configured(ort_name)
@@ -186,8 +186,9 @@ class Library:
             num_factories[0] = 1
             return None
         except BaseException as e:  # noqa: BLE001 - nothing may unwind into ORT
-            log.warning("ephost.ort: CreateEpFactories failed: %s", callbacks.describe(e))
-            return _raw_status(api_base, f"ephost.ort: {callbacks.describe(e)}")
+            text = callbacks.describe(e)
+            callbacks.note(log, logging.WARNING, "ephost.ort: CreateEpFactories failed: %s", text)
+            return _raw_status(api_base, f"ephost.ort: {text}")
 
     def _release_factory(self, address):
         try:
@@ -205,7 +206,7 @@ class Library:
                 except EpError as e:
                     log.debug("ending %r: %s", binding.ort_name, e)
         except BaseException as e:  # noqa: BLE001 - nothing may unwind into ORT (ctypes would return it no status)
-            log.warning("ephost.ort: ReleaseEpFactory failed: %s", callbacks.describe(e))
+            callbacks.note(log, logging.WARNING, "ephost.ort: ReleaseEpFactory failed: %s", callbacks.describe(e))
         return None
 
     def shutdown(self) -> None:

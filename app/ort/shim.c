@@ -121,12 +121,10 @@ static int interpreter(char *out, size_t room) {
 static void on_exit_stop(void) {
   PyGILState_STATE state = py.GILEnsure();
   PyObject *host = py.Import("ephost.ort.host");
-  if (host) {
-    PyObject *done = py.CallMethod(host, "stop", 0);
-    if (done) py.DecRef(done);
-    py.DecRef(host);
-  }
-  if (!host) py.ErrPrint();
+  PyObject *done = host ? py.CallMethod(host, "stop", 0) : 0;
+  if (done) py.DecRef(done);
+  else py.ErrPrint(); /* what failed goes to stderr: no Python error is left set in the host's thread */
+  if (host) py.DecRef(host);
   py.GILRelease(state);
 }
 
@@ -188,7 +186,12 @@ static int start_python(void) {
              g_embedded ? "the embedded Python" : "this process's Python");
   } else {
     const char *message = py.AsUTF8(result); /* '' where it started, else why not */
-    if (message && *message) snprintf(g_why, sizeof g_why, "%s", message);
+    if (!message) { /* a message UTF-8 cannot carry: its error to stderr, not left set */
+      py.ErrPrint();
+      snprintf(g_why, sizeof g_why, "ephost.ort: starting ephost.ort.host failed (the traceback is on stderr)");
+    } else if (*message) {
+      snprintf(g_why, sizeof g_why, "%s", message);
+    }
     py.DecRef(result);
   }
   if (host) py.DecRef(host);
