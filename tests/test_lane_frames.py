@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import ephost
-from ephost import InferenceSession, lane_slots
+from ephost import InferenceSession, fastlane, lane_slots
 from ephost.fastlane import DOORBELL, HEADER, MAGIC, MAX_LENGTH, METHODS, FrameReader, send_frame
 from ephost.v1 import allocator_pb2, ep_pb2, factory_pb2
 import models
@@ -25,13 +25,35 @@ from lane_helpers import (X, LaneWaits, assert_serves_on, diamond_session, fastl
 from lane_helpers import lane_worker, ort_env  # noqa: F401 (fixtures)
 
 
-def test_stats_asked_for_after_a_reply_count_the_call_the_lane_answered_before_counting_it():
+class _StatsClock:
+    """WorkerStats' clock (server/stats.py's `time`): a sleep takes no time but moves it on, and runs what the test
+    says happens meanwhile (`meanwhile`, once)."""
+
+    def __init__(self):
+        self.now = self.slept = 0.0
+        self.meanwhile = None
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        self.slept += seconds
+        self.now += seconds
+        assert self.slept < 60, "settle never gave up"
+
+
+def test_stats_asked_for_after_a_reply_count_the_call_the_lane_answered_before_counting_it(monkeypatch):
     """A lane call is answered first and counted right after (counting first held every reply back). What a
     caller has an answer to must still be in the figures it asks for next: GetStats settles first, waiting for
-    every call answered before it, and only for those (a thread that never counts is waited for at most the
-    bound, and one answering later is not waited for)."""
-    from ephost.server.stats import WorkerStats
-    stats = WorkerStats()
+    every call answered before it, and only for those (a thread that never counts is waited for up to the
+    bound, on settle's clock, and one answering later is not waited for)."""
+    from ephost.server import stats as worker_stats_module
+    clock = _StatsClock()
+    monkeypatch.setattr(worker_stats_module, "time", clock)
+    stats = worker_stats_module.WorkerStats()
     answered, counting = threading.Event(), threading.Event()
 
     def lane_thread():  # as Dispatcher.dispatch does on the lane: answer, then count
@@ -39,28 +61,35 @@ def test_stats_asked_for_after_a_reply_count_the_call_the_lane_answered_before_c
         tally.answered += 1
         answered.set()
         counting.wait()
-        time.sleep(0.05)
         stats.record_call("Ep/Compute", 1e-5, "", lane=True, counts={"kept_calls": 1})
         tally.counted += 1
 
     thread = threading.Thread(target=lane_thread)
     thread.start()
     answered.wait()
-    counting.set()
-    stats.settle()
+    late = stats.answering()
+
+    def while_settle_waits():  # the thread counts its call; this one answers one of its own, after settle began
+        late.answered += 1
+        counting.set()
+        thread.join()
+
+    clock.meanwhile = while_settle_waits
+    try:
+        assert stats.settle(), "the call answered before it counted; the one answered later not waited for"
+        assert clock.slept > 0, "settle waited for the call answered before it"
+    finally:
+        counting.set()  # (whatever settle did, the thread ends)
+        thread.join()
     figures = stats.to_proto()
     assert figures.methods["Ep/Compute"].calls == 1 and figures.fast_lane_calls == 1 and figures.kept_calls == 1
-    thread.join()
 
-    stuck = stats.answering()  # answered, never counted: settle gives up after its bound
-    stuck.answered += 1
-    started = time.monotonic()
-    stats.settle(timeout=0.2)
-    assert 0.2 <= time.monotonic() - started < 2
-    stuck.counted += 1
-    started = time.monotonic()
-    stats.settle(timeout=5)
-    assert time.monotonic() - started < 0.5
+    clock.slept = 0.0  # `late`, answered and never counted: settle gives up at its bound
+    assert not stats.settle(timeout=0.2)
+    assert 0.2 <= clock.slept < 0.21, "settle waited out its bound, then gave up"
+    late.counted += 1
+    clock.slept = 0.0
+    assert stats.settle(timeout=5) and clock.slept == 0.0, "every call answered is counted: no wait"
 
 
 def test_a_ticket_binds_one_connection_to_its_client_once(lane_worker):
@@ -273,6 +302,20 @@ def test_large_tensors_cross_in_several_packets(ort_env):
     assert worker_stats(ort_env, "ort").fast_lane_calls > before
 
 
+class _ReaderClock:
+    """The frame readers' clock (ephost/fastlane.py's `time`), which a test moves on: time.perf_counter() and
+    `ahead` more; everything else of `time` as it is."""
+
+    def __init__(self):
+        self.ahead = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.ahead
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 def slot_pair(a: socket.socket, b: socket.socket, slots: bool):
     """Shared slots between the two ends of a socket pair (a writes as a worker does, b reads as a client
     does), or none."""
@@ -317,12 +360,15 @@ def test_a_spinning_reader_reads_every_frame_whatever_the_gaps(slots):
 
 @pytest.mark.parametrize("slots", [False, True], ids=["socket", "slots"])
 @pytest.mark.parametrize("descriptor", ["low", "above FD_SETSIZE"])
-def test_a_reader_after_a_long_wait_still_answers_early_late_and_on_its_deadline(descriptor, slots):
-    """After a long wait the reader sleeps through the next one until its frame comes: a frame that comes much
-    sooner is read at once, one that comes later is still read, and the socket's timeout (a call's deadline)
-    counts from the start of the read. Also on a descriptor above 1023, which select cannot take (an
+def test_a_reader_after_a_long_wait_still_answers_early_late_and_on_its_deadline(descriptor, slots, monkeypatch):
+    """After a long wait the reader sleeps through the next one until its frame comes, polling for none of it: a
+    frame that comes much sooner or later is read as it comes (through a slot: the doorbell ends the sleep, not
+    its bound), and the socket's timeout (a call's deadline) counts from the start of the read (the reader
+    sleeps for what is left of it, then raises). Also on a descriptor above 1023, which select cannot take (an
     application with many files open), and with frames through a slot (a sleeping reader woken by the
-    doorbell)."""
+    doorbell). How long each frame is waited for is told by the reader's clock, which the peer moves on."""
+    clock = _ReaderClock()
+    monkeypatch.setattr(fastlane, "time", clock)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if descriptor != "low":
         import resource
@@ -336,72 +382,128 @@ def test_a_reader_after_a_long_wait_still_answers_early_late_and_on_its_deadline
     writer, mine = slot_pair(a, b, slots)
     reader = FrameReader(b, spin_s=0.001, expect=True, slots=mine)
     compute = METHODS["Ep/Compute"].id
+    # What each read does: its polls, and its sleeps (the longest each may last, and whether the socket ended it:
+    # a frame there, or the doorbell rung for one in the slot); `waiting` is set as the reader waits for a frame.
+    polls, sleeps, waiting = [], [], threading.Event()
+    poll_lasts = [0.0]  # how long a poll lasts, on the reader's clock
+    spin, readable, receive = reader._spin, reader._readable, reader._receive
 
-    def read_after(gap: float):
-        timer = threading.Timer(gap, send_frame, (a, compute, 0, 0.0, b"%g" % gap, writer))
-        start = time.perf_counter()
-        timer.start()
+    def polling(until: float) -> None:
+        polls.append(until)
+        clock.ahead += poll_lasts[0]
+        spin(until)
+
+    def sleeping(timeout: float) -> bool:
+        waiting.set()
+        woken = readable(min(timeout, 30.0))  # (a sleep with no end would hang the test)
+        sleeps.append((timeout, woken))
+        return woken
+
+    def receiving() -> int:
+        waiting.set()
+        return receive()
+
+    reader._spin, reader._readable, reader._receive = polling, sleeping, receiving
+
+    def read_after(gap: float) -> None:
+        """Read a frame sent `gap` into the read (on the reader's clock), once the reader waits for it."""
+        polls.clear()
+        sleeps.clear()
+        waiting.clear()
+
+        def send():
+            assert waiting.wait(10), "the reader never waited for the frame"
+            clock.ahead += gap
+            send_frame(a, compute, 0, 0.0, b"%g" % gap, writer)
+
+        thread = threading.Thread(target=send)
+        thread.start()
         try:
             frame = reader.read()
         finally:
-            timer.join()
+            thread.join()
         assert bytes(frame.payload) == b"%g" % gap
-        return time.perf_counter() - start
 
     try:
-        read_after(0.4)                     # a long wait: the next read sleeps
-        assert read_after(0.02) < 0.2       # sooner: read at once
-        read_after(0.4)
-        assert read_after(0.6) >= 0.6       # later: read when it comes
+        read_after(0.4)  # a long wait: the next read sleeps
+        for gap in (0.02, 0.4, 0.6):  # sooner, as long, later
+            read_after(gap)
+            assert polls == [], f"after a long wait, no poll for the next frame ({gap} s)"
+            if slots:
+                assert sleeps and sleeps[-1][1], f"the doorbell ended the sleep, not its bound ({gap} s): {sleeps}"
         b.settimeout(0.1)
-        start = time.perf_counter()
+        polls.clear()
+        sleeps.clear()
         with pytest.raises(TimeoutError):
-            reader.read()
-        assert time.perf_counter() - start < 0.35, "the deadline counts from the start of the read"
+            reader.read()  # its first sleep bounded at twice the last wait (1.2 s), and by the deadline
+        assert polls == []
+        if slots:  # (on the socket alone, the socket's own timeout bounds the read)
+            slept = sum(timeout for timeout, _ in sleeps)
+            assert sleeps and not any(woken for _, woken in sleeps), sleeps
+            assert slept <= 0.1, f"slept for {slept} s, past the deadline of 0.1 s"
+            # A read that polls first (for 0.05 s, on its clock) sleeps for the rest of its deadline only.
+            send_frame(a, compute, 0, 0.0, b"there", writer)
+            assert bytes(reader.read().payload) == b"there"  # there at once: the next read polls first
+            polls.clear()
+            sleeps.clear()
+            poll_lasts[0] = 0.05
+            with pytest.raises(TimeoutError):
+                reader.read()
+            slept = sum(timeout for timeout, _ in sleeps)
+            assert polls and sleeps and not any(woken for _, woken in sleeps), (polls, sleeps)
+            assert slept <= 0.05, f"the deadline counts from the start of the read: slept for {slept} s after the poll"
     finally:
         a.close()
         b.close()
 
 
-def test_a_reader_keeps_how_long_each_call_waits_apart():
-    """One connection carries every partition of a session on its worker: a reply that always comes soon is
-    polled for even right after a long wait for another call (the reader does not sleep, as the slot's `asleep`
-    word shows), and the long one is slept through to its end (asleep when its reply is written: polling for
-    the end of a long call took a CPU from the worker's threads, a CNN's run 1.5-3.5% longer)."""
+def test_a_reader_keeps_how_long_each_call_waits_apart(monkeypatch):
+    """One connection carries every partition of a session on its worker: a call whose reply comes soon is
+    polled for even right after a long wait for another call (the reader does not sleep for it), and the long
+    one is slept for from the start of its read, not polled for (polling for the end of a long call took a CPU
+    from the worker's threads, a CNN's run 1.5-3.5% longer). The long call lasts half a second on the reader's
+    clock, which the test moves on."""
+    clock = _ReaderClock()
+    monkeypatch.setattr(fastlane, "time", clock)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     fd, mapping = lane_slots.create()
     writer = lane_slots.Slots(mapping, a, worker=True)
     reader = FrameReader(b, spin_s=0.1, expect=True, slots=lane_slots.Slots(lane_slots.adopt(fd), b, worker=False))
-    fd_words = memoryview(mapping).cast("Q")  # the test's look at the reply slot's `asleep` word
-    asleep = lane_slots.SLOT // 8 + lane_slots.ASLEEP
     compute = METHODS["Ep/Compute"].id
+    spin, doze = reader._spin, reader._doze
 
-    def read(key, gap: float) -> tuple[bytes, bool, bool]:
-        """Read a frame sent `gap` after the read begins; whether the reader slept meanwhile, and whether it
-        slept when the frame was written."""
-        slept, at_the_end = [], []
+    def read(key: str) -> tuple[bytes, bool, bool]:
+        """Read the reply to `key`: a short call's is there as the reader begins to poll for it, a long one's half
+        a second after the reader begins to sleep. Whether the reader polled for it, and whether it slept."""
+        polled, slept, sent = [], [], []
 
-        def send():
-            deadline = time.perf_counter() + gap
-            while time.perf_counter() < deadline:
-                slept.append(fd_words[asleep])
-                time.sleep(0.001)
-            at_the_end.append(fd_words[asleep])
-            send_frame(a, compute, 0, 0.0, key.encode(), writer)
+        def reply(after: float) -> None:
+            if not sent:
+                sent.append(key)
+                clock.ahead += after
+                send_frame(a, compute, 0, 0.0, key.encode(), writer)
 
-        thread = threading.Thread(target=send)
-        thread.start()
-        try:
-            return bytes(reader.read(key).payload), any(slept), bool(at_the_end[0])
-        finally:
-            thread.join()
+        def polling(until: float) -> None:
+            polled.append(until)
+            if key == "short":
+                reply(0.0)
+            spin(until)
+
+        def sleeping(*args, **kw) -> bool:
+            slept.append(args)
+            reply(0.5 if key == "long" else 0.0)
+            return doze(*args, **kw)
+
+        reader._spin, reader._doze = polling, sleeping
+        return bytes(reader.read(key).payload), bool(polled), bool(slept)
 
     try:
+        assert read("long") == (b"long", True, True)  # no wait known for it yet: polled for, then slept for
+        assert read("short") == (b"short", True, False)
         for _ in range(3):
-            assert read("long", 0.5) == (b"long", True, True)        # asleep to its end
-            assert read("short", 0.005) == (b"short", False, False)  # polled for (within the 100 ms spin)
+            assert read("long") == (b"long", False, True), "slept for from the start, right after a short call"
+            assert read("short") == (b"short", True, False), "polled for, right after a long call"
     finally:
-        fd_words.release()
         a.close()
         b.close()
 
