@@ -67,12 +67,14 @@ def running(session) -> tuple[threading.Thread, dict]:
 
 
 class LaneWaits:
-    """Which threads wait for a fast-lane reply now (their call's frame sent), told by a wrapper around
-    FrameReader.read (in place until the test ends)."""
+    """Which threads wait for a fast-lane reply now (their call's frame sent), and how each one's last wait ended
+    ("frame", "end of file", or what it raised), told by a wrapper around FrameReader.read (in place until the
+    test ends)."""
 
     def __init__(self, monkeypatch):
-        self._cond = threading.Condition()  # guards _waiting
+        self._cond = threading.Condition()  # guards _waiting and ended
         self._waiting: set[threading.Thread] = set()
+        self.ended: dict[threading.Thread, str] = {}
         read = FrameReader.read
 
         def read_and_tell(reader, key=None):
@@ -81,10 +83,17 @@ class LaneWaits:
                 self._waiting.add(me)
                 self._cond.notify_all()
             try:
-                return read(reader, key)
+                frame = read(reader, key)
+                end = "end of file" if frame is None else "frame"
+                return frame
+            except BaseException as e:
+                end = type(e).__name__
+                raise
             finally:
                 with self._cond:
                     self._waiting.discard(me)
+                    self.ended[me] = end
+                    self._cond.notify_all()
 
         monkeypatch.setattr(FrameReader, "read", read_and_tell)
 
@@ -92,6 +101,11 @@ class LaneWaits:
         """Whether `thread` comes to wait for a fast-lane reply within `timeout`."""
         with self._cond:
             return self._cond.wait_for(lambda: thread in self._waiting, timeout)
+
+    def wait_ended(self, thread: threading.Thread, timeout: float = 10.0) -> bool:
+        """Whether `thread`, waiting for a fast-lane reply, is done waiting within `timeout`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: thread not in self._waiting, timeout)
 
 
 # --- the wire, spoken by hand -------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -123,8 +122,9 @@ def test_a_call_made_inside_a_lane_call_of_the_same_thread_goes_over_grpc(ort_en
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["raise", "retry", "fallback"])
 def test_worker_killed_while_a_thread_is_blocked_in_a_lane_call(policy, monkeypatch):
-    """The call in flight fails within a second with EpWorkerCrashed naming the call (raise), or is made
-    again on the restarted worker (retry) or on the CPU fallback (fallback)."""
+    """The call in flight ends as its connection ends with the worker's death (not at its deadline), with
+    EpWorkerCrashed naming the call (raise); or is made again on the restarted worker (retry) or on the CPU
+    fallback (fallback)."""
     with ephost.Environment() as env:
         # The 2nd compute hangs, so that a thread is surely blocked in it when the worker is killed. (Under
         # `retry` the last run below is the new worker's 2nd compute: it hangs to its deadline, then is retried.)
@@ -137,15 +137,15 @@ def test_worker_killed_while_a_thread_is_blocked_in_a_lane_call(policy, monkeypa
             waits = LaneWaits(monkeypatch)
             t, outcome = running(s)
             assert waits.wait_for(t), "the thread waits for its Compute's reply (the compute hangs)"
-            killed_at = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             t.join(30)
             assert not t.is_alive()
             if policy == "raise":
                 error = outcome["error"]
-                assert isinstance(error, ephost.EpWorkerCrashed)
+                assert isinstance(error, ephost.EpWorkerCrashed), repr(error)
                 assert "SIGKILL" in str(error) and "Ep/Compute" in str(error)
-                assert outcome["ended"] - killed_at < 1.0
+                # Its wait ended with its connection (reset where the worker died with bytes unread), not its deadline
+                assert waits.ended[t] in ("end of file", "ConnectionResetError"), waits.ended[t]
             else:
                 np.testing.assert_array_equal(outcome["y"], models.diamond_expected(X))
             # The worker is back (the retry's compute was its 1st: no hang) and runs go on.
@@ -156,10 +156,10 @@ def test_worker_killed_while_a_thread_is_blocked_in_a_lane_call(policy, monkeypa
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["raise", "fallback"])
 def test_an_ep_unregistered_while_a_thread_waits_in_a_lane_call_ends_that_call_as_unregistered(policy, monkeypatch):
-    """The call's connection is closed under it by another thread: the call ends at once with the EP's
-    EpWorkerUnavailable saying it was unregistered (not what the worker said as it forgot this client, nor the
-    released slots or descriptors the closing thread would have freed under the waiting one), or, under
-    `fallback`, runs on the CPU fallback."""
+    """The call's connection is closed under it by another thread: the call's wait ends before the worker is
+    stopped (not as the worker goes), with the EP's EpWorkerUnavailable saying it was unregistered (not what the
+    worker said as it forgot this client, nor the released slots or descriptors the closing thread would have
+    freed under the waiting one), or, under `fallback`, the call runs on the CPU fallback."""
     with ephost.Environment() as env:
         env.register_execution_provider_library("chaos", "chaos", {"fault": "hang", "at": "compute", "after": "2"})
         with diamond_session(env, "chaos", policy) as s:
@@ -168,11 +168,18 @@ def test_an_ep_unregistered_while_a_thread_waits_in_a_lane_call_ends_that_call_a
             t, outcome = running(s)
             assert waits.wait_for(t), "the thread waits for its Compute's reply on the lane (the compute hangs)"
             assert lane_of(env, "chaos").connections == 2, "the waiting thread's connection is open"
-            unregistering = time.monotonic()
+            process = env.registration("chaos").process
+            stop, ended_before_stop = process.stop, []
+
+            def stopping(*args, **kw):  # the worker is stopped once unregistering has closed the connections
+                ended_before_stop.append(waits.wait_ended(t, 30))
+                stop(*args, **kw)
+
+            monkeypatch.setattr(process, "stop", stopping)
             env.unregister_execution_provider_library("chaos")
             t.join(30)
             assert not t.is_alive()
-            assert outcome["ended"] - unregistering < 10
+            assert ended_before_stop == [True], "the call's wait ended before its worker was stopped"
             if policy == "raise":
                 error = outcome["error"]
                 assert type(error) is ephost.EpWorkerUnavailable, repr(error)
@@ -187,10 +194,8 @@ def test_a_compute_past_its_deadline_is_ended_and_the_worker_replaced():
         env.register_execution_provider_library("chaos", "chaos", {"fault": "hang", "at": "compute", "after": "1"})
         first = env.registration("chaos").process.pid
         with diamond_session(env, "chaos") as s:
-            start = time.monotonic()
-            with pytest.raises((ephost.EpDeadlineExceeded, ephost.EpWorkerCrashed)):
+            with pytest.raises(ephost.EpDeadlineExceeded, match="deadline of 0.5 s"):
                 s.run(None, {"x": X}, run_options=RunOptions(compute_timeout_s=0.5))
-            assert time.monotonic() - start < 5
             link = env.registration("chaos").link
             assert link.wait_healthy(10)
             assert env.registration("chaos").process.pid != first, "the stuck worker was killed and replaced"
