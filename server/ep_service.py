@@ -9,7 +9,7 @@ from ephost.run_options import checked
 from ephost.eps.base import ComputeCall, FusedGraph, capability
 from ephost.tensor import Tensor
 from ephost.server.capabilities import CapabilityCache
-from ephost.server.kept_calls import KeptReply, KeptRequest
+from ephost.server.kept_calls import KeptRequest
 from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import input_value, into_value, output_buffers, output_value
 from ephost.v1 import common_pb2, ep_pb2
@@ -108,7 +108,8 @@ class EpService(Servicer):
         if written is not None:
             written()
         keep = kept.keep
-        outputs = _run(info, ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, on_kernel_ran=call.ran),
+        # Positional: a call with keywords costs more (no leave, run options or timeout: a repeat carries none)
+        outputs = _run(info, ComputeCall(inputs, allocator, keep, into or _NO_TENSORS, (), None, None, call.ran),
                        call, counts)
         reply = kept.reply(outputs)
         if reply is None:
@@ -118,9 +119,9 @@ class EpService(Servicer):
             kept.write_into(client, handles, into, outputs, counts)
         parts, counts["bytes_inline_out"], nbytes = reply
         if not kept.placed:
-            return KeptReply(parts, nbytes, [])
+            return parts, nbytes, ()
         records, regions = kept.place(client, allocator, outputs, counts)
-        return KeptReply([*parts, records], nbytes, regions)
+        return [*parts, records], nbytes, regions
 
     def _reply(self, client, outputs, allocator, keep, inline_limit: int, into, output_buffers,
                counts: dict[str, int]) -> ep_pb2.ComputeResponse:

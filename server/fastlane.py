@@ -32,7 +32,7 @@ from ephost.fastlane import (BY_ID, KEPT, KEPT_WRITING, MAX_LENGTH, METHODS, PAC
                              TICKET_NO, TICKET_OK, FrameError, FrameReader, configure, encode_error, send_frame,
                              send_parts, send_regions)
 from ephost.fdshare import TICKET_BYTES, DescriptorServer, listen_unix, peer_uid, remove_socket_file, socket_file
-from ephost.server.kept_calls import KeptCalls, KeptReply
+from ephost.server.kept_calls import KeptCalls
 from ephost.server.stats import WorkerStats
 from ephost.v1 import ep_pb2
 from ephost.wire import SEND_TIMEOUT_S
@@ -182,17 +182,22 @@ class LaneServer:
         reader = FrameReader(peer.conn, spin_s=self._spin_s, slots=peer.slots, max_length=self._max_length)
         dispatch = self._dispatch
         kept = KeptCalls()
+        # By kept method, its handler and what sends its replies: made once for the connection, not per call.
+        kept_methods = {name: (handler, self._kept_responder(peer, METHODS[name].id))
+                        for name, handler in self._kept.items()}
         # A Compute, whole or kept, wakes its caller as its EP finishes where the caller sleeps (lane_slots.py):
         # as its kernel ends, where the EP says so (ComputeCall.kernel_ran), else as compute returns (Call.ran).
-        ran = _EarlyWake(peer.slots) if peer.slots is not None else None
+        # Handed on as its bound method, which costs less to call than the object.
+        early = _EarlyWake(peer.slots) if peer.slots is not None else None
+        ran = early.wake if early is not None else None
         while True:
             frame = reader.read()
             if frame is None:
                 return
-            if ran is not None:
-                ran.woken = False  # a new call
-            if (frame.method == KEPT or frame.method == KEPT_WRITING) and self._kept:
-                self._serve_kept(peer, frame, kept, reader, ran)
+            if early is not None:
+                early.woken = False  # a new call
+            if (frame.method == KEPT or frame.method == KEPT_WRITING) and kept_methods:
+                self._serve_kept(peer, frame, kept, kept_methods, reader, ran)
                 continue
             method = BY_ID.get(frame.method)
             if method is None:
@@ -225,20 +230,10 @@ class LaneServer:
             except EpError as e:
                 self._error(peer, frame.method, e.code, str(e), getattr(e, "reason", ""))
 
-    def _serve_kept(self, peer: "_Peer", frame, kept: KeptCalls, reader: FrameReader,
-                    ran: Callable[[], bool] | None) -> None:
+    def _serve_kept(self, peer: "_Peer", frame, kept: KeptCalls, kept_methods: dict[str, tuple[Callable, Callable]],
+                    reader: FrameReader, ran: Callable[[], bool] | None) -> None:
         """A kept call repeated: the outputs' bytes back, or the whole reply where their layout changed. Of a
         KEPT_WRITING frame, no buffer is read before the caller says its inputs are written."""
-        def respond(reply):
-            if isinstance(reply, KeptReply):
-                if reply.regions and self._export is not None:  # (most replies name none)
-                    new = [r for r in reply.regions if r not in peer.sent]
-                    if new:
-                        self._hand_over(peer, new)
-                send_parts(peer.conn, KEPT, 0.0, reply.parts, reply.nbytes, peer.slots)
-            else:
-                self._send_reply(peer, METHODS[call.method].id, reply)
-
         try:
             deadline = _deadline(frame, "kept call")
             call = kept.get(frame.payload)
@@ -248,12 +243,28 @@ class LaneServer:
                     raise EpInvalidArgument("a KEPT_WRITING frame goes through the connection's slots, not its "
                                             "socket")
                 written = functools.partial(_inputs_written, reader, peer.slots.taken, deadline)
+            handler, respond = kept_methods[call.method]
             self._dispatch(call.method, (call, frame.payload, written), peer.client_id, deadline, lane=True,
-                           handler=self._kept[call.method], respond=respond, ran=ran)
+                           handler=handler, respond=respond, ran=ran)
         except FrameError:
             raise  # what the connection carries next cannot be trusted: it is closed (_serve)
         except EpError as e:
             self._error(peer, KEPT, e.code, str(e), getattr(e, "reason", ""))
+
+    def _kept_responder(self, peer: "_Peer", method: int) -> Callable[[object], None]:
+        """What sends the replies of a connection's kept calls of one method (`method`: its id): a KeptReply as a
+        KEPT frame, a whole reply as a frame of the method."""
+        def respond(reply):
+            if type(reply) is tuple:  # a KeptReply
+                parts, nbytes, regions = reply
+                if regions and self._export is not None:  # (most replies name none)
+                    new = [r for r in regions if r not in peer.sent]
+                    if new:
+                        self._hand_over(peer, new)
+                send_parts(peer.conn, KEPT, 0.0, parts, nbytes, peer.slots)
+            else:
+                self._send_reply(peer, method, reply)
+        return respond
 
     def _send_reply(self, peer: "_Peer", method: int, reply) -> None:
         named = REPLY_REGIONS.get(method)
@@ -297,8 +308,9 @@ class LaneServer:
 
 class _EarlyWake:
     """A connection's early wake (lane_slots.Slots.wake_early), written at most once a call: asked for by the
-    EP as its kernel ends (ComputeCall.kernel_ran) and by the handler as compute returns (Call.ran); True
-    where the call's caller was woken. Set for the connection's thread once, not around each compute."""
+    EP as its kernel ends (ComputeCall.kernel_ran) and by the handler as compute returns (Call.ran), both through
+    `wake`; True where the call's caller was woken. Set for the connection's thread once, not around each
+    compute."""
 
     __slots__ = ("_wake_early", "woken")
 
@@ -306,7 +318,7 @@ class _EarlyWake:
         self._wake_early = slots.wake_early
         self.woken = False
 
-    def __call__(self) -> bool:
+    def wake(self) -> bool:
         if not self.woken:  # a caller that polled as the kernel ended may be asleep by the time compute returns
             self.woken = self._wake_early()
         return self.woken

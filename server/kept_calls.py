@@ -20,7 +20,7 @@ import itertools
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
@@ -311,13 +311,9 @@ KeptRequest = tuple["KeptCompute | KeptCopy", Any, "Callable[[], None] | None"]
 KEEPERS = {KeptCompute.method: KeptCompute.of, KeptCopy.method: KeptCopy.of}
 
 
-@dataclass
-class KeptReply:
-    """A kept call's answer: the parts of a KEPT reply's payload, their length, and the regions its records
-    name."""
-    parts: list
-    nbytes: int
-    regions: list[int]
+# A kept call's answer, as its handler returns it: (the parts of a KEPT reply's payload, their length, the regions
+# its records name). A plain tuple, told from a whole reply (a message) by its type: one is made on every repeat.
+KeptReply = tuple[list, int, Sequence[int]]
 
 
 class KeptCalls:

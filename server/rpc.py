@@ -201,7 +201,9 @@ class Dispatcher:
         counted as the method; `respond(reply)` sends the reply, after which the call is counted; `ran`: the
         call's Call.ran). Returns the reply (an iterator of replies for server-streaming methods, which is
         accounted while it is iterated); raises EpError, and what `respond` raises."""
-        method = self.method(key)
+        method = self.methods.get(key)
+        if method is None:
+            method = self.method(key)  # (raises: its words)
         if method.server_streaming:
             return self._stream(method, request, client_id, deadline)
         start = time.perf_counter()

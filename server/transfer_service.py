@@ -13,7 +13,7 @@ from ephost.server.rpc import Servicer, rpc
 from ephost.server.tensors import resolve
 from ephost.v1 import data_transfer_pb2
 
-_NOTHING = KeptReply([], 0, [])
+_NOTHING: KeptReply = ([], 0, ())
 
 
 class DataTransferService(Servicer):

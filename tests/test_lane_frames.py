@@ -627,11 +627,11 @@ def test_the_ort_ep_wakes_its_caller_from_inside_compute_once_a_call():
                         mine.asleep(asleep, early=True)
                         array = np.full((2, 3), k, np.float32)
                         # as the worker makes a call on a connection's thread
-                        call = ComputeCall([ephost.Tensor.from_numpy(array)], on_kernel_ran=early)
+                        call = ComputeCall([ephost.Tensor.from_numpy(array)], on_kernel_ran=early.wake)
                         (out,) = info.compute(call)
                         if asleep:
                             assert os.eventfd_read(mine.wake) == 1, (shape, k)  # written inside compute
-                        assert early() is asleep  # the handler's ask as compute returns: no second write
+                        assert early.wake() is asleep  # the handler's ask as compute returns: no second write
                         with pytest.raises(BlockingIOError):
                             os.eventfd_read(mine.wake)
                         np.testing.assert_array_equal(out.numpy(), -array)
