@@ -352,10 +352,13 @@ class KeptCompute:
 
     def __call__(self, call: ComputeCall) -> list[Any] | None:
         """`call` made as a repeat (see repeat), where its parts but the inputs and `into` are the kept call's."""
-        if call.allocator is not self._allocator or call.run_options is not None or call.keep != self._keep \
-                or call.leave != self._leave:
+        if call.run_options is not None or not self.repeats(call.allocator, call.keep, call.leave):
             return None
         return self.repeat(call.inputs, call.into, call.timeout)
+
+    def repeats(self, allocator: RemoteAllocator | None, keep: tuple[int, ...], leave: tuple[int, ...] = ()) -> bool:
+        """Whether a call with these parts (and no run options) is one it repeats (with any inputs and `into`)."""
+        return allocator is self._allocator and keep == self._keep and leave == self._leave
 
     def repeat(self, inputs: Sequence[Any], into: Mapping[int, Tensor], timeout: float | None) -> list[Any] | None:
         """The call made again with these inputs and `into` (see ComputeCall), its allocator, `keep` and other

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from ephost import ep_context
-from ephost.client.runner import compute_held
+from ephost.client.runner import compute_and_hold
 from ephost.eps.base import ComputeCall, FusedGraph
 from ephost.errors import EpInvalidArgument, EpNotFound, EpWorkerDraining
 from ephost.graph import GraphIndex, cluster
@@ -209,7 +209,7 @@ class BridgeComputeInfo:
             "ReleaseState": lambda this, state: None,
         })
         self.address = keep(self, self.struct)
-        self._held = threading.local()  # each of ORT's threads' kept call for this partition (compute_held)
+        self._held = threading.local()  # each of ORT's threads' kept call for this partition (compute_and_hold)
         self._output_count: int | None = None
         kept = ep.factory.kept
         # what its Computes keep in the worker's memory (resident.py)
@@ -297,8 +297,15 @@ class BridgeComputeInfo:
         # Large outputs stay in the worker's memory (handed to ORT as they are, with the device memory, or kept
         # as the copy of ORT's memory they are brought out into); small ones come back inline: a buffer per
         # small output and its free cost more than the copy.
-        call = ComputeCall(inputs, factory.output_allocator(), copies.keep(into) if copies is not None else (), into)
-        outputs = compute_held(self.remote, call, held, 0)
+        allocator = factory.output_allocator()
+        keep = copies.keep(into) if copies is not None else ()
+        # This thread's held call repeated where it applies, else the call made through compute, which holds it
+        # anew (as a run's step does: the ComputeCall is made only then)
+        kept, outputs = held[0], None
+        if kept is not None and kept.info is self.remote and kept.repeats(allocator, keep):
+            outputs = kept.repeat(inputs, into, None)
+        if outputs is None:
+            outputs = compute_and_hold(self.remote, ComputeCall(inputs, allocator, keep, into), held, 0)
         if memory is not None:  # ORT's outputs in the memory of the worker that ran it (after a restart: this way)
             memory.refresh()
         self._write_outputs(context, outputs, crossed, addresses, at)
