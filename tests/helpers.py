@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import grpc
 
@@ -102,6 +103,20 @@ class RawClient:
 # The two transports of the data plane: the fast lane (the default where client and worker share memory) and
 # gRPC alone (`fast_lane=false`). Modules whose tests must hold over both parametrize their fixtures with these.
 TRANSPORTS = {"fast_lane": {}, "grpc": {"fast_lane": "false"}}
+
+
+class MovedClock:
+    """A module's `time` that a test moves on (monkeypatched in its place): the clock named `clock` reads `ahead`
+    seconds more; everything else of `time` as it is."""
+
+    def __init__(self, clock: str = "monotonic"):
+        self._name, self._clock, self.ahead = clock, getattr(time, clock), 0.0
+
+    def _now(self) -> float:
+        return self._clock() + self.ahead
+
+    def __getattr__(self, name):
+        return self._now if name == self._name else getattr(time, name)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from ephost import InferenceSession, RunOptions, SessionOptions, Tensor
 from ephost.client.launcher import WorkerProcess
 from ephost.eps.chaos import FAULTS
 import models
-from helpers import in_threads, killed_while_replaced, worker_pids
+from helpers import MovedClock, in_threads, killed_while_replaced, worker_pids
 
 SHAPE = (512, 512)  # 1 MiB of float32: outputs are left in the worker's shared memory (so "alloc" is reached)
 X = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
@@ -253,20 +253,6 @@ def test_a_new_worker_that_dies_as_it_starts_is_a_crash_under_the_budget_and_ano
                         s.run(None, {"x": x})
 
 
-class _Clock:
-    """The supervision's clock (client/supervisor.py's `time`), which a test moves on: time.monotonic() and
-    `ahead` more; everything else of `time` as it is."""
-
-    def __init__(self):
-        self.ahead = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.ahead
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
 @pytest.mark.timeout(90)
 def test_a_restart_that_takes_several_starts_is_waited_for_as_a_whole(monkeypatch):
     """The worker is killed and its successor hangs as it starts, longer than recovery_timeout_s (its clock is
@@ -274,7 +260,7 @@ def test_a_restart_that_takes_several_starts_is_waited_for_as_a_whole(monkeypatc
     recovery_timeout_s from its start (it failed at once, "has not come back", when the wait counted from the
     first worker's death)."""
     from ephost.client import supervisor
-    clock = _Clock()
+    clock = MovedClock()
     monkeypatch.setattr(supervisor, "time", clock)
     with ephost.Environment() as env:
         env.register_execution_provider_library("ref", "reference", {"recovery_timeout_s": "20"})

@@ -19,7 +19,7 @@ from ephost import InferenceSession, fastlane, lane_slots
 from ephost.fastlane import DOORBELL, HEADER, MAGIC, MAX_LENGTH, METHODS, FrameReader, send_frame
 from ephost.v1 import allocator_pb2, ep_pb2, factory_pb2
 import models
-from helpers import RawClient, options_for, worker_stats
+from helpers import MovedClock, RawClient, options_for, worker_stats
 from lane_helpers import (X, LaneWaits, assert_serves_on, diamond_session, fastlane_error, host_allocator_of,
                           kept_partition, lane_call, lane_of, open_lane, open_slots, running)
 from lane_helpers import lane_worker, ort_env  # noqa: F401 (fixtures)
@@ -302,20 +302,6 @@ def test_large_tensors_cross_in_several_packets(ort_env):
     assert worker_stats(ort_env, "ort").fast_lane_calls > before
 
 
-class _ReaderClock:
-    """The frame readers' clock (ephost/fastlane.py's `time`), which a test moves on: time.perf_counter() and
-    `ahead` more; everything else of `time` as it is."""
-
-    def __init__(self):
-        self.ahead = 0.0
-
-    def perf_counter(self) -> float:
-        return time.perf_counter() + self.ahead
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
 def slot_pair(a: socket.socket, b: socket.socket, slots: bool):
     """Shared slots between the two ends of a socket pair (a writes as a worker does, b reads as a client
     does), or none."""
@@ -367,7 +353,7 @@ def test_a_reader_after_a_long_wait_still_answers_early_late_and_on_its_deadline
     sleeps for what is left of it, then raises). Also on a descriptor above 1023, which select cannot take (an
     application with many files open), and with frames through a slot (a sleeping reader woken by the
     doorbell). How long each frame is waited for is told by the reader's clock, which the peer moves on."""
-    clock = _ReaderClock()
+    clock = MovedClock("perf_counter")
     monkeypatch.setattr(fastlane, "time", clock)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if descriptor != "low":
@@ -463,7 +449,7 @@ def test_a_reader_keeps_how_long_each_call_waits_apart(monkeypatch):
     one is slept for from the start of its read, not polled for (polling for the end of a long call took a CPU
     from the worker's threads, a CNN's run 1.5-3.5% longer). The long call lasts half a second on the reader's
     clock, which the test moves on."""
-    clock = _ReaderClock()
+    clock = MovedClock("perf_counter")
     monkeypatch.setattr(fastlane, "time", clock)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     fd, mapping = lane_slots.create()

@@ -81,7 +81,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import RawClient
+from helpers import MovedClock, RawClient
 from ephost import fdshare
 from ephost.v1 import allocator_pb2, common_pb2, data_transfer_pb2, ep_pb2, factory_pb2, worker_pb2
 
@@ -277,19 +277,9 @@ def test_idle_connections_do_not_delay_a_valid_ticket(hostile, monkeypatch, tmp_
         assert s.recv(16) == b"", "a connection that sends nothing is dropped"
 
 
-class _Clock:
-    """The tickets' clock (fdshare's `time`), which the test moves on."""
-
-    def __init__(self):
-        self.ahead = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.ahead
-
-
 def test_expired_tickets_are_closed_and_break_nothing(monkeypatch, tmp_path):
     """fdshare used to os.close(-1) for an expired probe ticket, failing every later issue()."""
-    clock = _Clock()
+    clock = MovedClock()
     monkeypatch.setattr(fdshare, "time", clock)
     server = fdshare.DescriptorServer(str(tmp_path / "fds"))
     fd = os.memfd_create("region", os.MFD_CLOEXEC)

@@ -123,15 +123,15 @@ class BridgeMemory:
         """Where the worker was replaced, the pool lets go of the blocks in the memory of the one gone (those ORT
         holds are freed through Python, and dropped, as it frees them): its memory is not named by handle, and
         stays mapped here only as long as a block holds it."""
-        registration = self.registration  # (_current_worker inline: every Compute reads this)
-        current = registration.link.current if registration is not None else None
+        current = self._current_worker()
         if current is not self._worker:
             self._worker = current
             self._give_back(self._pools.drain(self.pool))
 
     def _current_worker(self):
-        link = self._link()
-        return link.current if link is not None else None
+        """The connection of the worker that runs now (None once released); every Compute reads it (refresh)."""
+        registration = self.registration  # (read once: release may set it to None on another thread)
+        return registration.link.current if registration is not None else None
 
     def _link(self):
         """The registration's link to its worker; None once released (see release)."""
